@@ -1,0 +1,37 @@
+"""airflow-provider-sky: run multi-node gangs (SkyPilot-style) from Airflow, failing fast."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+
+def get_provider_info() -> dict[str, Any]:
+    """What ``airflow providers list`` and the connection UI read (entry point ``apache_airflow_provider``)."""
+    return {
+        "package-name": "airflow-provider-sky",
+        "name": "Sky (multi-node gangs)",
+        "description": "Run multi-node jobs (gangs) that fail fast: local, SSH, Kubernetes and AWS backends.",
+        "versions": [__version__],
+        "operators": [
+            {
+                "integration-name": "Sky",
+                "python-modules": [
+                    "airflow_provider_sky.operators.cluster",
+                    "airflow_provider_sky.operators.job",
+                    "airflow_provider_sky.operators.rank",
+                    "airflow_provider_sky.operators.down",
+                ],
+            }
+        ],
+        "sensors": [{"integration-name": "Sky", "python-modules": ["airflow_provider_sky.sensors.gang"]}],
+        "triggers": [{"integration-name": "Sky", "python-modules": ["airflow_provider_sky.triggers.gang"]}],
+        "hooks": [{"integration-name": "Sky", "python-modules": ["airflow_provider_sky.hooks.sky"]}],
+        "integrations": [
+            {"integration-name": "Sky", "external-doc-url": "https://docs.skypilot.co/", "tags": ["software"]}
+        ],
+        "connection-types": [
+            {"hook-class-name": "airflow_provider_sky.hooks.sky.SkyHook", "connection-type": "sky_local"},
+        ],
+    }

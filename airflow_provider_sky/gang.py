@@ -1,0 +1,231 @@
+"""Gang policy, no I/O: rank order, the env contract, how a rank's state is classified, root cause."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+from airflow_provider_sky.exitcodes import describe_exit
+from airflow_provider_sky.runtime import RawRankStatus
+
+DEFAULT_MASTER_PORT = "29500"
+
+#: terminal rank states; "running" and "pending" are the others
+SUCCEEDED, FAILED, CANCELLED, LOST = "succeeded", "failed", "cancelled", "lost"
+RUNNING, PENDING = "running", "pending"
+TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED, LOST})
+BAD = frozenset({FAILED, LOST})
+
+
+def _ip_key(ip: str) -> tuple[int, int | str]:
+    try:
+        return (0, int(ipaddress.ip_address(ip)))
+    except ValueError:
+        return (1, ip)
+
+
+def rank_order(ips: Sequence[str], head: str | None = None) -> list[str]:
+    """Head first (rank 0), then workers sorted numerically by IP (10.0.0.9 before 10.0.0.10)."""
+    if not ips:
+        return []
+    head = ips[0] if head is None else head
+    if head not in ips:
+        raise ValueError(f"head {head!r} is not one of the nodes {list(ips)}")
+    workers = sorted((ip for ip in ips if ip != head), key=_ip_key)
+    return [head, *workers]
+
+
+def cluster_info_json(cluster_name: str, cloud: str, region: str | None, zone: str | None) -> str:
+    """``SKYPILOT_CLUSTER_INFO``: the same keys SkyPilot sets."""
+    return json.dumps({"cluster_name": cluster_name, "cloud": cloud, "region": region, "zone": zone})
+
+
+def run_env(
+    *,
+    rank: int,
+    ips: Sequence[str],
+    task_id: str,
+    cluster_info: str,
+    gpus_per_node: int,
+    user_envs: Mapping[str, str],
+) -> dict[str, str]:
+    """The env of one rank in the run stage: user envs plus the SkyPilot and torch contract."""
+    env = dict(user_envs)
+    env.setdefault("MASTER_PORT", DEFAULT_MASTER_PORT)
+    n = str(len(ips))
+    env.update(
+        {
+            "SKYPILOT_NODE_RANK": str(rank),
+            "SKYPILOT_NODE_IPS": "\n".join(ips),
+            "SKYPILOT_NUM_NODES": n,
+            "SKYPILOT_NUM_GPUS_PER_NODE": str(gpus_per_node),
+            "SKYPILOT_TASK_ID": task_id,
+            "SKYPILOT_CLUSTER_INFO": cluster_info,
+            "MASTER_ADDR": ips[0],
+            "WORLD_SIZE": n,
+            "NNODES": n,
+            "NODE_RANK": str(rank),
+            "RANK": str(rank),
+        }
+    )
+    return env
+
+
+def setup_env(
+    *, rank: int, ips: Sequence[str], task_id: str, cluster_info: str, user_envs: Mapping[str, str]
+) -> dict[str, str]:
+    """The env of setup on one node: the setup-stage names, so nobody mistakes them for run ranks."""
+    env = dict(user_envs)
+    env.update(
+        {
+            "SKYPILOT_SETUP_NODE_RANK": str(rank),
+            "SKYPILOT_SETUP_NODE_IPS": "\n".join(ips),
+            "SKYPILOT_NUM_NODES": str(len(ips)),
+            "SKYPILOT_TASK_ID": task_id,
+            "SKYPILOT_CLUSTER_INFO": cluster_info,
+        }
+    )
+    return env
+
+
+def gpus_per_node(count: float | None) -> int:
+    """SkyPilot rounds a fractional accelerator up to a whole device (``V100:0.5`` → 1)."""
+    return 0 if not count else int(math.ceil(count))
+
+
+@dataclass
+class RankStatus:
+    """One rank as users see it."""
+
+    rank: int
+    ip: str
+    state: str
+    exit_code: int | None = None
+    start: float | None = None
+    end: float | None = None
+    reason: str = ""
+    log_size: int = 0
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def classify(raw: RawRankStatus, ip: str, observed_at: float) -> RankStatus:
+    """Map what a node reports to a user-facing state: a cancelled sibling is never a bare 137."""
+    st = RankStatus(raw.rank, ip, RUNNING, raw.exit_code, raw.start, raw.end, "", raw.log_size)
+    if raw.state == "exited":
+        if raw.exit_code == 0:
+            st.state, st.reason = SUCCEEDED, "succeeded"
+        elif raw.cancel_requested:
+            st.state, st.reason = CANCELLED, "cancelled"
+        else:
+            st.state, st.reason = FAILED, describe_exit(raw.exit_code)
+    elif raw.state in ("lost", "missing"):
+        if raw.cancel_requested:
+            st.state, st.reason = CANCELLED, "cancelled"
+        else:
+            st.state = LOST
+            st.reason = (
+                f"node {ip} lost: the rank's process vanished without an exit code"
+                if raw.state == "lost"
+                else f"node {ip} lost: the rank's job directory is gone"
+            )
+            st.end = st.end or observed_at
+    elif raw.state == "pending":
+        st.state = PENDING
+    return st
+
+
+@dataclass
+class GangStatus:
+    """Every rank of one job at one poll."""
+
+    job_id: str
+    ranks: list[RankStatus] = field(default_factory=list)
+    cancel_requested: bool = False
+
+    @property
+    def done(self) -> bool:
+        return bool(self.ranks) and all(r.terminal for r in self.ranks)
+
+    @property
+    def failed(self) -> bool:
+        return any(r.state in BAD for r in self.ranks)
+
+    @property
+    def succeeded(self) -> bool:
+        return bool(self.ranks) and all(r.state == SUCCEEDED for r in self.ranks)
+
+    def by_rank(self, rank: int) -> RankStatus:
+        for r in self.ranks:
+            if r.rank == rank:
+                return r
+        raise KeyError(rank)
+
+    def root_cause(self) -> RankStatus | None:
+        """The first failing rank by time (its own end timestamp; ties go to the lower rank)."""
+        bad = [r for r in self.ranks if r.state in BAD]
+        if not bad:
+            return None
+        return min(bad, key=lambda r: (r.end if r.end is not None else math.inf, r.rank))
+
+    def failure_message(self) -> str:
+        """One line naming the root cause in plain words, then what happened to the others."""
+        cause = self.root_cause()
+        if cause is None:
+            return ""
+        if cause.state == LOST:
+            head = f"rank {cause.rank} ({cause.ip}) was lost: {cause.reason}"
+        else:
+            head = f"rank {cause.rank} ({cause.ip}) exited with code {cause.exit_code}"
+            if cause.reason != f"exited with code {cause.exit_code}":
+                head += f": {cause.reason}"
+        others = [r for r in self.ranks if r.rank != cause.rank]
+        groups: dict[str, list[int]] = {}
+        for r in others:
+            groups.setdefault(r.state, []).append(r.rank)
+        tail = "; ".join(f"{_ranks_text(v)} {k}" for k, v in sorted(groups.items()))
+        codes = [r.exit_code if r.state != CANCELLED else "cancelled" for r in self.ranks]
+        msg = f"Job {self.job_id} failed: {head}"
+        if tail:
+            msg += f"; {tail}"
+        return msg + f". Return code list: {codes}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "job_id": self.job_id,
+            "cancel_requested": self.cancel_requested,
+            "ranks": [r.to_dict() for r in self.ranks],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> GangStatus:
+        ranks = [RankStatus(**r) for r in data.get("ranks", [])]  # type: ignore[attr-defined]
+        return cls(str(data["job_id"]), ranks, bool(data.get("cancel_requested")))
+
+
+def _ranks_text(ranks: Iterable[int]) -> str:
+    rs = sorted(ranks)
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(str(r) for r in rs)
+
+
+def job_id_for(dag_id: str, run_id: str, task_id: str, map_index: int, try_number: int) -> str:
+    """A job id unique per DAG run, task, map index and attempt, safe as a path part on a node.
+
+    A readable slug of the DAG and task plus a hash of all five parts: two runs (or two attempts)
+    never share a job directory, so they can never touch each other's processes.
+    """
+    import hashlib
+    import re
+
+    digest = hashlib.sha256(f"{dag_id}\0{run_id}\0{task_id}\0{map_index}".encode()).hexdigest()[:10]
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", f"{dag_id}.{task_id}").strip("-")[:60] or "job"
+    mi = "" if map_index < 0 else f"-m{map_index}"
+    return f"{slug}-{digest}{mi}-t{try_number}"

@@ -1,0 +1,166 @@
+"""The Airflow side of a cluster: a connection names the backend; the hook owns every remote call."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from airflow.sdk import BaseHook
+
+from airflow_provider_sky.backends import Backend, ClusterHandle, make_backend
+from airflow_provider_sky.jobs import GangClient, run_sync, watch
+from airflow_provider_sky.spec import TaskSpec, check_backend
+
+log = logging.getLogger(__name__)
+
+#: connection type → backend kind
+CONN_TYPES = {"sky_local": "local", "sky_ssh": "ssh"}
+
+
+class SetupFailed(Exception):
+    """Setup failed on at least one node; the others' setups were stopped."""
+
+
+class SkyHook(BaseHook):
+    """Build the backend a connection describes; without a ``sky_default`` connection, the local backend.
+
+    :param sky_conn_id: a ``sky_local`` or ``sky_ssh`` connection. The default id falls back to the
+        embedded local backend when no such connection exists, so a DAG runs with nothing configured.
+    """
+
+    conn_name_attr = "sky_conn_id"
+    default_conn_name = "sky_default"
+    conn_type = "sky_local"
+    hook_name = "Sky local cluster"
+
+    @classmethod
+    def get_ui_field_behaviour(cls) -> dict[str, Any]:
+        return {
+            "hidden_fields": ["host", "schema", "login", "password", "port"],
+            "relabeling": {},
+            "placeholders": {"extra": '{"state_dir": "/path/for/local/nodes (optional)"}'},
+        }
+
+    def __init__(self, sky_conn_id: str | None = default_conn_name, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.sky_conn_id = sky_conn_id
+        self._backend: Backend | None = None
+
+    def _config_from(self, conn: Any) -> tuple[str, dict[str, Any]]:
+        kind = CONN_TYPES.get(conn.conn_type or "")
+        if kind is None:
+            raise ValueError(
+                f"connection {self.sky_conn_id!r} has type {conn.conn_type!r}; "
+                f"use one of {', '.join(sorted(CONN_TYPES))}"
+            )
+        config: dict[str, Any] = dict(conn.extra_dejson)
+        fields = {"host": conn.host, "login": conn.login, "port": conn.port, "password": conn.password}
+        config.update({k: v for k, v in fields.items() if v not in (None, "")})
+        return kind, config
+
+    def backend_config(self) -> tuple[str, dict[str, Any]]:
+        """(backend kind, config) from the connection; the local default when there is none."""
+        if not self.sky_conn_id:
+            return "local", {}
+        try:
+            conn = self.get_connection(self.sky_conn_id)
+        except Exception:
+            if self.sky_conn_id == self.default_conn_name:
+                return "local", {}
+            raise
+        return self._config_from(conn)
+
+    async def abackend_config(self) -> tuple[str, dict[str, Any]]:
+        """Same as :meth:`backend_config`, for triggers (never blocks the event loop)."""
+        if not self.sky_conn_id:
+            return "local", {}
+        try:
+            conn = await self.aget_connection(self.sky_conn_id)
+        except Exception:
+            if self.sky_conn_id == self.default_conn_name:
+                return "local", {}
+            raise
+        return self._config_from(conn)
+
+    def get_backend(self) -> Backend:
+        if self._backend is None:
+            self._backend = make_backend(*self.backend_config())
+        return self._backend
+
+    async def aget_backend(self) -> Backend:
+        if self._backend is None:
+            self._backend = make_backend(*(await self.abackend_config()))
+        return self._backend
+
+    def client(self, handle: ClusterHandle | dict[str, Any]) -> GangClient:
+        if not isinstance(handle, ClusterHandle):
+            handle = ClusterHandle.from_dict(handle)
+        return GangClient(self.get_backend(), handle)
+
+    async def aclient(self, handle: ClusterHandle | dict[str, Any]) -> GangClient:
+        if not isinstance(handle, ClusterHandle):
+            handle = ClusterHandle.from_dict(handle)
+        return GangClient(await self.aget_backend(), handle)
+
+    # -- cluster lifecycle ----------------------------------------------------------------------
+
+    def check(self, spec: TaskSpec) -> None:
+        """Everything the backend cannot honour fails here, before anything is provisioned."""
+        check_backend(spec, self.get_backend().capabilities)
+
+    def provision(self, name: str, spec: TaskSpec) -> ClusterHandle:
+        self.check(spec)
+        backend = self.get_backend()
+        handle = backend.provision(name, spec)
+        backend.sync_files(handle, spec)
+        return handle
+
+    def run_setup(
+        self,
+        handle: ClusterHandle,
+        spec: TaskSpec,
+        job_id: str,
+        *,
+        on_log: Callable[[int, str], None],
+        poll_interval: float = 0.5,
+        grace: float = 3.0,
+    ) -> None:
+        """Setup on every node at once; the first failure stops the rest and raises :class:`SetupFailed`."""
+        if not spec.setup:
+            return
+        client = self.client(handle)
+        tails: dict[int, list[str]] = {}
+
+        async def go() -> Any:
+            await client.alaunch(spec, job_id, stage="setup")
+            last = None
+            async for poll in watch(client, job_id, poll_interval=poll_interval, grace=grace):
+                for rank, (_, data) in sorted(poll.chunks.items()):
+                    for line in data.decode("utf-8", "replace").splitlines():
+                        on_log(rank, spec.redacted(line))
+                        tails.setdefault(rank, []).append(spec.redacted(line))
+                        del tails[rank][:-20]
+                last = poll
+            return last
+
+        try:
+            last = run_sync(go())
+        finally:
+            client.close()
+        status = last.status
+        if status.failed:
+            bad = [r for r in status.ranks if r.state in ("failed", "lost")]
+            parts = [f"rank {r.rank} ({r.ip}) exit code {r.exit_code}: {r.reason}" for r in bad]
+            stopped = [r.rank for r in status.ranks if r.state == "cancelled"]
+            msg = "setup failed (FAILED_SETUP). Failed workers: " + "; ".join(parts)
+            if stopped:
+                msg += f". Setup stopped on ranks {stopped}"
+            for r in bad:
+                msg += f"\n--- last lines of rank {r.rank}'s setup log ---\n" + "\n".join(
+                    tails.get(r.rank, [])
+                )
+            raise SetupFailed(msg)
+
+    def teardown(self, name: str, grace: float = 3.0) -> bool:
+        return self.get_backend().terminate(name, grace=grace)

@@ -1,0 +1,280 @@
+"""Start, watch, read and cancel one gang job through a backend's runners (no Airflow here).
+
+One rank per node: rank ``i`` runs on ``handle.nodes[i]``. Every operation is one remote call per
+node, fanned out in parallel with a bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from airflow_provider_sky import runtime
+from airflow_provider_sky.backends.base import Backend, ClusterHandle, Node
+from airflow_provider_sky.gang import (
+    LOST,
+    GangStatus,
+    RankStatus,
+    classify,
+    cluster_info_json,
+    gpus_per_node,
+    run_env,
+    setup_env,
+)
+from airflow_provider_sky.runners.base import CommandRunner, RunnerError
+from airflow_provider_sky.spec import TaskSpec
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+FANOUT_LIMIT = 64
+DEFAULT_LOG_CHUNK = 256 * 1024
+
+
+class LaunchError(Exception):
+    """Not every rank could be started; the ones that did were cancelled."""
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine from sync code, also when the caller already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+async def fan_out(
+    fn: Callable[[T], Awaitable[Any]], items: Iterable[T], limit: int = FANOUT_LIMIT
+) -> list[Any]:
+    """Call ``fn`` on every item concurrently, at most ``limit`` at once; exceptions are returned."""
+    sem = asyncio.Semaphore(limit)
+
+    async def one(item: T) -> Any:
+        async with sem:
+            return await fn(item)
+
+    return await asyncio.gather(*(one(i) for i in items), return_exceptions=True)
+
+
+@dataclass
+class Poll:
+    """One poll of a job: every rank's status plus the log bytes that appeared since the last poll."""
+
+    status: GangStatus
+    chunks: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+    unreachable: dict[int, str] = field(default_factory=dict)
+    at: float = 0.0
+
+
+class GangClient:
+    """Operations on one job of one cluster; holds a runner per node (connections stay open)."""
+
+    def __init__(self, backend: Backend, handle: ClusterHandle) -> None:
+        self.backend = backend
+        self.handle = handle
+        self._runners: dict[str, CommandRunner] = {}
+
+    def runner(self, node: Node) -> CommandRunner:
+        if node.node_id not in self._runners:
+            self._runners[node.node_id] = self.backend.runner(node)
+        return self._runners[node.node_id]
+
+    def close(self) -> None:
+        for r in self._runners.values():
+            r.close()
+        self._runners.clear()
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.handle.nodes)
+
+    def node_of(self, rank: int) -> Node:
+        return self.handle.nodes[rank]
+
+    # -- launch ---------------------------------------------------------------------------------
+
+    def rank_launches(self, spec: TaskSpec, job_id: str, stage: str) -> list[runtime.RankLaunch]:
+        """The command and env of every rank for the ``run`` or ``setup`` stage."""
+        h = self.handle
+        info = cluster_info_json(h.name, h.cloud, h.region, h.zone)
+        ips = h.ips
+        out = []
+        for rank, node in enumerate(h.nodes):
+            if stage == "setup":
+                env = setup_env(rank=rank, ips=ips, task_id=job_id, cluster_info=info, user_envs=spec.envs)
+                command = spec.setup or "true"
+            else:
+                acc = spec.resources.accelerators
+                env = run_env(
+                    rank=rank,
+                    ips=ips,
+                    task_id=job_id,
+                    cluster_info=info,
+                    gpus_per_node=gpus_per_node(acc.count if acc else None),
+                    user_envs=spec.envs,
+                )
+                command = spec.run
+            cwd = self.backend.workdir(node, spec)
+            out.append(runtime.RankLaunch(rank, command, env, dict(spec.secrets), cwd))
+        return out
+
+    async def alaunch(self, spec: TaskSpec, job_id: str, stage: str = "run") -> dict[int, str]:
+        """Start every rank at once. Returns rank → ``STARTED``/``EXISTS``; on any failure cancels all."""
+        runtime.check_job_id(job_id)
+        launches = self.rank_launches(spec, job_id, stage)
+
+        async def one(rl: runtime.RankLaunch) -> str:
+            node = self.node_of(rl.rank)
+            script = runtime.launch_script(node.root, job_id, [rl])
+            res = await self.runner(node).arun_script(script, timeout=60)
+            words = res.text.split()
+            if res.returncode != 0:
+                raise LaunchError(f"rank {rl.rank} ({node.ip}): launch failed: {res.error_text}")
+            if "NOSTART" in words:
+                raise LaunchError(f"rank {rl.rank} ({node.ip}): the rank wrapper did not start")
+            return "EXISTS" if "EXISTS" in words else "STARTED"
+
+        results = await fan_out(one, launches)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.acancel(job_id, grace=1.0)
+            raise LaunchError("; ".join(str(e) for e in errors))
+        return {rl.rank: str(r) for rl, r in zip(launches, results, strict=False)}
+
+    def launch(self, spec: TaskSpec, job_id: str, stage: str = "run") -> dict[int, str]:
+        return run_sync(self.alaunch(spec, job_id, stage))
+
+    # -- status ---------------------------------------------------------------------------------
+
+    async def apoll(
+        self,
+        job_id: str,
+        offsets: Mapping[int, int] | None = None,
+        max_log: int = DEFAULT_LOG_CHUNK,
+        ranks: Sequence[int] | None = None,
+    ) -> Poll:
+        """One status call per node: states of its ranks plus new log bytes from ``offsets``."""
+        offsets = offsets or {}
+        wanted = list(range(self.num_ranks)) if ranks is None else list(ranks)
+
+        async def one(rank: int) -> list[runtime.RawRankStatus]:
+            node = self.node_of(rank)
+            off = offsets.get(rank, 0)
+            args = runtime.status_args(node.root, [(job_id, rank, off, max_log)])
+            res = await self.runner(node).arun_script(runtime.STATUS_SCRIPT, args, timeout=30)
+            if res.returncode != 0:
+                raise RunnerError(node.ip, f"status script failed: {res.error_text}")
+            return runtime.parse_status(res.stdout, {(job_id, rank): off})
+
+        results = await fan_out(one, wanted)
+        now = time.time()
+        poll = Poll(GangStatus(job_id), at=now)
+        for rank, res in zip(wanted, results, strict=False):
+            ip = self.node_of(rank).ip
+            if isinstance(res, BaseException):
+                poll.unreachable[rank] = str(res)
+                poll.status.ranks.append(RankStatus(rank, ip, "unknown", reason=str(res)))
+                continue
+            for raw in res:
+                st = classify(raw, ip, now)
+                poll.status.ranks.append(st)
+                poll.status.cancel_requested |= raw.cancel_requested
+                if raw.log_chunk:
+                    poll.chunks[rank] = (raw.log_offset, raw.log_chunk)
+        return poll
+
+    def poll(
+        self, job_id: str, offsets: Mapping[int, int] | None = None, max_log: int = DEFAULT_LOG_CHUNK
+    ) -> Poll:
+        return run_sync(self.apoll(job_id, offsets, max_log))
+
+    async def aread_log(self, job_id: str, rank: int, offset: int, nbytes: int) -> bytes:
+        """Read ``nbytes`` of a rank's log from ``offset`` (a late subscriber filling its gap)."""
+        poll = await self.apoll(job_id, {rank: offset}, max_log=nbytes, ranks=[rank])
+        return poll.chunks.get(rank, (offset, b""))[1]
+
+    async def alog_tail(self, job_id: str, rank: int, size: int, nbytes: int = 2048) -> str:
+        data = await self.aread_log(job_id, rank, max(0, size - nbytes), nbytes)
+        return data.decode("utf-8", "replace")
+
+    # -- cancel ---------------------------------------------------------------------------------
+
+    async def acancel(self, job_id: str, ranks: Sequence[int] | None = None, grace: float = 3.0) -> None:
+        """SIGTERM the process tree of every unfinished listed rank, SIGKILL after ``grace`` seconds."""
+        wanted = list(range(self.num_ranks)) if ranks is None else list(ranks)
+
+        async def one(rank: int) -> None:
+            node = self.node_of(rank)
+            args = runtime.cancel_args(node.root, grace, [(job_id, rank)])
+            await self.runner(node).arun_script(runtime.CANCEL_SCRIPT, args, timeout=grace + 30)
+
+        for rank, res in zip(wanted, await fan_out(one, wanted), strict=False):
+            if isinstance(res, BaseException):
+                log.warning("Could not cancel rank %s (%s): %s", rank, self.node_of(rank).ip, res)
+
+    def cancel(self, job_id: str, ranks: Sequence[int] | None = None, grace: float = 3.0) -> None:
+        run_sync(self.acancel(job_id, ranks, grace))
+
+
+@dataclass
+class MonitorState:
+    """What a watcher carries between polls: log offsets and when a node first stopped answering."""
+
+    offsets: dict[int, int] = field(default_factory=dict)
+    unreachable_since: dict[int, float] = field(default_factory=dict)
+    cancel_issued: bool = False
+
+
+async def watch(
+    client: GangClient,
+    job_id: str,
+    *,
+    poll_interval: float = 0.5,
+    fail_fast: bool = True,
+    grace: float = 3.0,
+    lost_after: float = 10.0,
+    state: MonitorState | None = None,
+) -> Any:
+    """Poll a job until every rank is terminal, yielding each :class:`Poll`.
+
+    The gang policy lives here: the first failed or lost rank cancels every unfinished sibling at
+    once (that is what makes fail-fast take about a second), and a node that keeps failing to
+    answer for ``lost_after`` seconds is reported lost.
+    """
+    st = state or MonitorState()
+    while True:
+        poll = await client.apoll(job_id, st.offsets)
+        for rank, (off, data) in poll.chunks.items():
+            st.offsets[rank] = off + len(data)
+        for r in poll.status.ranks:
+            if r.rank in poll.unreachable:
+                since = st.unreachable_since.setdefault(r.rank, poll.at)
+                if poll.at - since >= lost_after:
+                    r.state, r.end = LOST, since
+                    r.reason = (
+                        f"node {r.ip} stopped answering for {lost_after:.0f}s: {poll.unreachable[r.rank]}"
+                    )
+                else:
+                    r.state = "running"
+            else:
+                st.unreachable_since.pop(r.rank, None)
+        just_cancelled = False
+        if fail_fast and poll.status.failed and not st.cancel_issued:
+            st.cancel_issued = just_cancelled = True
+            pending = [r.rank for r in poll.status.ranks if not r.terminal]
+            if pending:
+                log.info("Rank failed; cancelling ranks %s of job %s", pending, job_id)
+                await client.acancel(job_id, pending, grace)
+            poll.status.cancel_requested = True
+        yield poll
+        if poll.status.done:
+            return
+        if not just_cancelled:  # right after a cancel, look again at once: siblings are gone by now
+            await asyncio.sleep(poll_interval)

@@ -1,0 +1,65 @@
+"""The task arguments every gang operator accepts: a SkyPilot YAML file, a dict, or the fields."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from airflow.sdk.log import mask_secret
+
+from airflow_provider_sky.spec import TaskSpec, load_task_yaml, parse_task
+
+#: Python keyword arguments that override the YAML's top-level fields
+SPEC_FIELDS = ("name", "num_nodes", "resources", "setup", "run", "envs", "secrets", "workdir", "file_mounts")
+
+
+def build_spec(
+    task_yaml: str | None, task_config: Mapping[str, Any] | None, overrides: Mapping[str, Any]
+) -> TaskSpec:
+    """Parse and validate now (DAG parse time, and again after templates are rendered)."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if task_yaml:
+        return load_task_yaml(task_yaml, overrides=given)
+    return parse_task(dict(task_config or {}), overrides=given)
+
+
+def mask_spec_secrets(spec: TaskSpec) -> None:
+    """Register every secret value with Airflow's masker, so no log line can show it."""
+    for value in spec.secrets.values():
+        if value:
+            mask_secret(value)
+
+
+def default_cluster_name(dag_id: str, run_id: str) -> str:
+    """One cluster per DAG run unless the user names one: readable, unique, a valid node path part."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", dag_id.lower()).strip("-")[:40] or "dag"
+    return f"sky-{slug}-{hashlib.sha256(run_id.encode()).hexdigest()[:8]}"
+
+
+def resolve_cluster_name(name: str | None, context: Mapping[str, Any]) -> str:
+    if name:
+        return name
+    return default_cluster_name(context["dag"].dag_id, context["run_id"])
+
+
+class SkySpecMixin:
+    """Holds the spec arguments, parses them at construction and re-parses after rendering."""
+
+    task_yaml: str | None
+    task_config: Mapping[str, Any] | None
+    spec_overrides: dict[str, Any]
+
+    def _init_spec(
+        self, task_yaml: str | None, task_config: Mapping[str, Any] | None, overrides: dict[str, Any]
+    ) -> None:
+        self.task_yaml = task_yaml
+        self.task_config = task_config
+        self.spec_overrides = overrides
+        build_spec(task_yaml, task_config, overrides)  # bad input fails at DAG parse time
+
+    def rendered_spec(self) -> TaskSpec:
+        spec = build_spec(self.task_yaml, self.task_config, self.spec_overrides)
+        mask_spec_secrets(spec)
+        return spec

@@ -1,0 +1,98 @@
+"""The setup task: provision N nodes (or reuse the cluster of that name) and run setup on all of them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_provider_sky.gang import job_id_for
+from airflow_provider_sky.hooks.sky import SetupFailed, SkyHook
+from airflow_provider_sky.operators._spec import SkySpecMixin, resolve_cluster_name
+
+
+class SkyClusterOperator(SkySpecMixin, BaseOperator):
+    """Provision the cluster and run ``setup`` on every node in parallel; push the cluster handle.
+
+    One node's setup failing stops the others' setups and fails this task with the failed ranks, their
+    exit codes and the tail of their setup logs. Use it with ``.as_setup()`` and a
+    :class:`~airflow_provider_sky.operators.down.SkyDownOperator` teardown, so nothing leaks.
+
+    :param task_yaml: path of a SkyPilot task YAML (used as is).
+    :param task_config: the same fields as a dict (instead of ``task_yaml``).
+    :param cluster_name: defaults to one cluster per DAG run (``sky-<dag>-<hash of run id>``).
+    :param sky_conn_id: a ``sky_local`` / ``sky_ssh`` connection; the default falls back to the local backend.
+    """
+
+    template_fields: Sequence[str] = ("task_yaml", "task_config", "spec_overrides", "cluster_name")
+    ui_color = "#e8f4ff"
+
+    def __init__(
+        self,
+        *,
+        task_yaml: str | None = None,
+        task_config: Mapping[str, Any] | None = None,
+        cluster_name: str | None = None,
+        sky_conn_id: str | None = SkyHook.default_conn_name,
+        poll_interval: float = 0.5,
+        grace: float = 3.0,
+        num_nodes: int | None = None,
+        run: str | None = None,
+        setup: str | None = None,
+        envs: Mapping[str, Any] | None = None,
+        secrets: Mapping[str, Any] | None = None,
+        resources: Mapping[str, Any] | None = None,
+        workdir: str | None = None,
+        file_mounts: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        overrides = {
+            "num_nodes": num_nodes,
+            "run": run,
+            "setup": setup,
+            "envs": envs,
+            "secrets": secrets,
+            "resources": resources,
+            "workdir": workdir,
+            "file_mounts": file_mounts,
+        }
+        self._init_spec(task_yaml, task_config, overrides)
+        self.cluster_name = cluster_name
+        self.sky_conn_id = sky_conn_id
+        self.poll_interval = poll_interval
+        self.grace = grace
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        spec = self.rendered_spec()
+        name = resolve_cluster_name(self.cluster_name, context)
+        hook = SkyHook(self.sky_conn_id)
+        hook.check(spec)
+        self.log.info(
+            "Provisioning cluster %s: %s node(s) on the %s backend",
+            name,
+            spec.num_nodes,
+            hook.get_backend().kind,
+        )
+        handle = hook.provision(name, spec)
+        for rank, node in enumerate(handle.nodes):
+            self.log.info("node rank %s: %s", rank, node.ip)
+        if spec.setup:
+            ti = context["ti"]
+            job_id = job_id_for(ti.dag_id, ti.run_id, ti.task_id, ti.map_index, ti.try_number)
+            self.log.info("Running setup on %s node(s) (job %s)", len(handle.nodes), job_id)
+            try:
+                hook.run_setup(
+                    handle,
+                    spec,
+                    job_id,
+                    on_log=lambda rank, line: self.log.info("(setup rank %s) %s", rank, line),
+                    poll_interval=self.poll_interval,
+                    grace=self.grace,
+                )
+            except SetupFailed as exc:
+                raise AirflowFailException(str(exc)) from exc
+            self.log.info("Setup succeeded on every node")
+        return handle.to_dict()

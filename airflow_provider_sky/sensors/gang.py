@@ -1,0 +1,81 @@
+"""The gang sensor: fails within about a second of the first nonzero exit, so the DAG run fails."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import BaseSensorOperator
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_provider_sky.hooks.sky import SkyHook
+from airflow_provider_sky.triggers.gang import SkyGangTrigger
+
+
+class SkyGangSensor(BaseSensorOperator):
+    """Watch every rank of a job at once (deferred); succeed when all succeed, fail on the first failure.
+
+    :param ranks: the job task's output (one entry per rank, each with the ``job_id``).
+    """
+
+    template_fields: Sequence[str] = ("cluster", "ranks")
+    ui_color = "#fce4ec"
+
+    def __init__(
+        self,
+        *,
+        cluster: Any,
+        ranks: Any,
+        sky_conn_id: str | None = SkyHook.default_conn_name,
+        poll_interval: float = 0.5,
+        grace: float = 3.0,
+        lost_after: float = 10.0,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("retries", 0)
+        super().__init__(**kwargs)
+        self.cluster = cluster
+        self.ranks = ranks
+        self.sky_conn_id = sky_conn_id
+        self.poll_interval = poll_interval
+        self.grace = grace
+        self.lost_after = lost_after
+
+    def _trigger(self) -> SkyGangTrigger:
+        return SkyGangTrigger(
+            cluster=self.cluster,
+            job_id=self.ranks[0]["job_id"],
+            sky_conn_id=self.sky_conn_id,
+            poll_interval=self.poll_interval,
+            grace=self.grace,
+            lost_after=self.lost_after,
+        )
+
+    def execute(self, context: Any) -> None:
+        self.defer(trigger=self._trigger(), method_name="execute_complete")
+
+    def poke(self, context: Any) -> bool:  # only used if deferrable=False
+        client = SkyHook(self.sky_conn_id).client(self.cluster)
+        try:
+            status = client.poll(self.ranks[0]["job_id"], max_log=0).status
+        finally:
+            client.close()
+        if status.failed:
+            client.cancel(status.job_id, grace=self.grace)
+            raise AirflowFailException(status.failure_message())
+        return status.succeeded
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> None:
+        gang = event.get("gang") or {}
+        for r in gang.get("ranks", []):
+            self.log.info(
+                "rank %s (%s): %s, exit code %s, %s",
+                r["rank"],
+                r["ip"],
+                r["state"],
+                r["exit_code"],
+                r["reason"],
+            )
+        if event["state"] != "succeeded":
+            raise AirflowFailException(event["message"])
+        self.log.info("%s", event["message"])

@@ -1,0 +1,53 @@
+"""One call for the common case: cluster → job → ranks (mapped) + gang sensor → down (teardown)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from airflow.sdk import TaskGroup
+
+from airflow_provider_sky.hooks.sky import SkyHook
+from airflow_provider_sky.operators.cluster import SkyClusterOperator
+from airflow_provider_sky.operators.down import SkyDownOperator
+from airflow_provider_sky.operators.job import SkyJobOperator
+from airflow_provider_sky.operators.rank import SkyRankOperator
+from airflow_provider_sky.sensors.gang import SkyGangSensor
+
+
+def sky_gang(
+    group_id: str = "gang",
+    *,
+    task_yaml: str | None = None,
+    task_config: Mapping[str, Any] | None = None,
+    cluster_name: str | None = None,
+    sky_conn_id: str | None = SkyHook.default_conn_name,
+    poll_interval: float = 0.5,
+    grace: float = 3.0,
+    lost_after: float = 10.0,
+    down: bool = True,
+    **spec_fields: Any,
+) -> TaskGroup:
+    """Build the whole gang pattern in a TaskGroup from a SkyPilot YAML, a dict, or the fields.
+
+    ``spec_fields`` are the YAML's fields as arguments (``num_nodes=4, run="..."``) and override the
+    file. ``down=False`` keeps the cluster for the next run (reuse by ``cluster_name``).
+    """
+    spec_args: dict[str, Any] = {"task_yaml": task_yaml, "task_config": task_config, **spec_fields}
+    watch: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
+    with TaskGroup(group_id=group_id) as group:
+        cluster = SkyClusterOperator(task_id="cluster", cluster_name=cluster_name, **spec_args, **watch)
+        job = SkyJobOperator(task_id="job", cluster=cluster.output, sky_conn_id=sky_conn_id, **spec_args)
+        ranks = SkyRankOperator.partial(
+            task_id="rank", cluster=cluster.output, lost_after=lost_after, **watch
+        ).expand_kwargs(job.output)
+        gang = SkyGangSensor(
+            task_id="gang", cluster=cluster.output, ranks=job.output, lost_after=lost_after, **watch
+        )
+        job >> [ranks, gang]
+        if down:
+            teardown = SkyDownOperator(
+                task_id="down", cluster_name=cluster_name, sky_conn_id=sky_conn_id, grace=grace
+            )
+            [ranks, gang] >> teardown.as_teardown(setups=cluster)
+    return group

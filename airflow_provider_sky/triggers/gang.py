@@ -1,0 +1,211 @@
+"""Triggers that watch a gang. All triggers of one job share one poll loop inside a triggerer.
+
+The shared poll (``open_shared_stream``) makes one status call per node per interval, whatever the
+number of rank triggers and sensors watching, so the cost of watching N ranks is O(N). The fail-fast
+policy runs inside that poll (``jobs.watch``): cancelling siblings from the triggerer takes well under
+a second, whereas waiting for a worker to pick up an event would add the scheduler's latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Hashable
+from typing import Any
+
+from airflow.triggers.base import BaseEventTrigger, TriggerEvent
+
+from airflow_provider_sky.gang import BAD, CANCELLED, SUCCEEDED, GangStatus
+from airflow_provider_sky.hooks.sky import SkyHook
+from airflow_provider_sky.jobs import GangClient, Poll, watch
+
+
+def _cancel_text(status: GangStatus) -> str:
+    return (
+        status.failure_message()
+        or f"Job {status.job_id} was cancelled from Airflow (a rank task was marked failed or cleared)"
+    )
+
+
+class _SkyGangWatchTrigger(BaseEventTrigger):
+    """Common part: kwargs, the shared poll and ``on_kill`` (a user's mark-failed cancels the gang)."""
+
+    def __init__(
+        self,
+        *,
+        cluster: dict[str, Any],
+        job_id: str,
+        sky_conn_id: str | None = SkyHook.default_conn_name,
+        poll_interval: float = 0.5,
+        grace: float = 3.0,
+        lost_after: float = 10.0,
+    ) -> None:
+        super().__init__()
+        self.cluster = cluster
+        self.job_id = job_id
+        self.sky_conn_id = sky_conn_id
+        self.poll_interval = float(poll_interval)
+        self.grace = float(grace)
+        self.lost_after = float(lost_after)
+
+    def _common_kwargs(self) -> dict[str, Any]:
+        return {
+            "cluster": self.cluster,
+            "job_id": self.job_id,
+            "sky_conn_id": self.sky_conn_id,
+            "poll_interval": self.poll_interval,
+            "grace": self.grace,
+            "lost_after": self.lost_after,
+        }
+
+    def shared_stream_key(self) -> Hashable | None:
+        return (
+            "airflow-provider-sky",
+            self.sky_conn_id,
+            self.cluster["name"],
+            self.job_id,
+            self.poll_interval,
+        )
+
+    @classmethod
+    async def open_shared_stream(cls, kwargs: dict[str, Any]) -> AsyncIterator[Any]:
+        """Poll the job (fail-fast included) and yield ``(Poll, client)``; once done, repeat the end."""
+        client = await SkyHook(kwargs["sky_conn_id"]).aclient(kwargs["cluster"])
+        try:
+            last: Poll | None = None
+            async for poll in watch(
+                client,
+                kwargs["job_id"],
+                poll_interval=kwargs["poll_interval"],
+                grace=kwargs["grace"],
+                lost_after=kwargs["lost_after"],
+            ):
+                last = poll
+                yield poll, client
+            assert last is not None
+            while True:  # finished: late subscribers get the final picture without remote calls
+                yield Poll(last.status, {}, at=time.time()), client
+                await asyncio.sleep(kwargs["poll_interval"])
+        finally:
+            client.close()
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        """Standalone path (``dag.test()``, or a triggerer without shared streams): the same code."""
+        _, kwargs = self.serialize()
+        async with contextlib.aclosing(type(self).open_shared_stream(kwargs)) as stream:  # type: ignore[type-var]
+            async for event in self.filter_shared_stream(stream):
+                yield event
+                return
+
+    async def on_kill(self) -> None:
+        """A user marked the deferred task failed / cleared it: cancel the whole gang."""
+        self.log.info("Task acted on by a user: cancelling every rank of job %s", self.job_id)
+        client = await SkyHook(self.sky_conn_id).aclient(self.cluster)
+        try:
+            await client.acancel(self.job_id, grace=self.grace)
+        finally:
+            client.close()
+
+
+class SkyRankTrigger(_SkyGangWatchTrigger):
+    """Fires when one rank ends; meanwhile logs the rank's output as it appears."""
+
+    def __init__(self, *, rank: int, log_offset: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.rank = int(rank)
+        self.log_offset = int(log_offset)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        kwargs = {**self._common_kwargs(), "rank": self.rank, "log_offset": self.log_offset}
+        return f"{type(self).__module__}.{type(self).__qualname__}", kwargs
+
+    def _log_bytes(self, data: bytes, pending: bytearray, final: bool = False) -> None:
+        pending.extend(data)
+        text = pending.decode("utf-8", "replace")
+        lines = text.split("\n")
+        keep = "" if final else lines.pop()
+        for line in lines:
+            if line or not final:
+                self.log.info("%s", line)
+        if final and keep:
+            self.log.info("%s", keep)
+        pending[:] = keep.encode()
+
+    async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
+        expected = self.log_offset
+        pending = bytearray()
+        async for poll, client in shared_stream:
+            assert isinstance(poll, Poll) and isinstance(client, GangClient)
+            try:
+                st = poll.status.by_rank(self.rank)
+            except KeyError:
+                continue
+            off, data = poll.chunks.get(self.rank, (st.log_size, b""))
+            if expected < off:  # joined late, or the stream read past us: fetch the gap ourselves
+                gap = await client.aread_log(self.job_id, self.rank, expected, off - expected)
+                self._log_bytes(gap, pending)
+                expected += len(gap)
+            if expected >= off and expected < off + len(data):
+                self._log_bytes(data[expected - off :], pending)
+                expected = off + len(data)
+            if not st.terminal:
+                continue
+            while expected < st.log_size:  # the rank is over: read the rest of its log
+                rest = await client.aread_log(self.job_id, self.rank, expected, st.log_size - expected)
+                if not rest:
+                    break
+                self._log_bytes(rest, pending)
+                expected += len(rest)
+            self._log_bytes(b"", pending, final=True)
+            cause = poll.status.root_cause()
+            if st.state == SUCCEEDED:
+                message = f"rank {self.rank} ({st.ip}) succeeded"
+            elif st.state in BAD:
+                message = poll.status.failure_message()
+            else:
+                message = f"rank {self.rank} ({st.ip}) {st.state}: " + _cancel_text(poll.status)
+            yield TriggerEvent(
+                {
+                    "kind": "rank",
+                    "job_id": self.job_id,
+                    "rank": self.rank,
+                    "ip": st.ip,
+                    "state": st.state,
+                    "exit_code": st.exit_code,
+                    "reason": st.reason,
+                    "duration": (st.end - st.start) if st.end and st.start else None,
+                    "start": st.start,
+                    "end": st.end,
+                    "log_offset": expected,
+                    "message": message,
+                    "root_cause": cause.to_dict() if cause else None,
+                }
+            )
+            return
+
+
+class SkyGangTrigger(_SkyGangWatchTrigger):
+    """Fires on the gang's first failure (after siblings were cancelled) or when every rank succeeded."""
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return f"{type(self).__module__}.{type(self).__qualname__}", self._common_kwargs()
+
+    async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
+        failed_before = False
+        async for poll, _client in shared_stream:
+            status: GangStatus = poll.status
+            if status.failed and not status.done and not failed_before:
+                # siblings are being cancelled; the next poll (taken at once) shows them cancelled
+                failed_before = True
+                continue
+            if status.failed:
+                state, message = "failed", status.failure_message()
+            elif status.succeeded:
+                state, message = "succeeded", f"Job {status.job_id}: all {len(status.ranks)} ranks succeeded"
+            elif status.done and any(r.state == CANCELLED for r in status.ranks):
+                state, message = "cancelled", _cancel_text(status)
+            else:
+                continue
+            yield TriggerEvent({"kind": "gang", "state": state, "message": message, "gang": status.to_dict()})
+            return

@@ -1,0 +1,58 @@
+"""Test session setup: a throwaway Airflow home (SQLite) and a per-test state dir with a leak check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+# Airflow reads its config at import: set it before any test module imports airflow.
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="sky-tests-"))
+os.environ["AIRFLOW_HOME"] = str(_SESSION_DIR / "airflow")
+os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags_examples")
+os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
+os.environ["SKY_PROVIDER_HOME"] = str(_SESSION_DIR / "sky")
+
+from leaks import processes_under  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def airflow_db() -> Path:
+    """Migrate the SQLite metadata DB once per test session."""
+    home = Path(os.environ["AIRFLOW_HOME"])
+    home.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True)
+    return home
+
+
+@pytest.fixture(autouse=True)
+def sky_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Every test gets its own state dir; afterwards nothing it started may still run."""
+    state = tmp_path / "sky"
+    state.mkdir()
+    monkeypatch.setenv("SKY_PROVIDER_HOME", str(state))
+    yield state
+    deadline = time.time() + 5
+    left = processes_under(state)
+    while left and time.time() < deadline:
+        time.sleep(0.1)
+        left = processes_under(state)
+    for pid, _ in left:
+        try:
+            os.killpg(pid, 9)
+        except OSError:
+            pass
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    assert not left, f"processes left running after the test: {left}"

@@ -1,0 +1,615 @@
+"""Tests for the task spec layer: every bad input is a SpecError naming the field and the fix."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import yaml
+
+from airflow_provider_sky.spec import (
+    RANK_VARIABLES,
+    Accelerator,
+    BackendCapabilities,
+    Resources,
+    SpecError,
+    TaskSpec,
+    check_backend,
+    is_bucket_source,
+    load_task_yaml,
+    parse_task,
+    task_from_args,
+)
+
+SEED_YAML = """\
+num_nodes: 4
+
+run: |
+  if [ "$SKYPILOT_NODE_RANK" == "2" ]; then
+      exit 1
+  fi
+  sleep 10000
+"""
+
+
+def _task(**extra: object) -> dict[str, object]:
+    return {"run": "echo hi", **extra}
+
+
+def _res(**resources: object) -> dict[str, object]:
+    return _task(resources=resources)
+
+
+# ------------------------------------------------------------------------------------------- bad inputs
+
+BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
+    # id, task mapping, expected field, substring of the message
+    ("num_nodes zero", _task(num_nodes=0), "num_nodes", "at least 1"),
+    ("num_nodes negative", _task(num_nodes=-3), "num_nodes", "at least 1"),
+    ("num_nodes float", _task(num_nodes=1.5), "num_nodes", "whole number"),
+    ("num_nodes whole float", _task(num_nodes=2.0), "num_nodes", "whole number"),
+    ("num_nodes string", _task(num_nodes="2"), "num_nodes", "unquoted"),
+    ("num_nodes true", _task(num_nodes=True), "num_nodes", "whole number"),
+    ("num_nodes false", _task(num_nodes=False), "num_nodes", "whole number"),
+    ("num_nodes none", _task(num_nodes=None), "num_nodes", "whole number"),
+    ("run missing", {"num_nodes": 2}, "run", "required"),
+    ("run empty", {"run": ""}, "run", "required"),
+    ("run whitespace", {"run": "  \n\t"}, "run", "required"),
+    ("run none", {"run": None}, "run", "required"),
+    ("run list", {"run": ["echo a", "echo b"]}, "run", "must be a string"),
+    ("run nul", {"run": "echo a\0b"}, "run", "NUL"),
+    ("setup list", _task(setup=["pip install x"]), "setup", "must be a string"),
+    ("setup int", _task(setup=3), "setup", "must be a string"),
+    ("unknown top key", _task(num_node=2), "num_node", "did you mean 'num_nodes'?"),
+    ("unknown top key env", _task(env={"A": "1"}), "env", "did you mean 'envs'?"),
+    ("unknown top key far", _task(zzzz=1), "zzzz", "valid keys are"),
+    ("resources key at top", _task(accelerators="V100"), "accelerators", "belongs under resources"),
+    ("skypilot-only top key", _task(service={}), "service", "does not support"),
+    ("non-string top key", cast("dict[str, object]", {"run": "x", 3: "y"}), "task", "keys must be strings"),
+    (
+        "unknown resources key",
+        _res(accelerator="V100"),
+        "resources.accelerator",
+        "did you mean 'accelerators'?",
+    ),
+    ("unknown resources key cpu", _res(cpu=4), "resources.cpu", "did you mean 'cpus'?"),
+    ("skypilot-only resources key", _res(ports=8080), "resources.ports", "does not support"),
+    ("resources not mapping", _task(resources="V100"), "resources", "must be a mapping"),
+    ("accel count zero", _res(accelerators="V100:0"), "resources.accelerators", "greater than 0"),
+    ("accel count negative", _res(accelerators="V100:-1"), "resources.accelerators", "NAME[:COUNT]"),
+    ("accel count non-numeric", _res(accelerators="V100:abc"), "resources.accelerators", "NAME[:COUNT]"),
+    ("accel missing count", _res(accelerators="V100:"), "resources.accelerators", "V100:1"),
+    ("accel missing name", _res(accelerators=":2"), "resources.accelerators", "H100:8"),
+    ("accel three parts", _res(accelerators="V100:1:2"), "resources.accelerators", "NAME[:COUNT]"),
+    ("accel empty", _res(accelerators=""), "resources.accelerators", "NAME[:COUNT]"),
+    ("accel dict two", _res(accelerators={"V100": 1, "A100": 1}), "resources.accelerators", "exactly one"),
+    ("accel dict zero", _res(accelerators={"V100": 0}), "resources.accelerators", "greater than 0"),
+    ("accel dict bool", _res(accelerators={"V100": True}), "resources.accelerators", "must be a number"),
+    ("accel list", _res(accelerators=["V100", "A100"]), "resources.accelerators", "pick one"),
+    ("accel int", _res(accelerators=8), "resources.accelerators", "NAME[:COUNT]"),
+    ("accel bad name", _res(accelerators="V 100:1"), "resources.accelerators", "bad accelerator name"),
+    ("cpus zero", _res(cpus="0"), "resources.cpus", "greater than 0"),
+    ("cpus zero int", _res(cpus=0), "resources.cpus", "greater than 0"),
+    ("cpus negative", _res(cpus="-1"), "resources.cpus", "positive number"),
+    ("cpus negative int", _res(cpus=-1), "resources.cpus", "greater than 0"),
+    ("cpus word", _res(cpus="abc"), "resources.cpus", "4+"),
+    ("cpus double plus", _res(cpus="4++"), "resources.cpus", "4+"),
+    ("cpus bool", _res(cpus=True), "resources.cpus", "positive number"),
+    ("cpus nan", _res(cpus=float("nan")), "resources.cpus", "greater than 0"),
+    ("memory zero", _res(memory="0"), "resources.memory", "greater than 0"),
+    ("memory negative", _res(memory="-1"), "resources.memory", "positive number"),
+    ("memory word", _res(memory="abc"), "resources.memory", "16GB"),
+    ("memory double plus", _res(memory="4++"), "resources.memory", "4+"),
+    ("memory bytes unit", _res(memory="16B"), "resources.memory", "positive number"),
+    ("disk_size zero", _res(disk_size=0), "resources.disk_size", "positive whole number"),
+    ("disk_size string", _res(disk_size="100"), "resources.disk_size", "positive whole number"),
+    ("disk_size float", _res(disk_size=10.5), "resources.disk_size", "positive whole number"),
+    ("disk_size bool", _res(disk_size=True), "resources.disk_size", "positive whole number"),
+    ("use_spot string", _res(use_spot="yes"), "resources.use_spot", "true or false"),
+    ("use_spot int", _res(use_spot=1), "resources.use_spot", "true or false"),
+    ("labels list", _res(labels=["a"]), "resources.labels", "must be a mapping"),
+    ("labels none value", _res(labels={"team": None}), "resources.labels.team", "value must be given"),
+    ("labels int key", _res(labels={1: "a"}), "resources.labels", "non-empty strings"),
+    ("instance_type int", _res(instance_type=5), "resources.instance_type", "non-empty string"),
+    ("image_id dict", _res(image_id={"us-east-1": "ami-1"}), "resources.image_id", "non-empty string"),
+    ("infra and cloud disagree", _res(infra="aws/us-east-1", cloud="gcp"), "resources.cloud", "disagrees"),
+    (
+        "infra and region disagree",
+        _res(infra="aws/us-east-1", region="eu-west-1"),
+        "resources.region",
+        "disagrees",
+    ),
+    ("infra k8s and cloud aws", _res(infra="k8s", cloud="aws"), "resources.cloud", "give only infra"),
+    ("infra too many parts", _res(infra="aws/a/b/c"), "resources.infra", "too many parts"),
+    ("infra empty part", _res(infra="aws//zone"), "resources.infra", "empty part"),
+    ("infra no cloud", _res(infra="/us-east-1"), "resources.infra", "missing cloud"),
+    ("infra not string", _res(infra=3), "resources.infra", "CLOUD[/REGION[/ZONE]]"),
+    ("cloud bad chars", _res(cloud="my cloud"), "resources.cloud", "bad cloud name"),
+    ("envs list", _task(envs=["A=1"]), "envs", "must be a mapping"),
+    ("envs bad name space", _task(envs={"MY VAR": "1"}), "envs.MY VAR", "not a valid environment variable"),
+    ("envs bad name digit", _task(envs={"1A": "1"}), "envs.1A", "not starting with a digit"),
+    ("envs bad name dash", _task(envs={"A-B": "1"}), "envs.A-B", "not a valid environment variable"),
+    ("envs none value", _task(envs={"TOKEN": None}), "envs.TOKEN", "value must be given"),
+    ("envs nul value", _task(envs={"A": "x\0y"}), "envs.A", "NUL"),
+    ("envs list value", _task(envs={"A": [1, 2]}), "envs.A", "must be a string or number"),
+    ("envs rank var", _task(envs={"SKYPILOT_NODE_RANK": "0"}), "envs.SKYPILOT_NODE_RANK", "rename"),
+    ("envs master addr", _task(envs={"MASTER_ADDR": "1.2.3.4"}), "envs.MASTER_ADDR", "set by the provider"),
+    ("envs world size", _task(envs={"WORLD_SIZE": 8}), "envs.WORLD_SIZE", "set by the provider"),
+    ("secrets rank var", _task(secrets={"RANK": "0"}), "secrets.RANK", "set by the provider"),
+    ("secrets none value", _task(secrets={"HF_TOKEN": None}), "secrets.HF_TOKEN", "value must be given"),
+    ("secrets not mapping", _task(secrets="x"), "secrets", "must be a mapping"),
+    ("env and secret clash", _task(envs={"K": "a"}, secrets={"K": "b"}), "secrets.K", "also set in envs"),
+    ("workdir int", _task(workdir=3), "workdir", "non-empty string"),
+    ("workdir dict", _task(workdir={"url": "https://x"}), "workdir", "non-empty string"),
+    ("file_mounts list", _task(file_mounts=["/a"]), "file_mounts", "must be a mapping"),
+    ("file_mounts relative dest", _task(file_mounts={"data": "./d"}), "file_mounts.data", "absolute path"),
+    ("file_mounts tilde dest", _task(file_mounts={"~data": "./d"}), "file_mounts.~data", "'~/'"),
+    (
+        "file_mounts dict source",
+        _task(file_mounts={"/d": {"source": "s3://b"}}),
+        "file_mounts./d",
+        "not supported",
+    ),
+    ("file_mounts empty source", _task(file_mounts={"/d": ""}), "file_mounts./d", "local path or a URL"),
+    ("name bad chars", _task(name="my job"), "name", "not a valid task name"),
+    ("name leading dash", _task(name="-job"), "name", "starting with a letter or digit"),
+    ("name too long", _task(name="a" * 64), "name", "1-63"),
+    ("name int", _task(name=5), "name", "not a valid task name"),
+]
+
+
+@pytest.mark.parametrize(
+    ("task", "field", "fragment"), [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS]
+)
+def test_bad_input_is_spec_error(task: dict[str, object], field: str, fragment: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_task(task)
+    assert info.value.field == field
+    assert fragment in info.value.message
+    assert str(info.value) == f"{field}: {info.value.message}"
+    assert isinstance(info.value, ValueError)
+
+
+def test_not_a_mapping() -> None:
+    with pytest.raises(SpecError, match=r"^task: must be a mapping"):
+        parse_task(["run", "x"])  # type: ignore[arg-type]
+
+
+def test_spec_error_pickles() -> None:
+    err = pickle.loads(pickle.dumps(SpecError("num_nodes", "must be at least 1")))
+    assert (err.field, err.message, str(err)) == (
+        "num_nodes",
+        "must be at least 1",
+        "num_nodes: must be at least 1",
+    )
+
+
+def test_master_port_is_allowed_and_rank_variables_are_complete() -> None:
+    assert "MASTER_PORT" not in RANK_VARIABLES
+    assert {"SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "MASTER_ADDR", "NODE_RANK", "RANK"} <= RANK_VARIABLES
+    assert len(RANK_VARIABLES) == 13
+    spec = parse_task(_task(envs={"MASTER_PORT": 29501}))
+    assert spec.envs == {"MASTER_PORT": "29501"}
+
+
+# ------------------------------------------------------------------------------------------- good inputs
+
+
+def test_seed_yaml_parses_and_round_trips() -> None:
+    spec = parse_task(yaml.safe_load(SEED_YAML))
+    assert spec.num_nodes == 4
+    assert spec.run.startswith('if [ "$SKYPILOT_NODE_RANK" == "2" ]; then\n    exit 1\n')
+    assert spec.run.endswith("sleep 10000\n")
+    assert spec.resources == Resources()
+    assert spec.setup is None
+    assert spec.to_dict() == {"num_nodes": 4, "run": spec.run}
+    assert parse_task(yaml.safe_load(yaml.safe_dump(spec.to_dict()))) == spec
+
+
+def test_full_spec_round_trips_through_yaml() -> None:
+    spec = parse_task(
+        {
+            "name": "train-llm",
+            "num_nodes": 2,
+            "resources": {
+                "infra": "aws/us-east-1/us-east-1a",
+                "cpus": "8+",
+                "memory": 32,
+                "accelerators": "H100:8",
+                "instance_type": "p5.48xlarge",
+                "use_spot": True,
+                "image_id": "docker:pytorch/pytorch",
+                "disk_size": 512,
+                "labels": {"team": "ml", "cost": 7},
+            },
+            "setup": "pip install -r requirements.txt",
+            "run": "torchrun train.py",
+            "envs": {"EPOCHS": 3, "DEBUG": False, "LR": 0.5},
+            "secrets": {"HF_TOKEN": "hf_abc"},
+            "workdir": "/src/project",
+            "file_mounts": {"/data": "s3://bucket/data", "~/cfg": "/etc/cfg"},
+        }
+    )
+    assert spec.envs == {"EPOCHS": "3", "DEBUG": "false", "LR": "0.5"}
+    assert spec.resources.labels == {"team": "ml", "cost": "7"}
+    assert spec.resources.memory == "32"
+    again = parse_task(yaml.safe_load(yaml.safe_dump(spec.to_dict(include_secrets=True))))
+    assert again == spec
+    assert spec.to_dict()["resources"]["infra"] == "aws/us-east-1/us-east-1a"
+    assert spec.to_dict()["resources"]["accelerators"] == "H100:8"
+
+
+def test_accelerator_fraction() -> None:
+    spec = parse_task(_res(accelerators="V100:0.5"))
+    acc = spec.resources.accelerators
+    assert acc == Accelerator("V100", 0.5)
+    assert acc is not None and acc.gpus_per_node == 1
+    assert str(acc) == "V100:0.5"
+
+
+@pytest.mark.parametrize(
+    ("value", "name", "count", "gpus", "shown"),
+    [
+        ("V100:0.5", "V100", 0.5, 1, "V100:0.5"),
+        ("H100:8", "H100", 8.0, 8, "H100:8"),
+        ("H100:8.0", "H100", 8.0, 8, "H100:8"),
+        ("A100:1.5", "A100", 1.5, 2, "A100:1.5"),
+        ("V100", "V100", 1.0, 1, "V100:1"),
+        (" A100-80GB : 2 ", "A100-80GB", 2.0, 2, "A100-80GB:2"),
+        ({"V100": 0.5}, "V100", 0.5, 1, "V100:0.5"),
+        ({"H100": 8}, "H100", 8.0, 8, "H100:8"),
+        ({"L4": None}, "L4", 1.0, 1, "L4:1"),
+        (Accelerator("T4", 4), "T4", 4.0, 4, "T4:4"),
+    ],
+)
+def test_accelerator_forms(value: object, name: str, count: float, gpus: int, shown: str) -> None:
+    acc = parse_task(_res(accelerators=value)).resources.accelerators
+    assert acc is not None
+    assert (acc.name, acc.count, acc.gpus_per_node, str(acc)) == (name, count, gpus, shown)
+
+
+@pytest.mark.parametrize("count", [0, -1, 0.0, float("inf")])
+def test_accelerator_constructor_rejects_bad_count(count: float) -> None:
+    with pytest.raises(SpecError, match="greater than 0"):
+        Accelerator("V100", count)
+
+
+@pytest.mark.parametrize(
+    ("resources", "cloud", "region", "zone"),
+    [
+        ({"infra": "aws"}, "aws", None, None),
+        ({"infra": "AWS/us-east-1"}, "aws", "us-east-1", None),
+        ({"infra": "aws/us-east-1/us-east-1a"}, "aws", "us-east-1", "us-east-1a"),
+        ({"infra": "k8s"}, "kubernetes", None, None),
+        ({"infra": "kubernetes"}, "kubernetes", None, None),
+        (
+            {"infra": "k8s/arn:aws:eks:us-east-1:1:cluster/c1"},
+            "kubernetes",
+            "arn:aws:eks:us-east-1:1:cluster/c1",
+            None,
+        ),
+        ({"infra": "*/us-east-1"}, None, "us-east-1", None),
+        ({"cloud": "K8S"}, "kubernetes", None, None),
+        (
+            {"cloud": "gcp", "region": "us-central1", "zone": "us-central1-a"},
+            "gcp",
+            "us-central1",
+            "us-central1-a",
+        ),
+        ({"infra": "aws/us-east-1", "cloud": "aws"}, "aws", "us-east-1", None),
+        ({"infra": "aws", "region": "us-west-2"}, "aws", "us-west-2", None),
+        ({"infra": "k8s", "cloud": "kubernetes"}, "kubernetes", None, None),
+    ],
+)
+def test_infra_parsing(resources: dict[str, object], cloud: str, region: str, zone: str) -> None:
+    spec = parse_task(_task(resources=resources))
+    assert (spec.resources.cloud, spec.resources.region, spec.resources.zone) == (cloud, region, zone)
+    assert parse_task(spec.to_dict()).resources == spec.resources
+
+
+def test_kubernetes_context_with_zone_round_trips_without_infra() -> None:
+    spec = parse_task(_res(infra="k8s/ctx", zone="z1"))
+    out = spec.to_dict()["resources"]
+    assert "infra" not in out
+    assert out == {"cloud": "kubernetes", "region": "ctx", "zone": "z1"}
+    assert parse_task(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("cpus", "4", "4"),
+        ("cpus", "4+", "4+"),
+        ("cpus", 4, "4"),
+        ("cpus", 0.5, "0.5"),
+        ("cpus", " 2.0+ ", "2+"),
+        ("memory", "16", "16"),
+        ("memory", "16+", "16+"),
+        ("memory", 16, "16"),
+        ("memory", "16GB", "16"),
+        ("memory", "16Gi+", "16+"),
+        ("memory", "512MB", "0.5"),
+        ("memory", "1TB+", "1024+"),
+    ],
+)
+def test_quantities_normalised(key: str, value: object, expected: str) -> None:
+    res = parse_task(_res(**{key: value})).resources
+    assert getattr(res, key) == expected
+
+
+def test_nulls_mean_not_given() -> None:
+    spec = parse_task(
+        {
+            "run": "x",
+            "name": None,
+            "resources": None,
+            "envs": None,
+            "secrets": None,
+            "setup": None,
+            "workdir": None,
+        }
+    )
+    assert spec == TaskSpec(run="x")
+    assert parse_task(_res(cpus=None, use_spot=None, labels=None)).resources == Resources()
+
+
+def test_blank_setup_is_no_setup() -> None:
+    assert parse_task(_task(setup="   \n")).setup is None
+
+
+def test_requested_lists_only_set_fields() -> None:
+    assert Resources().requested() == {}
+    res = parse_task(_res(cpus="4+", labels={"a": "b"}, use_spot=False, accelerators="V100:0.5")).resources
+    assert res.requested() == {"cpus": "4+", "labels": {"a": "b"}, "accelerators": Accelerator("V100", 0.5)}
+    assert parse_task(_res(use_spot=True)).resources.requested() == {"use_spot": True}
+
+
+def test_resources_instance_is_validated_and_normalised() -> None:
+    spec = task_from_args(run="x", resources=Resources(cloud="K8s", cpus="4"))
+    assert spec.resources.cloud == "kubernetes"
+    with pytest.raises(SpecError) as info:
+        task_from_args(run="x", resources=Resources(cpus="abc"))
+    assert info.value.field == "resources.cpus"
+
+
+# ------------------------------------------------------------------------------------------- secrets
+
+
+def test_secrets_never_in_repr_str_or_default_dict() -> None:
+    spec = parse_task(_task(secrets={"HF_TOKEN": "hf_supersecret"}, envs={"A": "visible"}))
+    for text in (repr(spec), str(spec), str(spec.to_dict()), yaml.safe_dump(spec.to_dict())):
+        assert "hf_supersecret" not in text
+        assert "HF_TOKEN" in text
+    assert "visible" in repr(spec)
+    assert spec.to_dict()["secrets"] == {"HF_TOKEN": "<redacted>"}
+    assert spec.to_dict(include_secrets=True)["secrets"] == {"HF_TOKEN": "hf_supersecret"}
+    assert spec.secrets == {"HF_TOKEN": "hf_supersecret"}
+
+
+def test_redacted_replaces_longest_first_and_ignores_empty() -> None:
+    spec = parse_task(_task(secrets={"SHORT": "abc", "LONG": "abcdef", "EMPTY": "", "RE": "a.b"}))
+    assert spec.redacted("token=abcdef, part=abc, x=axb, y=a.b") == "token=***, part=***, x=axb, y=***"
+    assert spec.redacted("nothing here") == "nothing here"
+    assert TaskSpec(run="x").redacted("abc") == "abc"
+
+
+# ------------------------------------------------------------------------------------------- overrides and args
+
+
+def test_overrides_replace_top_level_and_merge_envs() -> None:
+    base = {
+        "num_nodes": 2,
+        "run": "echo yaml",
+        "resources": {"cpus": 2, "accelerators": "V100:1"},
+        "envs": {"A": "yaml", "B": "yaml"},
+        "secrets": {"S": "yaml-secret"},
+    }
+    spec = parse_task(
+        base,
+        overrides={
+            "num_nodes": 4,
+            "resources": {"cpus": 8},
+            "envs": {"B": "arg", "C": 1},
+            "secrets": {"T": "arg-secret"},
+            "setup": None,  # None means "not given"
+            "name": None,
+        },
+    )
+    assert spec.num_nodes == 4
+    assert spec.run == "echo yaml"
+    assert spec.resources == Resources(cpus="8")  # replaced, not merged
+    assert spec.envs == {"A": "yaml", "B": "arg", "C": "1"}
+    assert spec.secrets == {"S": "yaml-secret", "T": "arg-secret"}
+    assert base["envs"] == {"A": "yaml", "B": "yaml"}  # input not mutated
+
+
+def test_overrides_are_validated() -> None:
+    with pytest.raises(SpecError) as info:
+        parse_task(_task(), overrides={"num_node": 3})
+    assert info.value.field == "num_node" and "num_nodes" in info.value.message
+    with pytest.raises(SpecError) as info:
+        parse_task(_task(), overrides={"num_nodes": 0})
+    assert info.value.field == "num_nodes"
+    with pytest.raises(SpecError) as info:
+        parse_task(_task(envs={"K": "1"}), overrides={"secrets": {"K": "2"}})
+    assert info.value.field == "secrets.K"
+
+
+def test_bad_base_envs_not_hidden_by_override() -> None:
+    with pytest.raises(SpecError) as info:
+        parse_task(_task(envs=["A=1"]), overrides={"envs": {"B": "2"}})
+    assert info.value.field == "envs"
+
+
+def test_task_from_args() -> None:
+    spec = task_from_args(
+        run="python train.py",
+        num_nodes=3,
+        resources={"accelerators": {"H100": 8}},
+        envs={"X": 1},
+        secrets={"KEY": "v"},
+        file_mounts={"/data": "./local"},
+    )
+    assert spec.num_nodes == 3
+    assert spec.resources.accelerators == Accelerator("H100", 8)
+    assert spec.envs == {"X": "1"} and spec.secrets == {"KEY": "v"}
+    assert spec.file_mounts == {"/data": "./local"}  # no YAML file: left as given
+    assert task_from_args(run="x") == TaskSpec(run="x", num_nodes=1)
+
+
+def test_task_from_args_unknown_kwarg_suggests() -> None:
+    with pytest.raises(SpecError) as info:
+        task_from_args(run="x", resouces={"cpus": 2})
+    assert info.value.field == "resouces"
+    assert "did you mean 'resources'?" in info.value.message
+
+
+# ------------------------------------------------------------------------------------------- YAML files
+
+
+def test_load_task_yaml_resolves_relative_paths(tmp_path: Path) -> None:
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    path = proj / "task.yaml"
+    path.write_text(
+        "num_nodes: 2\n"
+        "workdir: ./src\n"
+        "file_mounts:\n"
+        "  /data: ../data\n"
+        "  /abs: /etc/hosts\n"
+        "  ~/home: ~/x\n"
+        "  /bucket: s3://b/p\n"
+        "run: echo hi\n"
+    )
+    spec = load_task_yaml(path)
+    assert spec.workdir == str(proj / "src")
+    assert spec.file_mounts == {
+        "/data": str(tmp_path / "data"),
+        "/abs": "/etc/hosts",
+        "~/home": "~/x",
+        "/bucket": "s3://b/p",
+    }
+
+
+def test_load_task_yaml_relative_path_and_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "t.yaml").write_text(SEED_YAML + "workdir: .\n")
+    monkeypatch.chdir(tmp_path.parent)
+    spec = load_task_yaml(f"{tmp_path.name}/t.yaml", overrides={"num_nodes": 3, "workdir": "rel"})
+    assert spec.num_nodes == 3
+    assert spec.workdir == "rel"  # overrides are Python arguments: not resolved against the YAML directory
+    assert load_task_yaml(tmp_path / "t.yaml").workdir == str(tmp_path)
+
+
+def test_load_seed_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "seed.yaml"
+    path.write_text(SEED_YAML)
+    spec = load_task_yaml(path)
+    assert spec.num_nodes == 4
+    assert spec == parse_task(yaml.safe_load(SEED_YAML))
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        (None, "not found"),
+        ("run: [unclosed\n", "invalid YAML"),
+        ("- run: x\n", "must be a mapping"),
+        ("", "got null"),
+        ("just a string\n", "got str"),
+        ("run: a\nrun: b\n", "duplicate key 'run'"),
+    ],
+)
+def test_load_task_yaml_file_errors_name_the_path(tmp_path: Path, content: str | None, fragment: str) -> None:
+    path = tmp_path / "task.yaml"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SpecError) as info:
+        load_task_yaml(path)
+    assert info.value.field == str(path)
+    assert fragment in info.value.message
+
+
+def test_load_task_yaml_directory(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as info:
+        load_task_yaml(tmp_path)
+    assert info.value.field == str(tmp_path) and "directory" in info.value.message
+
+
+def test_load_task_yaml_allows_merge_keys(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text("envs: &e {A: '1', B: '2'}\nsecrets:\n  <<: {S: x, T: y}\n  T: z\nrun: x\n")
+    assert load_task_yaml(path).secrets == {"S": "x", "T": "z"}
+
+
+def test_load_task_yaml_spec_error_names_file(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text("num_node: 4\nrun: x\n")
+    with pytest.raises(SpecError) as info:
+        load_task_yaml(path)
+    assert info.value.field == "num_node"
+    assert "did you mean 'num_nodes'?" in info.value.message
+    assert str(path) in info.value.message
+
+
+# ------------------------------------------------------------------------------------------- backends
+
+LOCAL = BackendCapabilities(
+    name="local",
+    max_nodes=8,
+    supported_resources=frozenset({"cpus", "memory", "labels"}),
+    clouds=frozenset({"local"}),
+)
+K8S = BackendCapabilities(
+    name="kubernetes",
+    max_nodes=64,
+    supported_resources=frozenset({"cpus", "memory", "accelerators", "labels", "image_id", "region"}),
+    clouds=frozenset({"kubernetes"}),
+    supports_bucket_mounts=True,
+)
+
+
+@pytest.mark.parametrize(
+    ("task", "caps", "field", "fragments"),
+    [
+        (_task(num_nodes=9), LOCAL, "num_nodes", ["at most 8", "local"]),
+        (_res(accelerators="V100:0.5"), LOCAL, "resources.accelerators", ["local", "V100:0.5", "remove it"]),
+        (_res(use_spot=True), LOCAL, "resources.use_spot", ["cannot honour use_spot", "pick a backend"]),
+        (_res(infra="aws/us-east-1"), K8S, "resources.cloud", ["'aws'", "kubernetes", "remove cloud/infra"]),
+        (_res(infra="k8s/ctx"), LOCAL, "resources.cloud", ["'kubernetes'", "accepts: local"]),
+        (_res(infra="k8s/ctx", zone="z"), K8S, "resources.zone", ["cannot honour zone"]),
+        (_task(file_mounts={"/d": "gs://b/x"}), LOCAL, "file_mounts./d", ["bucket", "gs://b/x"]),
+    ],
+)
+def test_check_backend_refuses(
+    task: dict[str, object], caps: BackendCapabilities, field: str, fragments: list[str]
+) -> None:
+    spec = parse_task(task)
+    with pytest.raises(SpecError) as info:
+        check_backend(spec, caps)
+    assert info.value.field == field
+    for fragment in fragments:
+        assert fragment in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("task", "caps"),
+    [
+        (_task(num_nodes=8), LOCAL),
+        (_res(cloud="local", cpus="2+", memory="4", labels={"a": "b"}), LOCAL),
+        (_task(file_mounts={"/d": "./local"}), LOCAL),
+        (_res(infra="k8s/ctx", accelerators="V100:0.5", image_id="docker:x"), K8S),
+        (_task(num_nodes=64, file_mounts={"/d": "s3://b"}), K8S),
+    ],
+)
+def test_check_backend_accepts(task: dict[str, Any], caps: BackendCapabilities) -> None:
+    check_backend(parse_task(task), caps)  # raises on failure
+
+
+def test_is_bucket_source() -> None:
+    assert is_bucket_source("s3://bucket/key")
+    assert is_bucket_source("gs://b")
+    assert not is_bucket_source("/local/path")
+    assert not is_bucket_source("./rel")
+    assert not is_bucket_source("~/x")
