@@ -36,7 +36,9 @@ def sky_gang(
     spec_args: dict[str, Any] = {"task_yaml": task_yaml, "task_config": task_config, **spec_fields}
     watch: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
     with TaskGroup(group_id=group_id) as group:
-        cluster = SkyClusterOperator(task_id="cluster", cluster_name=cluster_name, **spec_args, **watch)
+        cluster = SkyClusterOperator(
+            task_id="cluster", cluster_name=cluster_name, down_on_failure=down, **spec_args, **watch
+        )
         job = SkyJobOperator(task_id="job", cluster=cluster.output, sky_conn_id=sky_conn_id, **spec_args)
         ranks = SkyRankOperator.partial(
             task_id="rank", cluster=cluster.output, lost_after=lost_after, **watch

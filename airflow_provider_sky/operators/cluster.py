@@ -24,6 +24,8 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
     :param task_config: the same fields as a dict (instead of ``task_yaml``).
     :param cluster_name: defaults to one cluster per DAG run (``sky-<dag>-<hash of run id>``).
     :param sky_conn_id: a ``sky_local`` / ``sky_ssh`` connection; the default falls back to the local backend.
+    :param down_on_failure: tear the cluster down when this task fails or is killed. Airflow skips a
+        teardown task whose setup task failed, so without this a failed setup would leak the nodes.
     """
 
     template_fields: Sequence[str] = ("task_yaml", "task_config", "spec_overrides", "cluster_name")
@@ -38,6 +40,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         sky_conn_id: str | None = SkyHook.default_conn_name,
         poll_interval: float = 0.5,
         grace: float = 3.0,
+        down_on_failure: bool = True,
         num_nodes: int | None = None,
         run: str | None = None,
         setup: str | None = None,
@@ -64,6 +67,22 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         self.sky_conn_id = sky_conn_id
         self.poll_interval = poll_interval
         self.grace = grace
+        self.down_on_failure = down_on_failure
+        self._provisioning: str | None = None
+
+    def _down_after_failure(self, name: str) -> None:
+        if not self.down_on_failure:
+            self.log.warning("Keeping cluster %s after the failure (down_on_failure=False)", name)
+            return
+        self.log.info("Tearing down cluster %s after the failure, so no node leaks", name)
+        try:
+            SkyHook(self.sky_conn_id).teardown(name, grace=self.grace)
+        except Exception:
+            self.log.exception("Teardown of cluster %s failed", name)
+
+    def on_kill(self) -> None:
+        if self._provisioning:
+            self._down_after_failure(self._provisioning)
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = self.rendered_spec()
@@ -76,7 +95,18 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
             spec.num_nodes,
             hook.get_backend().kind,
         )
-        handle = hook.provision(name, spec)
+        try:
+            return self._provision_and_setup(hook, name, spec, context)
+        except BaseException:
+            if self._provisioning:  # only a cluster we hold; a refused reuse leaves the other alone
+                self._down_after_failure(name)
+            raise
+        finally:
+            self._provisioning = None
+
+    def _provision_and_setup(self, hook: SkyHook, name: str, spec: Any, context: Any) -> dict[str, Any]:
+        handle = hook.provision(name, spec)  # a backend cleans up its own half-made cluster
+        self._provisioning = name
         for rank, node in enumerate(handle.nodes):
             self.log.info("node rank %s: %s", rank, node.ip)
         if spec.setup:

@@ -17,13 +17,13 @@ import binascii
 import contextlib
 import dataclasses
 import fcntl
-import fnmatch
 import functools
 import hashlib
 import hmac
 import io
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
@@ -48,9 +48,15 @@ log = logging.getLogger(__name__)
 HostKeyPolicy = Literal["verify", "accept-new", "skip"]
 _POLICIES = ("verify", "accept-new", "skip")
 
-#: process-wide bound on SSH handshakes in flight, below sshd's default ``MaxStartups 10:30:100``
+#: process-wide bound on SSH handshakes in flight (client CPU, and fan-out through one jump host)
 MAX_CONCURRENT_HANDSHAKES = 8
 _HANDSHAKES = threading.BoundedSemaphore(MAX_CONCURRENT_HANDSHAKES)
+#: per-sshd bound: sshd's ``MaxStartups 10:30:100`` starts dropping at 10 unauthenticated connections and
+#: learns of a finished login a little after the client does, so stay well below 10 (retries cover the rest,
+#: e.g. other processes connecting to the same host)
+MAX_HANDSHAKES_PER_HOST = 4
+_HOST_HANDSHAKES: dict[tuple[str, int], threading.BoundedSemaphore] = {}
+_HOST_HANDSHAKES_LOCK = threading.Lock()
 
 #: threads for :meth:`SSHRunner.arun_script`; sized for a wide gang fan-out, not the CPU count
 EXECUTOR_THREADS = 128
@@ -176,6 +182,12 @@ def _parse_public_key(line: str) -> paramiko.PKey:
         raise ValueError(f"not a usable {parts[0]} public key: {type(e).__name__}") from None
 
 
+@functools.lru_cache(maxsize=512)
+def _glob(pattern: str) -> re.Pattern[str]:
+    """OpenSSH patterns know only ``*`` and ``?`` (``[`` is literal, as in ``[host]:port``)."""
+    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern))
+
+
 def _host_pattern_matches(patterns: str, name: str) -> bool:
     """OpenSSH known_hosts host field: comma list of names, ``|1|`` hashes, wildcards, ``!`` negation."""
     matched = False
@@ -190,7 +202,7 @@ def _host_pattern_matches(patterns: str, name: str) -> bool:
                 continue
             hit = hmac.compare_digest(hmac.new(salt, name.encode(), hashlib.sha1).digest(), digest)
         else:
-            hit = fnmatch.fnmatchcase(name, pattern)
+            hit = _glob(pattern).fullmatch(name) is not None
         if hit and negated:
             return False
         matched = matched or hit
@@ -406,8 +418,12 @@ def _prefer_known_key_types(t: paramiko.Transport, known: list[paramiko.PKey]) -
 
 
 def _handshake(cfg: SSHNodeConfig, pkey: paramiko.PKey) -> tuple[paramiko.Transport, paramiko.PKey]:
-    """One TCP connect + key exchange + host key check + auth, under the global handshake bound."""
-    with _HANDSHAKES:
+    """One TCP connect + key exchange + host key check + auth, under the handshake bounds."""
+    with _HOST_HANDSHAKES_LOCK:
+        per_host = _HOST_HANDSHAKES.setdefault(
+            (cfg.host, cfg.port), threading.BoundedSemaphore(MAX_HANDSHAKES_PER_HOST)
+        )
+    with per_host, _HANDSHAKES:
         sock = socket.create_connection((cfg.host, cfg.port), timeout=cfg.connect_timeout)
         t: paramiko.Transport | None = None
         try:
@@ -885,6 +901,36 @@ class SSHRunner(CommandRunner):
             ) from e
         log.debug("uploaded %s to %s:%s", src, self.config.address, remote)
 
+    def _copy_dir(
+        self, sftp: paramiko.SFTPClient, local: Path, remote: str, ancestors: frozenset[tuple[int, int]]
+    ) -> int:
+        """Copy ``local``'s entries into the existing remote dir ``remote``, following symlinks."""
+        st = local.stat()
+        ancestors = ancestors | {(st.st_dev, st.st_ino)}
+        count = 0
+        for entry in sorted(os.scandir(local), key=lambda e: e.name):
+            path = Path(entry.path)
+            dest = f"{remote.rstrip('/')}/{entry.name}"
+            if not path.exists():
+                raise FileNotFoundError(f"broken symlink {path} -> {os.readlink(path)}")
+            if path.is_dir():
+                sub = path.stat()
+                if (sub.st_dev, sub.st_ino) in ancestors:
+                    log.warning("skipping %s: symlink loop back to one of its parents", path)
+                    continue
+                try:
+                    sftp.mkdir(dest)
+                except OSError:
+                    if not stat.S_ISDIR(sftp.stat(dest).st_mode or 0):
+                        raise
+                count += self._copy_dir(sftp, path, dest, ancestors)
+            elif path.is_file():
+                self._put(sftp, path, dest, None)
+                count += 1
+            else:
+                log.warning("skipping %s: not a regular file or directory", path)
+        return count
+
     def put_tree(self, local_path: str | os.PathLike[str], remote_path: str) -> int:
         """Copy a directory's contents into ``remote_path`` (like ``rsync -rL src/ dest/``); return files sent.
 
@@ -896,31 +942,11 @@ class SSHRunner(CommandRunner):
             self.put_file(src, remote_path)
             return 1
         CALLS.add(self.host)
-        count = 0
         try:
             with self._sftp() as sftp:
                 root = self._remote(sftp, remote_path)
                 self._makedirs(sftp, root)
-                seen: set[tuple[int, int]] = set()
-                for dirpath, dirnames, filenames in os.walk(src, followlinks=True):
-                    st = os.stat(dirpath)
-                    if (st.st_dev, st.st_ino) in seen:
-                        dirnames[:] = []
-                        continue
-                    seen.add((st.st_dev, st.st_ino))
-                    rel = Path(dirpath).relative_to(src).as_posix()
-                    remote_dir = root if rel == "." else f"{root.rstrip('/')}/{rel}"
-                    if rel != ".":
-                        self._makedirs(sftp, remote_dir)
-                    for name in filenames:
-                        path = Path(dirpath, name)
-                        if not path.exists():
-                            raise FileNotFoundError(f"broken symlink {path} -> {os.readlink(path)}")
-                        if not path.is_file():
-                            log.warning("skipping %s: not a regular file", path)
-                            continue
-                        self._put(sftp, path, f"{remote_dir.rstrip('/')}/{name}", None)
-                        count += 1
+                count = self._copy_dir(sftp, src, root, frozenset())
         except OSError as e:
             raise RunnerError(
                 self.host, f"copy of {src} to {self.config.address}:{remote_path} failed: {e}"

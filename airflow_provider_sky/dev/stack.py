@@ -1,0 +1,540 @@
+"""A real Airflow on this machine: api-server, scheduler, dag-processor and triggerer as subprocesses.
+
+:class:`AirflowStack` runs the ``airflow`` CLI (``db migrate``, then the four services, each in its own
+process group, logging to ``<home>/logs/<service>.log``) and reads every state back the way a user
+would: through the public REST API v2 (``/api/v2``) of the api-server it started. Airflow itself is
+never imported here, so the caller's process keeps whatever Airflow config it had.
+
+Why each setting exists (all passed as ``AIRFLOW__SECTION__KEY`` environment variables, so every
+process, including the LocalExecutor's task processes, sees the same config; ``airflow.cfg`` in the
+home is whatever ``db migrate`` writes and is overridden by these):
+
+``AIRFLOW_HOME``, ``[database] sql_alchemy_conn``
+    A throwaway home with a SQLite DB in it: nothing on the machine is shared with another stack.
+``[core] executor = LocalExecutor``, ``[core] parallelism = 16``
+    Real task processes on this machine. A gang of up to 8 ranks plus the gang sensor, the job,
+    cluster and teardown tasks of two concurrent runs must fit: a deferred task frees its slot, but
+    every rank resumes in a worker at about the same moment when the gang ends.
+    ``[core] max_active_tasks_per_dag = 16`` keeps the per-DAG limit from being the bottleneck.
+``[core] load_examples = False``
+    Only the DAGs of ``dags_folder`` get parsed (parsing Airflow's ~80 examples costs minutes of CPU).
+``[api] host/port``, ``[api] base_url``, ``[core] execution_api_server_url``
+    The api-server listens on a free loopback port; the LocalExecutor's task processes reach the
+    Execution API through ``http://127.0.0.1:<port>/execution/`` (the default assumes port 8080).
+``[api_auth] jwt_secret``, ``[api] secret_key``, ``[core] fernet_key``
+    One random value per stack shared by every process: the scheduler signs the task tokens that the
+    api-server's Execution API verifies (a mismatch fails every task with 403), the api-server signs
+    log continuation tokens, and connections are encrypted with the same Fernet key everywhere.
+    Passing them explicitly also avoids depending on which process wrote ``airflow.cfg`` first.
+``[core] auth_manager`` (simple) with ``[core] simple_auth_manager_all_admins = True``
+    Every API request is an admin without a login: the stack calls the public API with no token.
+``[core] dags_are_paused_at_creation = True`` (Airflow's default, kept)
+    As for a user: :meth:`AirflowStack.trigger` unpauses the DAG first (``unpause=True``).
+``[dag_processor] refresh_interval = 5``, ``bundle_refresh_check_interval = 1``,
+``min_file_process_interval = 30``, ``dag_bundle_storage_path = <home>/dag_bundles``
+    New or changed files are found within seconds; an unchanged file is re-parsed at most every
+    30 s (parsing costs CPU on a small machine); bundle copies stay inside the home.
+``[scheduler] scheduler_heartbeat_sec = 1``, ``scheduler_idle_sleep_time = 0.2``
+    The scheduler notices a finished trigger, a finished task or a new run within a fraction of a
+    second: the time from a rank's failure to the end of the run is mostly Airflow's own latency.
+``[scheduler] parsing_cleanup_interval = 30``, ``task_queued_timeout_check_interval = 30``
+    Housekeeping loops that need not wait minutes in a short-lived stack.
+``[triggerer]`` (capacity 1000, the default) and ``[triggerer] job_heartbeat_sec = 2``
+    One triggerer runs every rank trigger and gang sensor trigger; a frequent heartbeat lets
+    :meth:`AirflowStack.restart_triggerer` see the new triggerer's job quickly.
+``scheduler --skip-serve-logs``, ``triggerer --skip-serve-logs``, free ``[logging] *_log_server_port``
+    Every process shares one disk, so the api-server reads task and trigger logs straight from
+    ``<home>/logs``; no log-server processes are needed, and the ports point at nothing that another
+    stack on this machine (default 8793/8794) could answer.
+``[logging] base_log_folder = <home>/logs``
+    Task logs (``dag_id=.../run_id=.../task_id=...``) sit next to the services' own ``*.log``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+from urllib.parse import quote
+
+import httpx
+
+#: start order; ``stop()`` terminates them all at once
+SERVICES: tuple[str, ...] = ("api-server", "scheduler", "dag-processor", "triggerer")
+FINISHED_RUN_STATES = frozenset({"success", "failed"})
+
+
+class StackError(RuntimeError):
+    """A service died, the API answered with an error, or something did not happen in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def parse_time(value: str | None) -> float | None:
+    """An API timestamp (ISO 8601, ``Z`` or offset) as epoch seconds."""
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(entry.name))
+    return found
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def render_log(content: Iterable[Any]) -> str:
+    """The structured log messages of the log API as text lines, exceptions included."""
+    skip = {"timestamp", "event", "level", "logger", "error_detail"}
+    out = []
+    for item in content:
+        if not isinstance(item, Mapping):
+            out.append(str(item))
+            continue
+        event = str(item.get("event", ""))
+        if event in ("::group::Log message source details", "::endgroup::") or not (
+            item.get("timestamp") or item.get("level")
+        ):
+            out.append(event)  # the sources header
+            continue
+        head = " ".join(
+            str(part)
+            for part in (item.get("timestamp"), f"[{item.get('level', '')}]", item.get("logger"))
+            if part
+        )
+        extra = " ".join(f"{k}={v}" for k, v in item.items() if k not in skip)
+        out.append(f"{head} - {event}" + (f" {extra}" if extra else ""))
+        for exc in item.get("error_detail") or []:
+            if isinstance(exc, Mapping):
+                out.append(f"{exc.get('exc_type', 'Exception')}: {exc.get('exc_value', '')}")
+                for fr in exc.get("frames") or []:
+                    if isinstance(fr, Mapping):
+                        out.append(
+                            f"  File {fr.get('filename')}, line {fr.get('lineno')}, in {fr.get('name')}"
+                        )
+            else:
+                out.append(str(exc))
+    return "\n".join(out)
+
+
+class AirflowStack:
+    """api-server + scheduler + dag-processor + triggerer with LocalExecutor and SQLite, on loopback.
+
+    Use it as a context manager (``with AirflowStack(home, dags) as stack:``): ``start()`` and
+    ``wait_ready()`` on enter, ``stop()`` on exit, whatever happened; ``stop()`` is also registered
+    with :mod:`atexit`. Every ``timeout`` is in seconds.
+
+    :param home: ``AIRFLOW_HOME`` (created); the DB, ``airflow.cfg`` and ``logs/`` live there.
+    :param dags_folder: the DAG files to parse.
+    :param env: extra environment for every service (e.g. ``SKY_PROVIDER_HOME``); wins over the
+        stack's own settings. Inherited ``AIRFLOW__*`` / ``AIRFLOW_*`` variables are dropped, so the
+        caller's Airflow config never leaks into the stack.
+    :param parallelism: ``[core] parallelism`` (LocalExecutor worker slots).
+    """
+
+    def __init__(
+        self,
+        home: str | os.PathLike[str],
+        dags_folder: str | os.PathLike[str],
+        env: Mapping[str, str] | None = None,
+        *,
+        parallelism: int = 16,
+        python: str = sys.executable,
+        ready_timeout: float = 120.0,
+        stop_grace: float = 10.0,
+    ) -> None:
+        self.home = Path(home).resolve()
+        self.dags_folder = Path(dags_folder).resolve()
+        self.logs = self.home / "logs"
+        self.python = python
+        self.parallelism = parallelism
+        self.ready_timeout = ready_timeout
+        self.stop_grace = stop_grace
+        self.port = 0
+        self.extra_env = dict(env or {})
+        self.env: dict[str, str] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._stopping = False
+        self._client: httpx.Client | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _build_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+        h = str(self.home)
+        env.update(
+            {
+                "AIRFLOW_HOME": h,
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{h}/airflow.db",
+                "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
+                "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+                "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
+                "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": str(self.parallelism),
+                "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+                "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+                "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+                "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
+                "AIRFLOW__CORE__AUTH_MANAGER": (
+                    "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager"
+                ),
+                "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+                "AIRFLOW__CORE__FERNET_KEY": base64.urlsafe_b64encode(os.urandom(32)).decode(),
+                "AIRFLOW__API__HOST": "127.0.0.1",
+                "AIRFLOW__API__PORT": str(self.port),
+                "AIRFLOW__API__BASE_URL": self.url,
+                "AIRFLOW__API__WORKERS": "1",
+                "AIRFLOW__API__SECRET_KEY": secrets.token_hex(32),
+                "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
+                "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+                "AIRFLOW__DAG_PROCESSOR__BUNDLE_REFRESH_CHECK_INTERVAL": "1",
+                "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "30",
+                "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_STORAGE_PATH": f"{h}/dag_bundles",
+                "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
+                "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.2",
+                "AIRFLOW__SCHEDULER__PARSING_CLEANUP_INTERVAL": "30",
+                "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT_CHECK_INTERVAL": "30",
+                "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "2",
+                "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(self.logs),
+                "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+                "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.update(self.extra_env)
+        return env
+
+    def _command(self, service: str) -> list[str]:
+        cmd = [self.python, "-m", "airflow", service]
+        if service in ("scheduler", "triggerer"):
+            cmd.append("--skip-serve-logs")
+        return cmd
+
+    def _spawn(self, service: str) -> None:
+        log: IO[bytes] = open(self.logs / f"{service}.log", "ab")
+        try:
+            self.procs[service] = subprocess.Popen(
+                self._command(service),
+                env=self.env,
+                cwd=self.home,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: stop() kills the whole tree
+            )
+        finally:
+            log.close()
+
+    def start(self) -> AirflowStack:
+        """``airflow db migrate``, then every service; on any failure nothing is left running."""
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.env = self._build_env()
+        self._stopping = False
+        atexit.register(self.stop)
+        try:
+            with open(self.logs / "db-migrate.log", "ab") as log:
+                res = subprocess.run(
+                    [self.python, "-m", "airflow", "db", "migrate"],
+                    env=self.env,
+                    cwd=self.home,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    timeout=300,
+                )
+            if res.returncode != 0:
+                raise StackError(
+                    f"airflow db migrate failed ({res.returncode}):\n{_tail(self.logs / 'db-migrate.log')}"
+                )
+            for service in SERVICES:
+                self._spawn(service)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def check_alive(self) -> None:
+        """Raise (with the end of its log) if a service has exited."""
+        for service, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                raise StackError(
+                    f"airflow {service} exited with code {code}; end of {self.logs / service}.log:\n"
+                    + _tail(self.logs / f"{service}.log")
+                )
+
+    def health(self) -> dict[str, Any]:
+        data: dict[str, Any] = self._request("GET", "/api/v2/monitor/health")
+        return data
+
+    def wait_ready(self, timeout: float | None = None, dag_ids: Sequence[str] | None = None) -> None:
+        """Wait until the api-server answers, every service heartbeats and the DAGs are serialized.
+
+        :param dag_ids: the DAGs to wait for; by default every ``*.py`` file of ``dags_folder`` must
+            have produced a DAG (a file with an import error raises at once, with the error).
+        """
+        deadline = time.monotonic() + (self.ready_timeout if timeout is None else timeout)
+        last = "api-server not answering"
+        while True:
+            self.check_alive()
+            try:
+                health = self.health()
+                bad = [k for k, v in health.items() if (v or {}).get("status") != "healthy"]
+                if bad:
+                    last = f"not healthy yet: {bad}"
+                else:
+                    missing = self._dags_missing(dag_ids)
+                    if not missing:
+                        return
+                    last = f"DAGs not parsed yet: {missing}"
+            except (httpx.TransportError, StackError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() > deadline:
+                raise StackError(f"stack not ready after {timeout}s: {last}")
+            time.sleep(0.5)
+
+    def _dags_missing(self, dag_ids: Sequence[str] | None) -> list[str]:
+        errors = self._request("GET", "/api/v2/importErrors", params={"limit": 100})["import_errors"]
+        if errors:
+            raise StackError(
+                "DAG import errors:\n" + "\n".join(f"{e['filename']}: {e['stack_trace']}" for e in errors)
+            )
+        dags = self._request("GET", "/api/v2/dags", params={"limit": 1000, "paused": None})["dags"]
+        if dag_ids is not None:
+            have = {d["dag_id"] for d in dags}
+            missing = [d for d in dag_ids if d not in have]
+        else:
+            files = {Path(d["fileloc"]).resolve() for d in dags if d.get("fileloc")}
+            missing = [p.name for p in sorted(self.dags_folder.glob("*.py")) if p.resolve() not in files]
+        for dag_id in [d["dag_id"] for d in dags if dag_ids is None or d["dag_id"] in dag_ids]:
+            if not missing:  # the serialized DAG (what the scheduler runs) must be there too
+                try:
+                    self._request("GET", f"/api/v2/dags/{quote(dag_id)}/tasks")
+                except StackError:
+                    missing.append(dag_id)
+        return missing
+
+    def stop(self) -> None:
+        """SIGTERM every process group this stack started, SIGKILL what is left after the grace."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        procs, self.procs = self.procs, {}
+        for proc in procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        self._reap(procs.values(), self.stop_grace)
+        atexit.unregister(self.stop)
+
+    def _reap(self, procs: Iterable[subprocess.Popen[bytes]], grace: float) -> None:
+        procs = list(procs)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            for p in procs:
+                p.poll()
+            if not any(group_members(p.pid) for p in procs):
+                break
+            time.sleep(0.1)
+        for p in procs:
+            if group_members(p.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+        deadline = time.monotonic() + 5
+        while any(group_members(p.pid) for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def leftover_processes(self) -> list[int]:
+        """Processes still alive in the groups this stack started (empty after ``stop()``)."""
+        return [pid for p in self.procs.values() for pid in group_members(p.pid)]
+
+    def restart_triggerer(self, timeout: float = 60.0) -> None:
+        """Stop the triggerer (SIGTERM, its triggers are released) and start a new one; wait for it."""
+        old = self.procs.pop("triggerer", None)
+        if old is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(old.pid, signal.SIGTERM)
+            self._reap([old], self.stop_grace)
+        started = time.time()
+        self._spawn("triggerer")
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_alive()
+            with contextlib.suppress(httpx.TransportError, StackError):
+                tr = self.health().get("triggerer") or {}
+                beat = parse_time(tr.get("latest_triggerer_heartbeat"))
+                if tr.get("status") == "healthy" and beat is not None and beat >= started:
+                    return
+            if time.monotonic() > deadline:
+                raise StackError(f"the new triggerer did not heartbeat within {timeout}s")
+            time.sleep(0.5)
+
+    def __enter__(self) -> AirflowStack:
+        try:
+            self.start()
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- the REST API --------------------------------------------------------------------------
+
+    def _http(self) -> httpx.Client:
+        if self._client is None:
+            self._client = httpx.Client(base_url=self.url, timeout=30.0)
+        return self._client
+
+    def _request(
+        self, method: str, path: str, *, params: Mapping[str, Any] | None = None, json: Any = None
+    ) -> Any:
+        given = {k: v for k, v in (params or {}).items() if v is not None}
+        resp = self._http().request(method, path, params=given, json=json)
+        if resp.status_code >= 400:
+            raise StackError(f"{method} {path} -> {resp.status_code}: {resp.text[:2000]}")
+        return resp.json() if resp.content else None
+
+    @staticmethod
+    def _ti_path(dag_id: str, run_id: str, task_id: str = "") -> str:
+        path = f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(run_id, safe='')}/taskInstances"
+        return f"{path}/{quote(task_id)}" if task_id else path
+
+    def unpause(self, dag_id: str) -> None:
+        self._request("PATCH", f"/api/v2/dags/{quote(dag_id)}", json={"is_paused": False})
+
+    def trigger(self, dag_id: str, conf: Mapping[str, Any] | None = None, *, unpause: bool = True) -> str:
+        """Start a manual run now; returns its run id."""
+        if unpause:
+            self.unpause(dag_id)
+        run = self._request(
+            "POST",
+            f"/api/v2/dags/{quote(dag_id)}/dagRuns",
+            json={"logical_date": None, "conf": dict(conf or {})},
+        )
+        return str(run["dag_run_id"])
+
+    def dag_run(self, dag_id: str, run_id: str) -> dict[str, Any]:
+        """The run as the API shows it (``state``, ``start_date``, ``end_date``, ...)."""
+        run: dict[str, Any] = self._request(
+            "GET", f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(run_id, safe='')}"
+        )
+        return run
+
+    def wait_run(self, dag_id: str, run_id: str, timeout: float = 120.0) -> str:
+        """Wait until the run is ``success`` or ``failed``; returns that state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_alive()
+            state = str(self.dag_run(dag_id, run_id)["state"])
+            if state in FINISHED_RUN_STATES:
+                return state
+            if time.monotonic() > deadline:
+                tis = ", ".join(
+                    f"{t['task_id']}[{t['map_index']}]={t['state']}"
+                    for t in self.task_instances(dag_id, run_id)
+                )
+                raise StackError(f"{dag_id} run {run_id} still {state} after {timeout}s: {tis}")
+            time.sleep(0.5)
+
+    def task_instances(self, dag_id: str, run_id: str) -> list[dict[str, Any]]:
+        """Every task instance of the run (mapped ones one per map index), sorted by task and index."""
+        data = self._request("GET", self._ti_path(dag_id, run_id), params={"limit": 1000})
+        keys = (
+            "task_id",
+            "map_index",
+            "rendered_map_index",
+            "state",
+            "start_date",
+            "end_date",
+            "duration",
+            "try_number",
+        )
+        tis = [{k: ti.get(k) for k in keys} for ti in data["task_instances"]]
+        return sorted(tis, key=lambda t: (t["task_id"], t["map_index"]))
+
+    def task_log(
+        self, dag_id: str, run_id: str, task_id: str, map_index: int = -1, try_number: int = 1
+    ) -> str:
+        """The task's whole log as text: the worker's part and the triggerer's part, interleaved."""
+        data = self._request(
+            "GET",
+            f"{self._ti_path(dag_id, run_id, task_id)}/logs/{try_number}",
+            params={"map_index": map_index, "full_content": "true"},
+        )
+        return render_log(data.get("content") or [])
+
+    def xcom(
+        self, dag_id: str, run_id: str, task_id: str, key: str = "return_value", map_index: int = -1
+    ) -> Any:
+        """The XCom value (JSON-decoded); ``None`` if there is none."""
+        try:
+            entry = self._request(
+                "GET",
+                f"{self._ti_path(dag_id, run_id, task_id)}/xcomEntries/{quote(key)}",
+                params={"map_index": map_index},
+            )
+        except StackError as exc:
+            if "-> 404" in str(exc):
+                return None
+            raise
+        value = entry.get("value")
+        if isinstance(value, str):
+            import json
+
+            with contextlib.suppress(ValueError):
+                return json.loads(value)
+        return value
+
+    def mark_failed(self, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> None:
+        """What a user does in the UI: set the task instance's state to failed."""
+        path = self._ti_path(dag_id, run_id, task_id)
+        if map_index >= 0:
+            path += f"/{map_index}"
+        self._request("PATCH", path, json={"new_state": "failed"})

@@ -1,0 +1,125 @@
+"""Every example DAG under ``dag.test()`` (tasks one at a time, triggers inline), states read from Airflow."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from leaks import processes_under
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "dags_examples" / f"{name}.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(name: str) -> tuple[Any, dict[tuple[str, int], Any]]:
+    dag = _load(name).dag
+    dr = dag.test()
+    tis = {(ti.task_id.split(".", 1)[1], ti.map_index): ti for ti in dr.get_task_instances()}
+    return dr, tis
+
+
+def _out(capfd: pytest.CaptureFixture[str]) -> str:
+    out, err = capfd.readouterr()
+    return out + err
+
+
+def _states(tis: dict[tuple[str, int], Any], task: str) -> dict[int, str]:
+    return {mi: str(ti.state) for (tid, mi), ti in tis.items() if tid == task}
+
+
+@pytest.fixture(autouse=True)
+def _db(airflow_db: Path) -> None:
+    """dag.test() needs the metadata DB."""
+
+
+def test_sky_hello(sky_home: Path) -> None:
+    dr, tis = _run("sky_hello")
+    assert str(dr.state) == "success"
+    assert _states(tis, "rank") == {0: "success", 1: "success", 2: "success", 3: "success"}
+    assert tis[("gang", -1)].state == "success"
+    assert tis[("down", -1)].state == "success"
+    assert not list((sky_home / "local").glob("sky-*"))  # the cluster directory is gone
+
+
+def test_sky_fail_fast(sky_home: Path) -> None:
+    dr, tis = _run("sky_fail_fast")
+    assert str(dr.state) == "failed"
+    assert _states(tis, "rank") == {0: "failed", 1: "failed", 2: "failed", 3: "failed"}
+    assert tis[("gang", -1)].state == "failed"
+    assert tis[("down", -1)].state == "success"
+    # fails in seconds, not after the 10000 s sleeps
+    assert (dr.end_date - dr.start_date).total_seconds() < 120
+    assert not [p for p in processes_under(sky_home) if "sleep" in p[1]]
+
+
+def test_sky_segfault(sky_home: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    dr, tis = _run("sky_segfault")
+    text = _out(capfd)
+    assert str(dr.state) == "failed"
+    assert "segmentation fault (SIGSEGV)" in text
+    assert "rank 1 (127.0.1.2) exited with code 139: segmentation fault (SIGSEGV)" in text
+    assert tis[("down", -1)].state == "success"
+
+
+def test_sky_failed_setup(sky_home: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    dr, tis = _run("sky_failed_setup")
+    text = _out(capfd)
+    assert str(dr.state) == "failed"
+    assert tis[("cluster", -1)].state == "failed"
+    assert "FAILED_SETUP" in text and "rank 1 (127.0.1.2) exit code 1" in text
+    assert "pip install failed: no matching distribution" in text  # the tail of its setup log
+    assert "Setup stopped on ranks [0, 2]" in text
+    assert tis[("job", -1)].state == "upstream_failed"
+    # Airflow skips a teardown whose setup failed; the cluster task removed its own nodes instead
+    assert not list((sky_home / "local").glob("sky-*"))
+    assert not [p for p in processes_under(sky_home) if "sleep" in p[1]]
+
+
+def test_sky_yaml(sky_home: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    dr, tis = _run("sky_yaml")
+    text = _out(capfd)
+    assert str(dr.state) == "success"
+    assert "hello from a SkyPilot YAML: rank 1/2, master 127.0.1.1:29511" in text
+    assert "training step on rank 0" in text
+    assert _states(tis, "rank") == {0: "success", 1: "success"}
+
+
+def test_bad_input_fails_at_dag_parse_time() -> None:
+    from airflow.sdk import DAG
+
+    from airflow_provider_sky.spec import SpecError
+    from airflow_provider_sky.taskgroup import sky_gang
+
+    with DAG("bad", schedule=None):
+        with pytest.raises(SpecError, match="num_nodes"):
+            sky_gang("g", num_nodes=0, run="true")
+        with pytest.raises(SpecError, match="RANK"):
+            sky_gang("h", num_nodes=2, run="true", envs={"RANK": "3"})
+        with pytest.raises(SpecError, match="run"):
+            sky_gang("i", num_nodes=2)
+
+
+def test_rank_tasks_refuse_retries() -> None:
+    from airflow_provider_sky.operators.rank import SkyRankOperator
+
+    with pytest.raises(ValueError, match="siblings are gone"):
+        SkyRankOperator(task_id="r", cluster={}, rank=0, job_id="j", retries=2)
+
+
+def test_provider_is_registered() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "airflow", "providers", "list", "-o", "plain"], capture_output=True, text=True
+    )
+    assert "airflow-provider-sky" in out.stdout, out.stderr[-2000:]

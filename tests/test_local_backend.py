@@ -1,0 +1,62 @@
+"""The embedded local backend: addresses, stable rank order on reuse, limits, file sync."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from airflow_provider_sky.backends.base import BackendError
+from airflow_provider_sky.backends.local import LocalBackend
+from airflow_provider_sky.spec import SpecError, check_backend, task_from_args
+
+
+def test_nodes_get_their_own_loopback_ip_and_home(sky_home: Path) -> None:
+    b = LocalBackend(sky_home)
+    h = b.provision("a", task_from_args(num_nodes=3, run="true"))
+    assert h.ips == ["127.0.1.1", "127.0.1.2", "127.0.1.3"]
+    assert len({n.home for n in h.nodes}) == 3
+    other = b.provision("b", task_from_args(num_nodes=2, run="true"))
+    assert not set(other.ips) & set(h.ips)
+    b.terminate("a")
+    b.terminate("b")
+
+
+def test_reuse_keeps_rank_order_and_mismatch_is_clear(sky_home: Path) -> None:
+    b = LocalBackend(sky_home)
+    first = b.provision("a", task_from_args(num_nodes=4, run="true"))
+    again = b.provision("a", task_from_args(num_nodes=4, run="echo other"))
+    assert again.ips == first.ips and again.nodes[0].ip == first.nodes[0].ip
+    with pytest.raises(BackendError, match="exists with 4 nodes.*asks for 2"):
+        b.provision("a", task_from_args(num_nodes=2, run="true"))
+    b.terminate("a")
+
+
+def test_backend_limits_are_checked_before_provisioning(sky_home: Path) -> None:
+    b = LocalBackend(sky_home)
+    with pytest.raises(SpecError, match="num_nodes"):
+        check_backend(task_from_args(num_nodes=500, run="true"), b.capabilities)
+    with pytest.raises(SpecError, match="accelerators"):
+        check_backend(
+            task_from_args(num_nodes=1, run="true", resources={"accelerators": "V100:1"}), b.capabilities
+        )
+    with pytest.raises(SpecError, match="file_mounts"):
+        b.provision("x", task_from_args(num_nodes=1, run="true", file_mounts={"/etc/x": str(sky_home)}))
+    assert not (sky_home / "local" / "x").exists()
+
+
+def test_workdir_and_file_mounts_reach_every_node(sky_home: Path, tmp_path: Path) -> None:
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    (wd / "train.py").write_text("print('hi')\n")
+    data = tmp_path / "data.txt"
+    data.write_text("d\n")
+    b = LocalBackend(sky_home)
+    spec = task_from_args(num_nodes=2, run="true", workdir=str(wd), file_mounts={"~/data/d.txt": str(data)})
+    h = b.provision("a", spec)
+    b.sync_files(h, spec)
+    for n in h.nodes:
+        assert (Path(n.home) / "sky_workdir" / "train.py").read_text() == "print('hi')\n"
+        assert (Path(n.home) / "data" / "d.txt").read_text() == "d\n"
+        assert b.workdir(n, spec) == f"{n.home}/sky_workdir"
+    b.terminate("a")
