@@ -112,9 +112,11 @@ class SkyHook(BaseHook):
     def provision(self, name: str, spec: TaskSpec) -> ClusterHandle:
         self.check(spec)
         backend = self.get_backend()
-        handle = backend.provision(name, spec)
-        backend.sync_files(handle, spec)
-        return handle
+        return backend.provision(name, spec)
+
+    def sync_files(self, handle: ClusterHandle, spec: TaskSpec) -> None:
+        """``workdir`` and ``file_mounts`` to every node, before setup."""
+        self.get_backend().sync_files(handle, spec)
 
     def run_setup(
         self,

@@ -107,6 +107,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
     def _provision_and_setup(self, hook: SkyHook, name: str, spec: Any, context: Any) -> dict[str, Any]:
         handle = hook.provision(name, spec)  # a backend cleans up its own half-made cluster
         self._provisioning = name
+        hook.sync_files(handle, spec)
         for rank, node in enumerate(handle.nodes):
             self.log.info("node rank %s: %s", rank, node.ip)
         if spec.setup:

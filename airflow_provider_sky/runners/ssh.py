@@ -679,6 +679,30 @@ class _Wakeup(threading.Event):
         super().clear()
 
 
+#: after a timeout, seconds between SIGTERM and SIGKILL of the script's process group
+KILL_GRACE = 1.0
+
+
+def _signal_channel(chan: Channel, name: str) -> None:
+    """RFC 4254 ``signal`` request: sshd ``killpg``s the session (detached ``setsid`` jobs are untouched)."""
+    m = Message()
+    m.add_byte(bytes([MSG_CHANNEL_REQUEST]))
+    m.add_int(chan.remote_chanid)
+    m.add_string("signal")
+    m.add_boolean(False)
+    m.add_string(name)
+    chan.get_transport()._send_user_message(m)  # type: ignore[attr-defined]
+
+
+def _stop_remote(chan: Channel) -> None:
+    """A timed-out script must not keep running: TERM, a short grace, then KILL (best effort)."""
+    with contextlib.suppress(Exception):
+        _signal_channel(chan, "TERM")
+        if not chan.status_event.wait(KILL_GRACE):
+            _signal_channel(chan, "KILL")
+            chan.status_event.wait(KILL_GRACE)
+
+
 class SSHRunner(CommandRunner):
     """Runs ``sh -s -- ARGS`` on one node over a pooled SSH connection, script on stdin."""
 
@@ -774,7 +798,11 @@ class SSHRunner(CommandRunner):
             except (paramiko.SSHException, EOFError, OSError) as e:
                 raise RunnerError(self.host, f"cannot start the script on {cfg.address}: {e}") from e
             deadline = None if timeout is None else time.monotonic() + timeout
-            stdout, stderr = self._pump(chan, script.encode(), deadline, timeout)
+            try:
+                stdout, stderr = self._pump(chan, script.encode(), deadline, timeout)
+            except CommandTimeout:
+                _stop_remote(chan)
+                raise
             status = chan.exit_status
             if status == -1 and not chan.get_transport().is_active():
                 raise RunnerError(self.host, f"connection to {cfg.address} was lost while the script ran")
