@@ -18,6 +18,31 @@ log = logging.getLogger(__name__)
 CONN_TYPES = {"sky_local": "local", "sky_ssh": "ssh"}
 
 
+def merge_ssh_connection(config: dict[str, Any], ssh_conn: Any) -> dict[str, Any]:
+    """Fill what a ``sky_ssh`` connection leaves empty from a standard ``ssh`` connection (not asked twice).
+
+    The ``ssh`` connection's host (comma-separated hosts allowed), login, port, password or
+    ``private_key``/``key_file`` extras and pinned ``host_key`` are used; the ``sky_ssh`` fields win.
+    """
+    extra = dict(ssh_conn.extra_dejson)
+    merged: dict[str, Any] = {}
+    for key, value in {
+        "host": ssh_conn.host,
+        "login": ssh_conn.login,
+        "port": ssh_conn.port,
+        "private_key": extra.get("private_key"),
+        "key_file": extra.get("key_file"),
+        "private_key_passphrase": extra.get("private_key_passphrase"),
+        "pinned_host_keys": extra.get("host_key"),
+    }.items():
+        if value not in (None, ""):
+            merged[key] = value
+    if str(extra.get("no_host_key_check", "")).lower() == "true":
+        merged["host_key_policy"] = "skip"
+    merged.update({k: v for k, v in config.items() if v not in (None, "")})
+    return merged
+
+
 class SetupFailed(Exception):
     """Setup failed on at least one node; the others' setups were stopped."""
 
@@ -69,7 +94,10 @@ class SkyHook(BaseHook):
             if self.sky_conn_id == self.default_conn_name:
                 return "local", {}
             raise
-        return self._config_from(conn)
+        kind, config = self._config_from(conn)
+        if config.get("ssh_conn_id"):
+            config = merge_ssh_connection(config, self.get_connection(config["ssh_conn_id"]))
+        return kind, config
 
     async def abackend_config(self) -> tuple[str, dict[str, Any]]:
         """Same as :meth:`backend_config`, for triggers (never blocks the event loop)."""
@@ -81,7 +109,10 @@ class SkyHook(BaseHook):
             if self.sky_conn_id == self.default_conn_name:
                 return "local", {}
             raise
-        return self._config_from(conn)
+        kind, config = self._config_from(conn)
+        if config.get("ssh_conn_id"):
+            config = merge_ssh_connection(config, await self.aget_connection(config["ssh_conn_id"]))
+        return kind, config
 
     def get_backend(self) -> Backend:
         if self._backend is None:
@@ -166,3 +197,28 @@ class SkyHook(BaseHook):
 
     def teardown(self, name: str, grace: float = 3.0) -> bool:
         return self.get_backend().terminate(name, grace=grace)
+
+
+class SkySSHHook(SkyHook):
+    """A gang on existing machines: a ``sky_ssh`` connection lists the hosts (head first) and the key.
+
+    Host keys are verified by default (``known_hosts`` or keys pinned in the connection); ``skip`` is an
+    explicit opt-out that logs a warning. ``ssh_conn_id`` reuses a standard ``ssh`` connection's hosts,
+    user and key instead of asking for them twice.
+    """
+
+    conn_type = "sky_ssh"
+    hook_name = "Sky SSH cluster"
+    default_conn_name = "sky_ssh_default"
+
+    @classmethod
+    def get_ui_field_behaviour(cls) -> dict[str, Any]:
+        return {
+            "hidden_fields": ["schema"],
+            "relabeling": {
+                "host": "Hosts (head first, comma-separated)",
+                "login": "User",
+                "password": "Private key (text)",
+            },
+            "placeholders": {"host": "10.0.0.1, 10.0.0.2:2222, gpu-3", "port": "22"},
+        }

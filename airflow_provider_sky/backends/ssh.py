@@ -1,0 +1,327 @@
+"""Gangs on existing machines over SSH: the hosts are given, "provisioning" checks and reserves them.
+
+A cluster is a named set of hosts. Its record (rank order, resolved homes) is kept on the head node in
+``~/.sky_airflow/clusters/<name>.json``, so any worker that can reach the head finds it. Each node's
+runtime directory is ``~/.sky_airflow/<cluster>``; teardown kills everything under it and removes it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import shlex
+import socket
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from airflow_provider_sky import runtime
+from airflow_provider_sky.backends.base import Backend, BackendError, ClusterHandle, Node
+from airflow_provider_sky.runners.base import RunnerError
+from airflow_provider_sky.runners.ssh import SSHNodeConfig, SSHRunner, wait_for_ssh
+from airflow_provider_sky.spec import BackendCapabilities, TaskSpec
+
+log = logging.getLogger(__name__)
+
+#: default bound on hosts contacted at once (connections are then reused)
+DEFAULT_MAX_PARALLEL = 32
+
+_HOME_SCRIPT = 'printf "%s\\n" "$HOME"; nproc 2>/dev/null || echo 0; ' + (
+    "awk '/MemTotal/ {print $2}' /proc/meminfo 2>/dev/null || echo 0"
+)
+_READ_SCRIPT = '[ -f "$1" ] && cat "$1"; exit 0'
+_WRITE_SCRIPT = 'mkdir -p "$(dirname "$1")" && umask 077 && cat > "$1.tmp" && mv "$1.tmp" "$1"'
+
+
+def _split_host(entry: str, default_port: int) -> tuple[str, int]:
+    """``host``, ``host:port``, ``[v6]:port`` → (host, port)."""
+    entry = entry.strip()
+    if entry.startswith("["):
+        host, _, rest = entry[1:].partition("]")
+        return host, int(rest[1:]) if rest.startswith(":") else default_port
+    if entry.count(":") == 1:
+        host, port = entry.split(":")
+        return host, int(port)
+    return entry, default_port
+
+
+def _resolve_ip(host: str) -> str:
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return str(socket.getaddrinfo(host, None)[0][4][0])
+
+
+def _ip_int(ip: str) -> int:
+    return int(ipaddress.ip_address(ip))
+
+
+class SSHBackend(Backend):
+    """Existing machines reached over SSH (paramiko), one rank per host."""
+
+    kind = "ssh"
+
+    def __init__(
+        self,
+        hosts: Sequence[str],
+        *,
+        user: str,
+        port: int = 22,
+        head: str | None = None,
+        private_key: str | None = None,
+        key_file: str | None = None,
+        passphrase: str | None = None,
+        host_key_policy: str = "verify",
+        known_hosts: str | None = None,
+        pinned_host_keys: Mapping[str, str] | Sequence[str] = (),
+        connect_timeout: float = 10.0,
+        ready_timeout: float = 30.0,
+        max_parallel: int = DEFAULT_MAX_PARALLEL,
+    ) -> None:
+        if not hosts:
+            raise BackendError(
+                "hosts: the SSH connection lists no hosts; give them head first, comma-separated"
+            )
+        if not user:
+            raise BackendError("login: the SSH connection needs a user name")
+        self.endpoints = [_split_host(h, port) for h in hosts]
+        self.user = user
+        self.head = _split_host(head, port) if head else self.endpoints[0]
+        if self.head not in self.endpoints:
+            raise BackendError(f"head: {head!r} is not one of the hosts {list(hosts)}")
+        self.private_key = private_key
+        self.key_file = key_file
+        self.passphrase = passphrase
+        self.host_key_policy = host_key_policy
+        self.known_hosts = known_hosts
+        self.pinned = pinned_host_keys
+        self.connect_timeout = connect_timeout
+        self.ready_timeout = ready_timeout
+        self.max_parallel = max(1, int(max_parallel))
+        self.capabilities = BackendCapabilities(
+            name="ssh",
+            max_nodes=len(self.endpoints),
+            supported_resources=frozenset({"cpus", "memory", "labels", "cloud"}),
+            clouds=frozenset({"ssh"}),
+        )
+        self._runners: dict[tuple[str, int], SSHRunner] = {}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> SSHBackend:
+        """From a ``sky_ssh`` connection: host = hosts (comma-separated), login, port, password = key text."""
+        hosts = config.get("hosts") or config.get("host") or ""
+        if isinstance(hosts, str):
+            hosts = [h for h in (p.strip() for p in hosts.replace("\n", ",").split(",")) if h]
+        pinned = config.get("pinned_host_keys") or config.get("host_keys") or ()
+        if isinstance(pinned, str):
+            pinned = [line for line in pinned.splitlines() if line.strip()]
+        return cls(
+            hosts,
+            user=config.get("login") or config.get("user") or "",
+            port=int(config.get("port") or 22),
+            head=config.get("head"),
+            private_key=config.get("private_key") or config.get("password"),
+            key_file=config.get("key_file"),
+            passphrase=config.get("private_key_passphrase"),
+            host_key_policy=config.get("host_key_policy", "verify"),
+            known_hosts=config.get("known_hosts"),
+            pinned_host_keys=pinned,
+            connect_timeout=float(config.get("connect_timeout", 10.0)),
+            ready_timeout=float(config.get("ready_timeout", 30.0)),
+            max_parallel=int(config.get("max_parallel", DEFAULT_MAX_PARALLEL)),
+        )
+
+    # -- connections ------------------------------------------------------------------------------
+
+    def _pins_for(self, host: str, port: int) -> tuple[str, ...]:
+        if isinstance(self.pinned, Mapping):
+            v = self.pinned.get(f"{host}:{port}") or self.pinned.get(host) or ()
+            return (v,) if isinstance(v, str) else tuple(v)
+        return tuple(self.pinned)
+
+    def _config(self, host: str, port: int) -> SSHNodeConfig:
+        return SSHNodeConfig(
+            host,
+            user=self.user,
+            port=port,
+            private_key=self.private_key,
+            key_file=self.key_file,
+            passphrase=self.passphrase,
+            host_key_policy=self.host_key_policy,  # type: ignore[arg-type]
+            known_hosts=self.known_hosts,
+            pinned_host_keys=self._pins_for(host, port),
+            connect_timeout=self.connect_timeout,
+        )
+
+    def _runner_for(self, host: str, port: int) -> SSHRunner:
+        if (host, port) not in self._runners:
+            self._runners[(host, port)] = SSHRunner(self._config(host, port))
+        return self._runners[(host, port)]
+
+    def runner(self, node: Node) -> SSHRunner:
+        return self._runner_for(node.extra["host"], int(node.extra["port"]))
+
+    def close(self) -> None:
+        for r in self._runners.values():
+            r.close()
+        self._runners.clear()
+
+    def _map(self, fn: Any, items: Sequence[Any]) -> list[Any]:
+        """Run ``fn`` over items in parallel (bounded); exceptions are returned, not raised."""
+
+        def safe(item: Any) -> Any:
+            try:
+                return fn(item)
+            except Exception as exc:  # reported per host by the caller
+                return exc
+
+        with ThreadPoolExecutor(min(self.max_parallel, max(1, len(items)))) as pool:
+            return list(pool.map(safe, items))
+
+    # -- records ----------------------------------------------------------------------------------
+
+    def _head_runner(self) -> SSHRunner:
+        return self._runner_for(*self.head)
+
+    def _record_path(self, name: str) -> str:
+        runtime.check_job_id(name)
+        return f".sky_airflow/clusters/{name}.json"
+
+    def find(self, name: str) -> ClusterHandle | None:
+        res = self._head_runner().run_script(_READ_SCRIPT, [self._record_path(name)], timeout=30)
+        if res.returncode != 0:
+            raise BackendError(
+                f"reading the cluster record on the head {self.head[0]} failed: {res.error_text}"
+            )
+        return ClusterHandle.from_dict(json.loads(res.stdout)) if res.stdout.strip() else None
+
+    def _write_record(self, handle: ClusterHandle) -> None:
+        data = json.dumps(handle.to_dict(), indent=1)
+        script = _WRITE_SCRIPT + " <<'SKY_RECORD_EOF'\n" + data + "\nSKY_RECORD_EOF\n"
+        res = self._head_runner().run_script(script, [self._record_path(handle.name)], timeout=30)
+        if res.returncode != 0:
+            raise BackendError(f"writing the cluster record on {self.head[0]} failed: {res.error_text}")
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def _probe(self, endpoint: tuple[str, int]) -> tuple[str, int, str, int, int]:
+        host, port = endpoint
+        wait_for_ssh(host, port, self.ready_timeout)
+        res = self._runner_for(host, port).run_script(_HOME_SCRIPT, timeout=self.connect_timeout + 20)
+        if res.returncode != 0:
+            raise BackendError(f"{self.user}@{host}:{port}: probe failed: {res.error_text}")
+        lines = res.text.split("\n")
+        return host, port, lines[0].strip(), int(lines[1] or 0), int(lines[2] or 0)
+
+    def provision(self, name: str, spec: TaskSpec) -> ClusterHandle:
+        """Check every host answers and authenticates before anything runs; keep a stored rank order."""
+        runtime.check_job_id(name)
+        if spec.num_nodes > len(self.endpoints):
+            raise BackendError(
+                f"num_nodes: the task asks for {spec.num_nodes} nodes but the SSH connection has "
+                f"{len(self.endpoints)} hosts; add hosts or lower num_nodes"
+            )
+        existing = self.find(name)
+        if existing is not None:
+            if len(existing.nodes) != spec.num_nodes:
+                raise BackendError(
+                    f"cluster {name!r} exists with {len(existing.nodes)} nodes but the task asks for "
+                    f"{spec.num_nodes}: tear it down first or use another cluster name"
+                )
+            chosen = [(n.extra["host"], int(n.extra["port"])) for n in existing.nodes]
+        else:
+            others = [e for e in self.endpoints if e != self.head]
+            others.sort(key=lambda e: (_ip_int(_resolve_ip(e[0])), e[1]))
+            chosen = [self.head, *others][: spec.num_nodes]
+        probes = self._map(self._probe, chosen)
+        errors = [
+            f"{h}:{p}: {e}" for (h, p), e in zip(chosen, probes, strict=True) if isinstance(e, Exception)
+        ]
+        if errors:
+            raise BackendError("hosts not usable, nothing was started: " + "; ".join(errors))
+        self._check_resources(spec, probes)
+        by_key = {(_resolve_ip(host), port): (host, port, home) for host, port, home, _, _ in probes}
+        if existing is not None:  # the stored order, never re-sorted on reuse
+            order = [(_resolve_ip(n.extra["host"]), int(n.extra["port"])) for n in existing.nodes]
+        else:  # head first, workers by IP numerically (the port only breaks ties between test hosts)
+            head_key = (_resolve_ip(chosen[0][0]), chosen[0][1])
+            workers = sorted((k for k in by_key if k != head_key), key=lambda k: (_ip_int(k[0]), k[1]))
+            order = [head_key, *workers]
+        nodes = []
+        for i, key in enumerate(order):
+            host, port, home = by_key[key]
+            nodes.append(
+                Node(
+                    ip=key[0],
+                    node_id=f"node-{i}",
+                    root=f"{home}/.sky_airflow/{name}",
+                    home=home,
+                    extra={"host": host, "port": port, "user": self.user},
+                )
+            )
+        handle = ClusterHandle(name=name, backend=self.kind, nodes=tuple(nodes), cloud="ssh")
+        self._write_record(handle)
+        return handle
+
+    def _check_resources(self, spec: TaskSpec, probes: Sequence[Any]) -> None:
+        """``cpus``/``memory`` on existing machines are checked, not ignored: too small is an error."""
+        res = spec.resources
+        for host, port, _, cpus, mem_kb in probes:
+            if res.cpus and cpus and float(res.cpus.rstrip("+")) > cpus:
+                raise BackendError(
+                    f"resources.cpus: {host}:{port} has {cpus} CPUs, the task asks for {res.cpus}"
+                )
+            if res.memory and mem_kb and float(res.memory.rstrip("+")) * 1024 * 1024 > mem_kb * 1.05:
+                raise BackendError(
+                    f"resources.memory: {host}:{port} has {mem_kb / 1024 / 1024:.1f} GiB, the task asks for "
+                    f"{res.memory} GiB"
+                )
+
+    def sync_files(self, handle: ClusterHandle, spec: TaskSpec) -> None:
+        def one(node: Node) -> None:
+            r = self.runner(node)
+            if spec.workdir:
+                r.put_tree(spec.workdir, f"{node.home}/sky_workdir")
+            for dest, src in spec.file_mounts.items():
+                target = f"{node.home}/{dest[2:]}" if dest.startswith("~/") else dest
+                if Path(src).is_dir():
+                    r.put_tree(src, target)
+                else:
+                    r.put_file(src, target)
+
+        errors = [
+            f"{n.ip}: {e}" for n, e in zip(handle.nodes, self._map(one, list(handle.nodes)), strict=True) if e
+        ]
+        if errors:
+            raise BackendError("copying workdir/file_mounts failed: " + "; ".join(errors))
+
+    def terminate(self, name: str, grace: float = 2.0) -> bool:
+        handle = self.find(name)
+        if handle is None:
+            return False
+        script = runtime.teardown_script()
+
+        def one(node: Node) -> None:
+            res = self.runner(node).run_script(script, [node.root, f"{grace:.3f}"], timeout=grace + 60)
+            if res.returncode != 0:
+                raise BackendError(f"teardown of {node.ip} failed: {res.error_text}")
+
+        results = self._map(one, list(handle.nodes))
+        lost = [
+            f"{n.ip}: {e}" for n, e in zip(handle.nodes, results, strict=True) if isinstance(e, Exception)
+        ]
+        for n, e in zip(handle.nodes, results, strict=True):
+            if isinstance(e, RunnerError):
+                log.warning(
+                    "Node %s unreachable during teardown (%s); nothing of the cluster runs on it "
+                    "unless it comes back",
+                    n.ip,
+                    e,
+                )
+        if lost and not all(isinstance(e, RunnerError) or e is None for e in results):
+            raise BackendError("teardown failed: " + "; ".join(lost))
+        rm = f"rm -f {shlex.quote(self._record_path(name))}"
+        self._head_runner().run_script(rm, timeout=30)
+        return True
