@@ -122,7 +122,8 @@ def _ensure_user(name: str) -> pwd.struct_passwd:
             return pwd.getpwnam(name)
         except KeyError:
             shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
-            _run("useradd", "--create-home", "--shell", shell, "--password", "*", name)
+            useradd = shutil.which("useradd") or "/usr/sbin/useradd"  # /usr/sbin may be off PATH
+            _run(useradd, "--create-home", "--shell", shell, "--password", "*", name)
             return pwd.getpwnam(name)
 
 

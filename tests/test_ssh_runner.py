@@ -345,7 +345,7 @@ def test_host_key_mismatch_runs_nothing(cluster4: SSHDCluster, tmp_path: Path) -
 
 
 def test_unknown_host_accept_new_and_skip(
-    cluster4: SSHDCluster, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    cluster4: SSHDCluster, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     node = cluster4.nodes[2]
     fresh = tmp_path / "sub" / "known_hosts"
@@ -370,6 +370,7 @@ def test_unknown_host_accept_new_and_skip(
         )
 
     ssh.close_all()
+    monkeypatch.setattr(ssh, "_SKIP_WARNED", set())  # "once per host" is per process
     caplog.set_level(logging.WARNING, logger="airflow_provider_sky.runners.ssh")
     skip_cfg = cluster4.node_config(3, known_hosts=str(tmp_path / "none"), host_key_policy="skip")
     for _ in range(3):
@@ -432,7 +433,7 @@ def test_unreachable_host(make_cluster: Callable[..., SSHDCluster]) -> None:
     assert 0 <= wait_for_ssh(cluster.nodes[0].host, cluster.nodes[0].port, timeout=5) < 1
 
 
-def test_dropped_connection_reconnects(cluster4: SSHDCluster) -> None:
+def test_dropped_connection_reconnects(cluster4: SSHDCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = SSHRunner(cluster4.node_config(0))
     user = cluster4.nodes[0].user
     assert runner.run_script("whoami").text == f"{user}\n"
@@ -465,8 +466,17 @@ def test_dropped_connection_reconnects(cluster4: SSHDCluster) -> None:
     cluster4.restart_node(0)  # same address and host key
     assert runner.run_script("whoami").text == f"{user}\n"
     assert ssh.pool_info()[0].connects == 3
-    runner.close()
+
+    ssh.close_all()  # a runner still holding the closed entry rejoins the pool on its next call
+    assert ssh.pool_info() == []
+    assert runner.run_script("whoami").text == f"{user}\n"
+    assert [(p.host, p.refs, p.connects) for p in ssh.pool_info()] == [(cluster4.nodes[0].host, 1, 1)]
+
+    runner.close()  # released; closed once idle for IDLE_TTL, swept when the pool is next used
     assert ssh.pool_info()[0].refs == 0
+    monkeypatch.setattr(ssh, "IDLE_TTL", 0.0)
+    assert SSHRunner(cluster4.node_config(1)).run_script("true").returncode == 0
+    assert [p.host for p in ssh.pool_info()] == [cluster4.nodes[1].host]
 
 
 # --------------------------------------------------------------------------------------------- files

@@ -171,8 +171,14 @@ def _same_key(a: paramiko.PKey, b: paramiko.PKey) -> bool:
 
 
 def _parse_public_key(line: str) -> paramiko.PKey:
-    """``"ssh-ed25519 AAAA... [comment]"`` -> PKey; raises ValueError on junk."""
+    """``"ssh-ed25519 AAAA... [comment]"`` (or a known_hosts line) -> PKey; raises ValueError on junk."""
     parts = line.split()
+    if (
+        len(parts) >= 3
+        and not parts[0].startswith(("ssh-", "ecdsa-"))
+        and parts[1].startswith(("ssh-", "ecdsa-"))
+    ):
+        parts = parts[1:]  # "host keytype base64": a line pasted from known_hosts
     if len(parts) < 2:
         raise ValueError(f"not a public key line: {line[:40]!r}")
     try:
@@ -496,6 +502,10 @@ def _connect(cfg: SSHNodeConfig, pkey: paramiko.PKey) -> tuple[paramiko.Transpor
 PoolKey = tuple[str, int, str, str]
 
 
+class _Retired(Exception):
+    """Internal: the pool entry was closed under a runner; it re-acquires one."""
+
+
 @dataclass(eq=False)
 class _PoolEntry:
     """One shared connection to a host; ``lock`` serialises (re)connects so a host gets one handshake."""
@@ -508,21 +518,26 @@ class _PoolEntry:
     refs: int = 0
     idle_since: float | None = None
     connects: int = 0
+    #: closed by close_all() or the idle sweep: runners holding it must take a fresh entry
+    retired: bool = False
 
-    def get(self, cfg: SSHNodeConfig, pkey: paramiko.PKey) -> paramiko.Transport:
+    def get(self, cfg: SSHNodeConfig, pkey: paramiko.PKey) -> tuple[paramiko.Transport, paramiko.PKey]:
+        """The live transport and the host key it was opened with, connecting first if needed."""
         with self.lock:
+            if self.retired:
+                raise _Retired
             t = self.transport
-            if t is not None and t.is_active():
-                return t
+            if t is not None and t.is_active() and self.host_key is not None:
+                return t, self.host_key
             if t is not None:
                 log.info("ssh connection to %s dropped; reconnecting", cfg.address)
                 t.close()
             self.transport = None
-            t, self.host_key = _connect(cfg, pkey)
-            self.transport = t
+            t, host_key = _connect(cfg, pkey)
+            self.transport, self.host_key = t, host_key
             self.connects += 1
             log.debug("ssh connected to %s as %s (connection #%d)", cfg.address, cfg.user, self.connects)
-            return t
+            return t, host_key
 
     def invalidate(self, t: paramiko.Transport) -> None:
         """Forget ``t`` if it is still the current one, so the next call reconnects."""
@@ -533,6 +548,7 @@ class _PoolEntry:
 
     def close(self) -> None:
         with self.lock:
+            self.retired = True
             t, self.transport = self.transport, None
         if t is not None:
             t.close()
@@ -737,12 +753,17 @@ class SSHRunner(CommandRunner):
 
     def _transport(self) -> tuple[_PoolEntry, paramiko.Transport]:
         """The shared transport, (re)connected if needed and checked against *this* runner's trust policy."""
-        entry = self._pool_entry()
-        t = entry.get(self.config, self._key())
+        while True:
+            entry = self._pool_entry()
+            try:
+                t, host_key = entry.get(self.config, self._key())
+                break
+            except _Retired:  # close_all() ran: rejoin the pool rather than keep a private connection
+                with self._lock:
+                    if self._entry is entry:
+                        self._entry = None
+                        self._verified = None
         if self._verified is not t:
-            host_key = entry.host_key
-            if host_key is None:  # pragma: no cover - set together with the transport
-                raise RunnerError(self.host, "connection has no host key")
             verify_host_key(self.config, host_key)
             self._verified = t
         return entry, t
