@@ -10,6 +10,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+
 from leaks import processes_under
 
 REPO = Path(__file__).resolve().parent.parent

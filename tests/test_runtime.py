@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-from leaks import processes_under
 
 from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.jobs import GangClient, watch
 from airflow_provider_sky.spec import task_from_args
+from leaks import processes_under
 
 
 @pytest.fixture

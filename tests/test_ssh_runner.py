@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sshd import SSHDCluster, user_processes
 
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.runners.base import CALLS, RunnerError
@@ -29,6 +28,7 @@ from airflow_provider_sky.runners.ssh import (
     UnknownHostKey,
     wait_for_ssh,
 )
+from sshd import SSHDCluster, user_processes
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/usr/sbin/sshd"), reason="needs root and openssh-server"

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 from airflow.triggers.shared_stream import SharedStreamManager
-from leaks import processes_under
 
 from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners.base import CALLS
 from airflow_provider_sky.spec import task_from_args
 from airflow_provider_sky.triggers.gang import SkyGangTrigger, SkyRankTrigger
+from leaks import processes_under
 
 
 def _start(sky_home: Path, n: int, run: str) -> tuple[LocalBackend, dict[str, Any]]:

@@ -32,7 +32,23 @@ _HOME_SCRIPT = 'printf "%s\\n" "$HOME"; nproc 2>/dev/null || echo 0; ' + (
     "awk '/MemTotal/ {print $2}' /proc/meminfo 2>/dev/null || echo 0"
 )
 _READ_SCRIPT = '[ -f "$1" ] && cat "$1"; exit 0'
-_WRITE_SCRIPT = 'mkdir -p "$(dirname "$1")" && umask 077 && cat > "$1.tmp" && mv "$1.tmp" "$1"'
+_WRITE_SCRIPT = """set -e
+mkdir -p "$(dirname "$1")"
+umask 077
+cat > "$1.tmp" <<'SKY_RECORD_EOF'
+__DATA__
+SKY_RECORD_EOF
+mv "$1.tmp" "$1"
+"""
+
+
+def _split_user(entry: str, default_user: str) -> tuple[str, str]:
+    """``user@host...`` → (user, rest); hosts may each have their own user."""
+    entry = entry.strip()
+    if "@" in entry:
+        user, _, rest = entry.partition("@")
+        return user, rest
+    return default_user, entry
 
 
 def _split_host(entry: str, default_port: int) -> tuple[str, int]:
@@ -84,11 +100,19 @@ class SSHBackend(Backend):
             raise BackendError(
                 "hosts: the SSH connection lists no hosts; give them head first, comma-separated"
             )
-        if not user:
-            raise BackendError("login: the SSH connection needs a user name")
-        self.endpoints = [_split_host(h, port) for h in hosts]
+        self.users: dict[tuple[str, int], str] = {}
+        self.endpoints = []
+        for entry in hosts:
+            host_user, rest = _split_user(entry, user)
+            endpoint = _split_host(rest, port)
+            if not host_user:
+                raise BackendError(
+                    f"login: no user for host {rest!r}; set the connection's login or write user@host"
+                )
+            self.users[endpoint] = host_user
+            self.endpoints.append(endpoint)
         self.user = user
-        self.head = _split_host(head, port) if head else self.endpoints[0]
+        self.head = _split_host(_split_user(head, user)[1], port) if head else self.endpoints[0]
         if self.head not in self.endpoints:
             raise BackendError(f"head: {head!r} is not one of the hosts {list(hosts)}")
         self.private_key = private_key
@@ -144,7 +168,7 @@ class SSHBackend(Backend):
     def _config(self, host: str, port: int) -> SSHNodeConfig:
         return SSHNodeConfig(
             host,
-            user=self.user,
+            user=self.users.get((host, port), self.user),
             port=port,
             private_key=self.private_key,
             key_file=self.key_file,
@@ -199,7 +223,7 @@ class SSHBackend(Backend):
 
     def _write_record(self, handle: ClusterHandle) -> None:
         data = json.dumps(handle.to_dict(), indent=1)
-        script = _WRITE_SCRIPT + " <<'SKY_RECORD_EOF'\n" + data + "\nSKY_RECORD_EOF\n"
+        script = _WRITE_SCRIPT.replace("__DATA__", data)  # JSON never holds the delimiter line
         res = self._head_runner().run_script(script, [self._record_path(handle.name)], timeout=30)
         if res.returncode != 0:
             raise BackendError(f"writing the cluster record on {self.head[0]} failed: {res.error_text}")
@@ -211,7 +235,7 @@ class SSHBackend(Backend):
         wait_for_ssh(host, port, self.ready_timeout)
         res = self._runner_for(host, port).run_script(_HOME_SCRIPT, timeout=self.connect_timeout + 20)
         if res.returncode != 0:
-            raise BackendError(f"{self.user}@{host}:{port}: probe failed: {res.error_text}")
+            raise BackendError(f"{self.users[endpoint]}@{host}:{port}: probe failed: {res.error_text}")
         lines = res.text.split("\n")
         return host, port, lines[0].strip(), int(lines[1] or 0), int(lines[2] or 0)
 
@@ -258,7 +282,7 @@ class SSHBackend(Backend):
                     node_id=f"node-{i}",
                     root=f"{home}/.sky_airflow/{name}",
                     home=home,
-                    extra={"host": host, "port": port, "user": self.user},
+                    extra={"host": host, "port": port, "user": self.users[(host, port)]},
                 )
             )
         handle = ClusterHandle(name=name, backend=self.kind, nodes=tuple(nodes), cloud="ssh")
