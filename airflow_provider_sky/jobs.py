@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
@@ -80,6 +81,8 @@ class GangClient:
         self.backend = backend
         self.handle = handle
         self._runners: dict[str, CommandRunner] = {}
+        #: values to mask when showing this job's logs (filled by whoever reads them)
+        self.secret_values: list[str] = []
 
     def runner(self, node: Node) -> CommandRunner:
         if node.node_id not in self._runners:
@@ -203,6 +206,15 @@ class GangClient:
     async def alog_tail(self, job_id: str, rank: int, size: int, nbytes: int = 2048) -> str:
         data = await self.aread_log(job_id, rank, max(0, size - nbytes), nbytes)
         return data.decode("utf-8", "replace")
+
+    async def asecret_values(self, job_id: str) -> list[str]:
+        """The job's secret values (from rank 0's node), so a log reader can mask them."""
+        node = self.node_of(0)
+        res = await self.runner(node).arun_script(
+            runtime.REDACT_SCRIPT, [node.root, runtime.check_job_id(job_id)]
+        )
+        text = res.text.strip()
+        return [str(v) for v in json.loads(text)] if res.returncode == 0 and text else []
 
     # -- cancel ---------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ arguments, so nothing a user wrote is ever on a command line.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets as _secrets
 import shlex
@@ -142,6 +143,14 @@ echo "REMOVED"
 """
 
 
+#: print the secret values of a job (rank 0's copy) for log masking; nothing if it has none
+REDACT_SCRIPT = r"""
+f="$1/jobs/$2/0/redact"
+[ -f "$f" ] && cat "$f"
+exit 0
+"""
+
+
 def teardown_script() -> str:
     """The teardown script with the cancel logic inlined (one remote call per node)."""
     body = '(\n  set -- "$root" "$grace" "$@"\n' + CANCEL_SCRIPT + "\n)"
@@ -208,6 +217,8 @@ def launch_script(root: str, job_id: str, ranks: Sequence[RankLaunch], wait_seco
         parts.append(_heredoc('"$d/env"', env_file(rl.env)))
         if rl.secrets:
             parts.append(_heredoc('"$d/secrets"', env_file(rl.secrets)))
+            # the values, so whoever shows this rank's log can mask them (kept 0600 until teardown)
+            parts.append(_heredoc('"$d/redact"', json.dumps(sorted(set(rl.secrets.values())))))
         parts.append(_heredoc('"$d/rank.sh"', WRAPPER))
         parts.append(f"cwd={q(rl.cwd)}")
         parts.append(

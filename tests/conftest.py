@@ -17,7 +17,12 @@ sys.path.insert(0, str(REPO / "tests"))
 # Airflow reads its config at import: set it before any test module imports airflow.
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="sky-tests-"))
 os.environ["AIRFLOW_HOME"] = str(_SESSION_DIR / "airflow")
-os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags_examples")
+# dag.test() only runs DAGs found in the dags folder: the examples plus the tests' own DAGs
+DAGS = _SESSION_DIR / "dags"
+DAGS.mkdir()
+(DAGS / "examples").symlink_to(REPO / "dags_examples")
+(DAGS / "tests").symlink_to(REPO / "tests" / "dags")
+os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(DAGS)
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
 os.environ["SKY_PROVIDER_HOME"] = str(_SESSION_DIR / "sky")

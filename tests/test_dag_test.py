@@ -16,8 +16,8 @@ from leaks import processes_under
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "dags_examples" / f"{name}.py")
+def _load(name: str, folder: str = "dags_examples") -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / folder / f"{name}.py")
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

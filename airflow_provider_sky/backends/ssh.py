@@ -70,6 +70,20 @@ def _resolve_ip(host: str) -> str:
         return str(socket.getaddrinfo(host, None)[0][4][0])
 
 
+def _number(config: Mapping[str, Any], key: str, default: Any, kind: Any) -> Any:
+    """A numeric connection field, or an error naming it (``port: 'ssh' is not a number``)."""
+    raw = config.get(key)
+    if raw in (None, ""):
+        return default
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        raise BackendError(f"{key}: {raw!r} is not a number; fix the connection field") from None
+    if value <= 0:
+        raise BackendError(f"{key}: must be positive, got {raw!r}")
+    return value
+
+
 def _ip_int(ip: str) -> int:
     return int(ipaddress.ip_address(ip))
 
@@ -115,6 +129,11 @@ class SSHBackend(Backend):
         self.head = _split_host(_split_user(head, user)[1], port) if head else self.endpoints[0]
         if self.head not in self.endpoints:
             raise BackendError(f"head: {head!r} is not one of the hosts {list(hosts)}")
+        if host_key_policy not in ("verify", "accept-new", "skip"):
+            raise BackendError(
+                f"host_key_policy: {host_key_policy!r} is not one of verify, accept-new, skip "
+                "(verify is the default; skip turns host-key checks off and logs a warning)"
+            )
         self.private_key = private_key
         self.key_file = key_file
         self.passphrase = passphrase
@@ -144,7 +163,7 @@ class SSHBackend(Backend):
         return cls(
             hosts,
             user=config.get("login") or config.get("user") or "",
-            port=int(config.get("port") or 22),
+            port=_number(config, "port", 22, int),
             head=config.get("head"),
             private_key=config.get("private_key") or config.get("password"),
             key_file=config.get("key_file"),
@@ -152,9 +171,9 @@ class SSHBackend(Backend):
             host_key_policy=config.get("host_key_policy", "verify"),
             known_hosts=config.get("known_hosts"),
             pinned_host_keys=pinned,
-            connect_timeout=float(config.get("connect_timeout", 10.0)),
-            ready_timeout=float(config.get("ready_timeout", 30.0)),
-            max_parallel=int(config.get("max_parallel", DEFAULT_MAX_PARALLEL)),
+            connect_timeout=_number(config, "connect_timeout", 10.0, float),
+            ready_timeout=_number(config, "ready_timeout", 30.0, float),
+            max_parallel=_number(config, "max_parallel", DEFAULT_MAX_PARALLEL, int),
         )
 
     # -- connections ------------------------------------------------------------------------------

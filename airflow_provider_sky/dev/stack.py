@@ -109,6 +109,28 @@ def group_members(pgid: int) -> list[int]:
     return found
 
 
+def processes_under(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """Live (non-zombie) processes whose cwd is inside ``path`` or whose command line names it."""
+    root = str(Path(path).resolve())
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+            try:
+                cwd = os.readlink(entry / "cwd")
+            except OSError:
+                cwd = ""
+        except (OSError, IndexError):
+            continue
+        if root in cmd or cwd == root or cwd.startswith(root + "/"):
+            found.append((int(entry.name), cmd or cwd))
+    return found
+
+
 def _tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -187,7 +209,7 @@ class AirflowStack:
         self.extra_env = dict(env or {})
         self.env: dict[str, str] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._stopping = False
+        self._groups: list[int] = []  # every process group ever started, for leftover_processes()
         self._client: httpx.Client | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -258,6 +280,7 @@ class AirflowStack:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stop() kills the whole tree
             )
+            self._groups.append(self.procs[service].pid)
         finally:
             log.close()
 
@@ -266,7 +289,6 @@ class AirflowStack:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.env = self._build_env()
-        self._stopping = False
         atexit.register(self.stop)
         try:
             with open(self.logs / "db-migrate.log", "ab") as log:
@@ -310,7 +332,8 @@ class AirflowStack:
         :param dag_ids: the DAGs to wait for; by default every ``*.py`` file of ``dags_folder`` must
             have produced a DAG (a file with an import error raises at once, with the error).
         """
-        deadline = time.monotonic() + (self.ready_timeout if timeout is None else timeout)
+        timeout = self.ready_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         last = "api-server not answering"
         while True:
             self.check_alive()
@@ -336,7 +359,7 @@ class AirflowStack:
             raise StackError(
                 "DAG import errors:\n" + "\n".join(f"{e['filename']}: {e['stack_trace']}" for e in errors)
             )
-        dags = self._request("GET", "/api/v2/dags", params={"limit": 1000, "paused": None})["dags"]
+        dags = self._request("GET", "/api/v2/dags", params={"limit": 1000})["dags"]
         if dag_ids is not None:
             have = {d["dag_id"] for d in dags}
             missing = [d for d in dag_ids if d not in have]
@@ -384,8 +407,8 @@ class AirflowStack:
             time.sleep(0.05)
 
     def leftover_processes(self) -> list[int]:
-        """Processes still alive in the groups this stack started (empty after ``stop()``)."""
-        return [pid for p in self.procs.values() for pid in group_members(p.pid)]
+        """Processes still alive in any group this stack started (empty after ``stop()``)."""
+        return [pid for pgid in self._groups for pid in group_members(pgid)]
 
     def restart_triggerer(self, timeout: float = 60.0) -> None:
         """Stop the triggerer (SIGTERM, its triggers are released) and start a new one; wait for it."""

@@ -9,7 +9,7 @@ from typing import Any
 
 from airflow.sdk.log import mask_secret
 
-from airflow_provider_sky.spec import TaskSpec, load_task_yaml, parse_task
+from airflow_provider_sky.spec import SpecError, TaskSpec, load_task_yaml, parse_task
 
 #: Python keyword arguments that override the YAML's top-level fields
 SPEC_FIELDS = ("name", "num_nodes", "resources", "setup", "run", "envs", "secrets", "workdir", "file_mounts")
@@ -38,9 +38,23 @@ def default_cluster_name(dag_id: str, run_id: str) -> str:
     return f"sky-{slug}-{hashlib.sha256(run_id.encode()).hexdigest()[:8]}"
 
 
+CLUSTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def check_cluster_name(name: str) -> str:
+    """Cluster names become directory names on every node: a safe alphabet only."""
+    if not CLUSTER_NAME_RE.match(name) or ".." in name:
+        raise SpecError(
+            "cluster_name",
+            f"{name!r} is not a valid cluster name: use 1-63 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit",
+        )
+    return name
+
+
 def resolve_cluster_name(name: str | None, context: Mapping[str, Any]) -> str:
     if name:
-        return name
+        return check_cluster_name(name)
     return default_cluster_name(context["dag"].dag_id, context["run_id"])
 
 

@@ -10,7 +10,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_sky.gang import job_id_for
 from airflow_provider_sky.hooks.sky import SetupFailed, SkyHook
-from airflow_provider_sky.operators._spec import SkySpecMixin, resolve_cluster_name
+from airflow_provider_sky.operators._spec import SkySpecMixin, check_cluster_name, resolve_cluster_name
 
 
 class SkyClusterOperator(SkySpecMixin, BaseOperator):
@@ -63,6 +63,8 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
             "file_mounts": file_mounts,
         }
         self._init_spec(task_yaml, task_config, overrides)
+        if cluster_name and "{" not in cluster_name:
+            check_cluster_name(cluster_name)  # bad input fails at DAG parse time
         self.cluster_name = cluster_name
         self.sky_conn_id = sky_conn_id
         self.poll_interval = poll_interval

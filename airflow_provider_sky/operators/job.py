@@ -63,7 +63,9 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         self.sky_conn_id = sky_conn_id
 
     def execute(self, context: Any) -> list[dict[str, Any]]:
-        return self.execute_resumable(context)
+        result = self.execute_resumable(context)
+        # on a re-attach the mixin returns poll_until_complete()'s value (None): build the ranks here
+        return result if result is not None else self.get_job_result(self._job_id, context)
 
     def _hook(self) -> SkyHook:
         return SkyHook(self.sky_conn_id)
@@ -96,8 +98,6 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
             status = client.poll(str(external_id), max_log=0).status
         finally:
             client.close()
-        if any(r.state in ("missing",) for r in status.ranks):
-            return "missing"
         if status.succeeded:
             return "succeeded"
         if status.failed or status.done:

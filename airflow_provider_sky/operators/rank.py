@@ -11,6 +11,8 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.triggers.gang import SkyRankTrigger
 
+RANK_LABEL = "rank {{ task.rank }}"
+
 
 class SkyRankOperator(BaseOperator):
     """Attach to one rank of a started job (it never launches anything) and wait for it deferred.
@@ -22,6 +24,12 @@ class SkyRankOperator(BaseOperator):
 
     template_fields: Sequence[str] = ("cluster", "rank", "job_id")
     ui_color = "#e8f5e9"
+
+    @classmethod
+    def partial(cls, **kwargs: Any) -> Any:
+        """Label mapped ranks ``rank N`` in the UI: Airflow reads the label from ``partial()``."""
+        kwargs.setdefault("map_index_template", RANK_LABEL)
+        return super().partial(**kwargs)
 
     def __init__(
         self,
@@ -36,7 +44,7 @@ class SkyRankOperator(BaseOperator):
         lost_after: float = 10.0,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("map_index_template", "rank {{ task.rank }}")
+        kwargs.setdefault("map_index_template", RANK_LABEL)
         if kwargs.get("retries"):
             raise ValueError(
                 "retries: rank tasks run without Airflow retries, because a rank retried alone would join a "

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
+from airflow.sdk.log import mask_secret
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 
 from airflow_provider_sky.gang import BAD, CANCELLED, SUCCEEDED, GangStatus
@@ -73,6 +74,13 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         """Poll the job (fail-fast included) and yield ``(Poll, client)``; once done, repeat the end."""
         client = await SkyHook(kwargs["sky_conn_id"]).aclient(kwargs["cluster"])
         try:
+            # secrets never travel in trigger kwargs; mask what the job's ranks might print
+            client.secret_values = sorted(
+                await client.asecret_values(kwargs["job_id"]), key=len, reverse=True
+            )
+            for value in client.secret_values:
+                if value:
+                    mask_secret(value)
             last: Poll | None = None
             async for poll in watch(
                 client,
@@ -120,17 +128,17 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
         kwargs = {**self._common_kwargs(), "rank": self.rank, "log_offset": self.log_offset}
         return f"{type(self).__module__}.{type(self).__qualname__}", kwargs
 
-    def _log_bytes(self, data: bytes, pending: bytearray, final: bool = False) -> None:
+    def _log_bytes(self, data: bytes, pending: bytearray, secrets: list[str], final: bool = False) -> None:
+        """Log complete lines (the rest waits for its newline), with the job's secrets masked."""
         pending.extend(data)
-        text = pending.decode("utf-8", "replace")
-        lines = text.split("\n")
+        lines = pending.decode("utf-8", "replace").split("\n")
         keep = "" if final else lines.pop()
-        for line in lines:
-            if line or not final:
-                self.log.info("%s", line)
-        if final and keep:
-            self.log.info("%s", keep)
-        pending[:] = keep.encode()
+        for line in [*lines, keep] if final and keep else lines:
+            for value in secrets:
+                if value:
+                    line = line.replace(value, "***")
+            self.log.info("%s", line)
+        pending[:] = b"" if final else keep.encode()
 
     async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
         expected = self.log_offset
@@ -144,10 +152,10 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
             off, data = poll.chunks.get(self.rank, (st.log_size, b""))
             if expected < off:  # joined late, or the stream read past us: fetch the gap ourselves
                 gap = await client.aread_log(self.job_id, self.rank, expected, off - expected)
-                self._log_bytes(gap, pending)
+                self._log_bytes(gap, pending, client.secret_values)
                 expected += len(gap)
             if expected >= off and expected < off + len(data):
-                self._log_bytes(data[expected - off :], pending)
+                self._log_bytes(data[expected - off :], pending, client.secret_values)
                 expected = off + len(data)
             if not st.terminal:
                 continue
@@ -155,9 +163,9 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 rest = await client.aread_log(self.job_id, self.rank, expected, st.log_size - expected)
                 if not rest:
                     break
-                self._log_bytes(rest, pending)
+                self._log_bytes(rest, pending, client.secret_values)
                 expected += len(rest)
-            self._log_bytes(b"", pending, final=True)
+            self._log_bytes(b"", pending, client.secret_values, final=True)
             cause = poll.status.root_cause()
             if st.state == SUCCEEDED:
                 message = f"rank {self.rank} ({st.ip}) succeeded"
