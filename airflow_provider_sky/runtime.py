@@ -49,6 +49,8 @@ now > "$d/end.tmp" && mv "$d/end.tmp" "$d/end"
 echo "$rc" > "$d/exit.tmp" && mv "$d/exit.tmp" "$d/exit"
 """
 
+#: One call per node per poll, so it forks as little as it can: ``read`` (a builtin) for the small
+#: files, one ``wc`` for the log size, ``tail | head`` only when there are new log bytes.
 STATUS_SCRIPT = r"""
 root=$1; shift
 while [ $# -ge 4 ]; do
@@ -59,21 +61,24 @@ while [ $# -ge 4 ]; do
     state=missing
   else
     [ -f "$d/cancel" ] && c=1
-    [ -f "$d/start" ] && st=$(cat "$d/start")
+    [ -f "$d/start" ] && read -r st < "$d/start"
     if [ -f "$d/exit" ]; then
       state=exited
-    elif [ -f "$d/pid" ]; then
-      if kill -0 "$(cat "$d/pid")" 2>/dev/null; then state=running
+    elif [ -f "$d/pid" ] && read -r pid < "$d/pid"; then
+      if kill -0 "$pid" 2>/dev/null; then state=running
       elif [ -f "$d/exit" ]; then state=exited
       else state=lost; fi
     else
       state=pending
     fi
-    if [ "$state" = exited ]; then ex=$(cat "$d/exit"); en=$(cat "$d/end" 2>/dev/null || echo -); fi
-    [ -f "$d/log" ] && sz=$(wc -c < "$d/log" | tr -d ' ')
+    if [ "$state" = exited ]; then
+      read -r ex < "$d/exit"
+      [ -f "$d/end" ] && read -r en < "$d/end"
+    fi
+    [ -f "$d/log" ] && sz=$(wc -c < "$d/log") && sz=$((sz + 0))
   fi
   if [ "$sz" -gt "$off" ] && [ "$max" -gt 0 ]; then n=$((sz - off)); [ "$n" -gt "$max" ] && n=$max; fi
-  printf '@ %s %s %s %s %s %s %s %s %s\n' "$j" "$r" "$state" "$ex" "$st" "$en" "$sz" "$c" "$n"
+  printf '@ %s %s %s %s %s %s %s %s %s\n' "$j" "$r" "$state" "${ex:--}" "${st:--}" "${en:--}" "$sz" "$c" "$n"
   if [ "$n" -gt 0 ]; then tail -c +$((off + 1)) "$d/log" | head -c "$n"; fi
 done
 """

@@ -61,6 +61,15 @@ def hosts4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHDCluster]:
     with SSHDCluster(4, tmp_path_factory.mktemp("sshd4")) as c:
         yield c
         ssh.close_all()
+        _assert_nothing_left(c)
+
+
+def _assert_nothing_left(c: SSHDCluster) -> None:
+    """No process of the hosts' users (ranks, sessions) outlives the tests that used them."""
+    deadline = time.time() + 10
+    while time.time() < deadline and any(user_processes(n.user) for n in c.nodes):
+        time.sleep(0.1)
+    assert {n.user: user_processes(n.user) for n in c.nodes if user_processes(n.user)} == {}
 
 
 def _wait(client: GangClient, job_id: str, timeout: float = 60, **kw: Any) -> Any:
@@ -153,6 +162,7 @@ def test_node_loss_mid_run_is_reported_lost(tmp_path: Path) -> None:
         assert _user_procs(c3, "sleep 10000") == []
         b.terminate("loss")  # the lost node is skipped with a warning
         ssh.close_all()
+        _assert_nothing_left(c3)
 
 
 def test_host_key_mismatch_is_refused_before_anything_runs(hosts4: SSHDCluster, tmp_path: Path) -> None:
@@ -223,6 +233,7 @@ def test_16_hosts_gang_and_fail_fast(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert gone - failed_at < 10
         b.terminate("g16")
         ssh.close_all()
+        _assert_nothing_left(c16)
 
 
 def test_every_example_dag_on_the_ssh_cluster(
