@@ -83,6 +83,9 @@ class GangClient:
         self._runners: dict[str, CommandRunner] = {}
         #: values to mask when showing this job's logs (filled by whoever reads them)
         self.secret_values: list[str] = []
+        #: how long one poll waits for a node before counting it unreachable for that round
+        self.status_timeout = 5.0
+        self._pending: dict[int, asyncio.Task[Any]] = {}
 
     def runner(self, node: Node) -> CommandRunner:
         if node.node_id not in self._runners:
@@ -176,8 +179,9 @@ class GangClient:
                 raise RunnerError(node.ip, f"status script failed: {res.error_text}")
             return runtime.parse_status(res.stdout, {(job_id, rank): off})
 
-        results = await fan_out(one, wanted)
-        now = time.time()
+        started = time.time()
+        results = await self._bounded(one, wanted)
+        now = started  # a node that answers late is judged from when we asked
         poll = Poll(GangStatus(job_id), at=now)
         for rank, res in zip(wanted, results, strict=False):
             ip = self.node_of(rank).ip
@@ -192,6 +196,31 @@ class GangClient:
                 if raw.log_chunk:
                     poll.chunks[rank] = (raw.log_offset, raw.log_chunk)
         return poll
+
+    async def _bounded(self, fn: Callable[[int], Awaitable[Any]], ranks: list[int]) -> list[Any]:
+        """Ask every node at once, but never wait past ``status_timeout`` for one that hangs.
+
+        A dead or black-holed host would otherwise stall every poll of the gang for its connect
+        retries. Its call keeps running in the background; while it does, that node is not asked
+        again (so calls don't pile up) and counts as unreachable for the round.
+        """
+        out: list[Any] = [None] * len(ranks)
+        tasks: dict[int, asyncio.Task[Any]] = {}
+        for i, rank in enumerate(ranks):
+            pending = self._pending.get(rank)
+            if pending is not None and not pending.done():
+                out[i] = RunnerError(self.node_of(rank).ip, "the previous status call is still unanswered")
+                continue
+            tasks[i] = self._pending[rank] = asyncio.ensure_future(fn(rank))
+        if tasks:
+            await asyncio.wait(tasks.values(), timeout=self.status_timeout)
+        for i, task in tasks.items():
+            if task.done():
+                self._pending.pop(ranks[i], None)
+                out[i] = task.exception() or task.result()
+            else:
+                out[i] = RunnerError(self.node_of(ranks[i]).ip, f"no answer within {self.status_timeout:g}s")
+        return out
 
     def poll(
         self, job_id: str, offsets: Mapping[int, int] | None = None, max_log: int = DEFAULT_LOG_CHUNK

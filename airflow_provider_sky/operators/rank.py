@@ -9,9 +9,16 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_sky.hooks.sky import SkyHook
+from airflow_provider_sky.jobs import run_sync
 from airflow_provider_sky.triggers.gang import SkyRankTrigger
 
 RANK_LABEL = "rank {{ task.rank }}"
+
+
+async def _first_event(trigger: SkyRankTrigger) -> dict[str, Any]:
+    async for event in trigger.run():
+        return dict(event.payload)
+    raise RuntimeError("the rank trigger ended without an event")
 
 
 class SkyRankOperator(BaseOperator):
@@ -61,20 +68,37 @@ class SkyRankOperator(BaseOperator):
         self.grace = grace
         self.lost_after = lost_after
 
-    def execute(self, context: Any) -> None:
-        self.log.info("Attaching to rank %s of job %s (%s)", self.rank, self.job_id, self.ip)
-        self.defer(
-            trigger=SkyRankTrigger(
-                cluster=self.cluster,
-                job_id=self.job_id,
-                rank=int(self.rank),
-                sky_conn_id=self.sky_conn_id,
-                poll_interval=self.poll_interval,
-                grace=self.grace,
-                lost_after=self.lost_after,
-            ),
-            method_name="execute_complete",
+    def _trigger(self) -> SkyRankTrigger:
+        return SkyRankTrigger(
+            cluster=self.cluster,
+            job_id=self.job_id,
+            rank=int(self.rank),
+            sky_conn_id=self.sky_conn_id,
+            poll_interval=self.poll_interval,
+            grace=self.grace,
+            lost_after=self.lost_after,
         )
+
+    def execute(self, context: Any) -> dict[str, Any] | None:
+        self.log.info("Attaching to rank %s of job %s (%s)", self.rank, self.job_id, self.ip)
+        trigger = self._trigger()
+        if self._already_over():
+            # A rank that ended before its task started needs no deferral (nor the triggerer round trip).
+            self.log.info("Rank %s has already ended; reading its outcome now", self.rank)
+            return self.execute_complete(context, run_sync(_first_event(trigger)))
+        self.defer(trigger=trigger, method_name="execute_complete")
+        return None
+
+    def _already_over(self) -> bool:
+        client = SkyHook(self.sky_conn_id).client(self.cluster)
+        try:
+            status = client.poll(str(self.job_id), max_log=0).status
+        finally:
+            client.close()
+        try:
+            return status.by_rank(int(self.rank)).terminal
+        except KeyError:
+            return False
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         duration = event.get("duration")

@@ -583,11 +583,32 @@ def _acquire_entry(key: PoolKey, max_sessions: int) -> _PoolEntry:
     return entry
 
 
+_SWEEPER: threading.Thread | None = None
+
+
+def _sweeper() -> None:
+    """Close what went idle even if no one connects again (a triggerer can sit idle for hours)."""
+    global _SWEEPER
+    while True:
+        time.sleep(IDLE_TTL / 4)
+        with _POOL_LOCK:
+            dead = _sweep_idle_locked(time.monotonic())
+            if not _POOL:
+                _SWEEPER = None
+                return
+        for e in dead:
+            e.close()
+
+
 def _release_entry(entry: _PoolEntry) -> None:
     with _POOL_LOCK:
         entry.refs = max(0, entry.refs - 1)
         if entry.refs == 0:
             entry.idle_since = time.monotonic()
+            global _SWEEPER
+            if _SWEEPER is None:
+                _SWEEPER = threading.Thread(target=_sweeper, name="sky-ssh-sweeper", daemon=True)
+                _SWEEPER.start()
 
 
 @dataclass(frozen=True)
