@@ -247,13 +247,19 @@ class GangClient:
 
     # -- cancel ---------------------------------------------------------------------------------
 
-    async def acancel(self, job_id: str, ranks: Sequence[int] | None = None, grace: float = 3.0) -> None:
-        """SIGTERM the process tree of every unfinished listed rank, SIGKILL after ``grace`` seconds."""
+    async def acancel(
+        self, job_id: str, ranks: Sequence[int] | None = None, grace: float = 3.0, *, wait: bool = True
+    ) -> None:
+        """SIGTERM the process tree of every unfinished listed rank, SIGKILL after ``grace`` seconds.
+
+        ``wait=False`` (fail-fast) returns once the SIGTERMs are sent; the SIGKILL still follows on
+        the node. Not waiting keeps the cancel fan-out light when every second counts.
+        """
         wanted = list(range(self.num_ranks)) if ranks is None else list(ranks)
 
         async def one(rank: int) -> None:
             node = self.node_of(rank)
-            args = runtime.cancel_args(node.root, grace, [(job_id, rank)])
+            args = runtime.cancel_args(node.root, grace, [(job_id, rank)], wait=wait)
             await self.runner(node).arun_script(runtime.CANCEL_SCRIPT, args, timeout=grace + 30)
 
         for rank, res in zip(wanted, await fan_out(one, wanted), strict=False):
@@ -312,10 +318,10 @@ async def watch(
             pending = [r.rank for r in poll.status.ranks if not r.terminal]
             if pending:
                 log.info("Rank failed; cancelling ranks %s of job %s", pending, job_id)
-                await client.acancel(job_id, pending, grace)
+                await client.acancel(job_id, pending, grace, wait=False)
             poll.status.cancel_requested = True
         yield poll
         if poll.status.done:
             return
-        if not just_cancelled:  # right after a cancel, look again at once: siblings are gone by now
-            await asyncio.sleep(poll_interval)
+        # right after a cancel, look again soon: SIGTERMed siblings are usually gone within 0.1 s
+        await asyncio.sleep(min(poll_interval, 0.1) if just_cancelled else poll_interval)

@@ -86,8 +86,8 @@ done
 #: TERM every listed rank's process group, SIGKILL what is left after the grace, then wait
 #: (bounded) for the wrappers to record the exit codes. Ranks that already exited are left alone.
 CANCEL_SCRIPT = r"""
-root=$1; grace=$2; shift 2
-tick() { sleep 0.05 2>/dev/null || sleep 1; }
+root=$1; grace=$2; mode=$3; shift 3
+tick() { sleep 0.1 2>/dev/null || sleep 1; }
 groups=''
 while [ $# -ge 2 ]; do
   d="$root/jobs/$1/$2"; shift 2
@@ -100,18 +100,30 @@ while [ $# -ge 2 ]; do
   groups="$groups $pg"
   echo "C $d"
 done
+if [ "$mode" = nowait ]; then
+  # fail-fast: return at once; a detached helper SIGKILLs whatever is left after the grace
+  [ -n "$groups" ] || exit 0
+  killer="cd /; sleep $grace; for pg in $groups; do kill -KILL -\$pg 2>/dev/null || kill -KILL \$pg 2>/dev/null; done"
+  if command -v setsid >/dev/null 2>&1; then setsid sh -c "$killer" </dev/null >/dev/null 2>&1 &
+  else nohup sh -c "$killer" </dev/null >/dev/null 2>&1 & fi
+  exit 0
+fi
 # A group is alive while it has a member that is not a zombie (a slow init may reap late).
+# `kill -0` is a builtin and answers most rounds; `ps` (a fork) only tells zombies apart.
 alive() {
-  [ -n "$groups" ] || return 1
+  any=''
+  for pg in $groups; do
+    if kill -0 "-$pg" 2>/dev/null || kill -0 "$pg" 2>/dev/null; then any="$any $pg"; fi
+  done
+  [ -n "$any" ] || return 1
   if out=$(ps -eo pgid=,stat= 2>/dev/null); then
-    printf '%s\n' "$out" | awk -v g="$groups" 'BEGIN { n = split(g, a, " "); for (i = 1; i <= n; i++) w[a[i]] = 1 }
+    printf '%s\n' "$out" | awk -v g="$any" 'BEGIN { n = split(g, a, " "); for (i = 1; i <= n; i++) w[a[i]] = 1 }
       ($1 in w) && $2 !~ /^Z/ { f = 1 } END { exit !f }'
     return $?
   fi
-  for pg in $groups; do kill -0 "-$pg" 2>/dev/null && return 0; kill -0 "$pg" 2>/dev/null && return 0; done
-  return 1
+  return 0
 }
-limit=$(awk "BEGIN{print int($grace * 20)}")
+limit=$(awk "BEGIN{print int($grace * 10)}")
 i=0
 while alive && [ "$i" -lt "$limit" ]; do tick; i=$((i + 1)); done
 if alive; then
@@ -122,7 +134,7 @@ if alive; then
   done
 fi
 i=0
-while alive && [ "$i" -lt 100 ]; do tick; i=$((i + 1)); done
+while alive && [ "$i" -lt 50 ]; do tick; i=$((i + 1)); done
 exit 0
 """
 
@@ -158,7 +170,7 @@ exit 0
 
 def teardown_script() -> str:
     """The teardown script with the cancel logic inlined (one remote call per node)."""
-    body = '(\n  set -- "$root" "$grace" "$@"\n' + CANCEL_SCRIPT + "\n)"
+    body = '(\n  set -- "$root" "$grace" wait "$@"\n' + CANCEL_SCRIPT + "\n)"
     return TEARDOWN_SCRIPT.replace("__CANCEL__", body)
 
 
@@ -250,9 +262,11 @@ def status_args(root: str, queries: Sequence[tuple[str, int, int, int]]) -> list
     return args
 
 
-def cancel_args(root: str, grace: float, targets: Sequence[tuple[str, int]]) -> list[str]:
-    """Arguments of :data:`CANCEL_SCRIPT`."""
-    args = [root, f"{max(0.0, float(grace)):.3f}"]
+def cancel_args(
+    root: str, grace: float, targets: Sequence[tuple[str, int]], *, wait: bool = True
+) -> list[str]:
+    """Arguments of :data:`CANCEL_SCRIPT`; ``wait=False`` returns right after the SIGTERMs."""
+    args = [root, f"{max(0.0, float(grace)):.3f}", "wait" if wait else "nowait"]
     for job_id, rank in targets:
         args += [check_job_id(job_id), str(int(rank))]
     return args
