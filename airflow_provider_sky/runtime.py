@@ -152,8 +152,16 @@ done
 if [ $# -gt 0 ]; then
   __CANCEL__
 fi
+# a wrapper still alive without an exit code: kill it, but only if that pid is still our wrapper
+# (pids are reused; without /proc a reused pid can't be told apart, so it is left alone)
 for d in "$root"/jobs/*/*; do
-  [ -f "$d/pid" ] && kill -KILL "$(cat "$d/pid")" 2>/dev/null
+  [ -f "$d/pid" ] || continue
+  [ -f "$d/exit" ] && continue
+  read -r pid < "$d/pid" || continue
+  [ -r "/proc/$pid/cmdline" ] || continue
+  case "$(tr '\000' ' ' < "/proc/$pid/cmdline" 2>/dev/null)" in
+    *"$d/rank.sh"*) kill -KILL "$pid" 2>/dev/null ;;
+  esac
 done
 rm -rf "$root"
 echo "REMOVED"

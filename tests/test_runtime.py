@@ -168,3 +168,20 @@ def test_teardown_kills_everything_and_is_idempotent(backend: LocalBackend, sky_
     assert not processes_under(sky_home)
     assert not (sky_home / "local" / "c").exists()
     assert backend.terminate("c") is False
+
+
+def test_teardown_never_kills_a_process_that_reused_a_rank_pid(backend: LocalBackend, tmp_path: Path) -> None:
+    client, spec = _gang(backend, "c", 2, "true")
+    client.launch(spec, "job")
+    _wait_done(client, "job")
+    bystander = subprocess.Popen(["sleep", "30"], cwd=tmp_path)
+    try:
+        for rank in (0, 1):
+            d = Path(client.handle.nodes[rank].root) / "jobs" / "job" / str(rank)
+            (d / "pid").write_text(f"{bystander.pid}\n")  # as if the pid had been reused
+        (Path(client.handle.nodes[1].root) / "jobs" / "job" / "1" / "exit").unlink()  # a "lost" rank too
+        backend.terminate("c")
+        assert bystander.poll() is None  # still alive
+    finally:
+        bystander.kill()
+        bystander.wait()

@@ -1,0 +1,474 @@
+"""``make bench``: the provider's figures on this machine, against the local backend and real sshd hosts.
+
+    python -m benchmarks.run [--quick] [--only 1,2,3,4] [--out PATH]
+
+Prints a table (figure | N | median | min | max | runs | goal | met) and writes
+``benchmarks/results/latest.json`` (the figures, the machine's core count, versions of python, airflow,
+paramiko, openssh, pdsh). Every sshd host, rank, Airflow service and temp dir it starts is removed
+again, also on Ctrl-C, SIGTERM or an error. See ``benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    REPO,
+    Hosts,
+    Row,
+    forget_finished_pids,
+    processes_under,
+    say,
+    sigterm_as_interrupt,
+    table,
+)
+
+RESULTS = REPO / "benchmarks" / "results"
+
+
+@dataclass(frozen=True)
+class Plan:
+    quick: bool
+    ns: tuple[int, ...]
+    ff_reps: int  # fig 1, poll 0.5, per N and backend
+    ff_fast_reps: int  # fig 1 at poll 0.2
+    start_reps: int  # fig 2
+    mon_reps: int  # fig 3
+    mon_window: float
+    indep_max_n: int  # fig 3: measure N independent pollers up to this N (N×N printed for all)
+    e2e_reps: int  # fig 4
+    e2e_cap: float  # fig 4: the SSHOperator fail-fast run is given up after this many seconds
+
+    @classmethod
+    def make(cls, quick: bool) -> Plan:
+        if quick:
+            return cls(True, (4, 16), 2, 1, 2, 1, 2.0, 4, 1, 20.0)
+        return cls(False, (4, 16, 64), 5, 3, 5, 3, 5.0, 16, 3, 60.0)
+
+
+def _setup_env(base: Path) -> None:
+    """Airflow config of this process (the triggers run here), set before anything imports airflow."""
+    (base / "airflow").mkdir(parents=True)
+    (base / "sky").mkdir()
+    for key in [k for k in os.environ if k.startswith("AIRFLOW")]:
+        del os.environ[key]
+    os.environ.update(
+        {
+            "AIRFLOW_HOME": str(base / "airflow"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{base}/airflow/airflow.db",
+            "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
+            "SKY_PROVIDER_HOME": str(base / "sky"),
+        }
+    )
+
+
+def _quiet_logs() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    for name in ("airflow", "airflow_provider_sky", "paramiko", "asyncio", "airflow.triggers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    with contextlib.suppress(Exception):
+        import structlog
+
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+
+
+def _version(argv: list[str]) -> str:
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unavailable ({exc})"
+    text = (res.stdout + res.stderr).strip().splitlines()
+    return text[0] if text else "unknown"
+
+
+def versions() -> dict[str, str]:
+    import airflow
+    import paramiko
+
+    out = {
+        "python": platform.python_version(),
+        "airflow": airflow.__version__,
+        "paramiko": paramiko.__version__,
+        "openssh": _version(["ssh", "-V"]),
+        "pdsh": _version(["pdsh", "-V"]),
+    }
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+
+        out["apache-airflow-providers-ssh"] = version("apache-airflow-providers-ssh")
+    return out
+
+
+def code_state() -> dict[str, Any]:
+    """Which package code was measured: commit, uncommitted package files, a hash of the sources."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted((REPO / "airflow_provider_sky").rglob("*.py")):
+        h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    out: dict[str, Any] = {"package_sha256": h.hexdigest()[:16]}
+    with contextlib.suppress(Exception):
+        git = ["git", "-C", str(REPO)]
+        out["commit"] = subprocess.run(
+            [*git, "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        status = subprocess.run(
+            [*git, "status", "--porcelain", "--", "airflow_provider_sky"], capture_output=True, text=True
+        ).stdout
+        out["uncommitted"] = [line[3:] for line in status.splitlines()]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ figures
+
+
+class Bench:
+    def __init__(self, plan: Plan, base: Path, stack: contextlib.ExitStack) -> None:
+        self.plan = plan
+        self.base = base
+        self.stack = stack
+        self.rows: list[Row] = []
+        self.notes: list[str] = []
+        self._hosts: Hosts | None = None
+        self._ssh_clusters: list[tuple[Any, str]] = []
+        self._local: list[tuple[Any, str]] = []
+
+    # -- resources (each released by the ExitStack)
+
+    def hosts(self, n: int) -> Hosts:
+        if self._hosts is None or len(self._hosts.nodes) < n:
+            want = max(n, max(self.plan.ns), 8)
+            say(f"starting {want} sshd test hosts ...")
+            t = time.monotonic()
+            self._hosts = self.stack.enter_context(Hosts(want, self.base))
+            os.environ["AIRFLOW_CONN_SKY_BENCH"] = json.dumps(self._hosts.sky_connection())
+            self.stack.callback(self._close_ssh)
+            say(
+                f"  {want} hosts up in {time.monotonic() - t:.1f}s (block 127.0.{self._hosts.cluster.block}.x)"
+            )
+        return self._hosts
+
+    def _close_ssh(self) -> None:
+        from airflow_provider_sky.runners import ssh
+
+        if self._hosts is not None:
+            self._hosts.forget_finished_pids()  # see common.forget_finished_pids: teardown kills reused pids
+        for backend, name in self._ssh_clusters:
+            with contextlib.suppress(Exception):
+                backend.terminate(name, grace=0.5)
+        self._ssh_clusters.clear()
+        ssh.close_all()
+
+    def ssh_cluster(self, n: int, name: str) -> tuple[Any, Any]:
+        from airflow_provider_sky.spec import task_from_args
+
+        hosts = self.hosts(n)
+        backend = hosts.backend(n)
+        handle = backend.provision(name, task_from_args(num_nodes=n, run="true"))
+        self._ssh_clusters.append((backend, name))
+        return backend, handle
+
+    def local_cluster(self, n: int, name: str) -> tuple[Any, Any]:
+        from airflow_provider_sky.backends.local import LocalBackend
+        from airflow_provider_sky.spec import task_from_args
+
+        backend = LocalBackend(os.environ["SKY_PROVIDER_HOME"])
+        if not self._local:
+            self.stack.callback(self._close_local)
+        handle = backend.provision(name, task_from_args(num_nodes=n, run="true"))
+        self._local.append((backend, name))
+        return backend, handle
+
+    def _close_local(self) -> None:
+        forget_finished_pids(os.environ["SKY_PROVIDER_HOME"])  # teardown (as root!) would kill reused pids
+        for backend, name in self._local:
+            with contextlib.suppress(Exception):
+                backend.terminate(name, grace=0.5)
+        self._local.clear()
+
+    # -- figure 1
+
+    def fig1(self) -> None:
+        import airflow_provider_sky.triggers.gang  # noqa: F401  (imports Airflow: not inside a measurement)
+        from benchmarks import fig_failfast as ff
+
+        say("\n== figure 1: fail-fast latency (poll_interval 0.5 s, grace 3 s) ==")
+        variants = [("ssh", 0.5, self.plan.ff_reps), ("local", 0.5, self.plan.ff_reps)]
+        if self.plan.ff_fast_reps:
+            variants += [("ssh", 0.2, self.plan.ff_fast_reps), ("local", 0.2, self.plan.ff_fast_reps)]
+        self.notes.append(
+            "fig 1: 1a = failing rank's own end timestamp -> last sibling `sleep 10000` gone (/proc, 5 ms); "
+            "1b = same start -> the last of the N rank triggers fired. Triggers use poll_interval p "
+            "(0.5 s = the default) and grace 3 s (the default); goal: 1a median < 1 s at N=64, p=0.5."
+        )
+        for n in self.plan.ns:
+            clusters = {
+                "ssh": self.ssh_cluster(n, f"bench-ff{n}"),
+                "local": self.local_cluster(n, f"bench-ff{n}"),
+            }
+            for kind, poll, reps in variants:
+                backend, handle = clusters[kind]
+                conn = "sky_bench" if kind == "ssh" else None
+                samples = ff.measure(
+                    backend, handle, n, reps, sky_conn_id=conn, poll_interval=poll, label=kind
+                )
+                good = ff.valid(samples)
+                bad = len(samples) - len(good)
+                note = f"{bad} of {len(samples)} samples invalid (see log)" if bad else ""
+                goal = "< 1 s median" if n == 64 and poll == 0.5 else ""
+                gone = [s.gone for s in good if s.gone is not None]
+                ev = [s.events for s in good if s.events is not None]
+                met = (bool(gone) and statistics.median(gone) < 1.0) if goal else None
+                extra = {
+                    "poll_interval": poll,
+                    "grace": 3.0,
+                    "gang_event": [s.gang_event for s in good],
+                    "cancel_sent": [s.cancel_sent for s in good],
+                    "cancel_returned": [s.cancel_done for s in good],
+                    "launch": [s.launch for s in samples],
+                    "errors": [s.error for s in samples if s.error],
+                }
+                self.rows.append(
+                    Row(f"1a {kind} exit->siblings gone p={poll}", n, gone, "s", goal, met, note, extra=extra)
+                )
+                self.rows.append(Row(f"1b {kind} exit->all rank events p={poll}", n, ev, "s", note=note))
+                if poll == 0.5:  # where 1a's time goes: detection, then the cancel fan-out
+                    sent = [s.cancel_sent for s in good if s.cancel_sent is not None]
+                    kill = [
+                        s.gone - s.cancel_sent
+                        for s in good
+                        if s.gone is not None and s.cancel_sent is not None
+                    ]
+                    self.rows.append(Row(f"1  {kind} ..exit->cancel sent p={poll}", n, sent, "s"))
+                    self.rows.append(Row(f"1  {kind} ..cancel sent->gone p={poll}", n, kill, "s"))
+
+    # -- figure 2
+
+    def fig2(self) -> None:
+        from benchmarks import fig_start
+
+        say("\n== figure 2: gang start (launch -> last rank start) vs pdsh ==")
+        if not shutil.which("pdsh"):
+            raise RuntimeError("pdsh is not installed: apt-get install -y pdsh")
+        self.notes.append(
+            "fig 2: launch() called -> last rank's own start timestamp. The goal ratio uses the COLD launch "
+            "(fresh connection pool, like pdsh, which connects every time); warm (pooled connections) is shown too."
+        )
+        for n in self.plan.ns:
+            hosts = self.hosts(n)
+            name = f"bench-start{n}"
+            self.ssh_cluster(n, name)
+            r = fig_start.measure(hosts, name, n, self.plan.start_reps, say)
+            cold_ratio = [c / p for c, p in zip(r["cold"], r["pdsh"], strict=True)]
+            warm_ratio = [w / p for w, p in zip(r["warm"], r["pdsh"], strict=True)]
+            goal = "<= 1.5x at N=64" if n == 64 else ""
+            met = statistics.median(cold_ratio) <= 1.5 if goal else None
+            extra = {"returned": r["cold_returned"]}
+            self.rows += [
+                Row("2 start cold (launch->last start)", n, r["cold"], extra=extra),
+                Row(
+                    "2 start warm (launch->last start)", n, r["warm"], extra={"returned": r["warm_returned"]}
+                ),
+                Row("2 pdsh -R ssh true", n, r["pdsh"]),
+                Row("2 ratio cold/pdsh", n, cold_ratio, "x", goal, met),
+                Row("2 ratio warm/pdsh", n, warm_ratio, "x"),
+                Row("2 start skew cold (last-first start)", n, r["cold_skew"]),
+                Row("2 start skew warm (last-first start)", n, r["warm_skew"]),
+            ]
+
+    # -- figure 3
+
+    def fig3(self) -> None:
+        from benchmarks import fig_monitor
+
+        poll = 0.5
+        window = self.plan.mon_window
+        say(f"\n== figure 3: remote calls per poll interval (poll {poll} s, {window:g} s window) ==")
+        self.notes.append(
+            f"fig 3: CALLS over a {window:g} s window / ({window:g} s / {poll} s) intervals, N rank triggers + "
+            "the gang trigger sharing one stream; 'N+1 independent' gives every trigger its own stream key."
+        )
+        for n in self.plan.ns:
+            backend, handle = self.ssh_cluster(n, f"bench-mon{n}")
+            per: list[float] = []
+            polls_made: list[int] = []
+            per_poll: list[float] = []
+            for i in range(self.plan.mon_reps):
+                v, calls, polls = fig_monitor.one_window(
+                    backend, handle, n, sky_conn_id="sky_bench", poll_interval=poll, window=window
+                )
+                say(f"  fig3 N={n} #{i + 1}: {calls} calls, {polls} status polls -> {v:.1f} per interval")
+                per.append(v)
+                polls_made.append(polls)
+                per_poll.append(calls / polls if polls else float("nan"))
+            c = 3
+            goal = f"<= N+{c} (O(N))"
+            met = max(per) <= n + c
+            self.rows.append(
+                Row(
+                    "3 calls/interval shared stream",
+                    n,
+                    per,
+                    "n",
+                    goal,
+                    met,
+                    extra={"status_polls": polls_made, "window": window, "poll_interval": poll},
+                )
+            )
+            self.rows.append(
+                Row("3 calls per status poll (incl. one-offs)", n, per_poll, "n", extra={"window": window})
+            )
+            if n <= self.plan.indep_max_n:
+                v, calls, polls = fig_monitor.one_window(
+                    backend,
+                    handle,
+                    n,
+                    sky_conn_id="sky_bench",
+                    poll_interval=poll,
+                    window=window,
+                    distinct_streams=True,
+                )
+                say(f"  fig3 N={n} independent pollers: {calls} calls, {polls} status polls -> {v:.1f}")
+                self.rows.append(
+                    Row(
+                        "3 calls/interval N+1 independent (measured)",
+                        n,
+                        [v],
+                        "n",
+                        note="each trigger its own stream key",
+                    )
+                )
+            self.rows.append(
+                Row("3 calls/interval N independent (NxN)", n, [], "n", text=str(n * n), note="computed")
+            )
+
+    # -- figure 4
+
+    def fig4(self) -> None:
+        from benchmarks import fig_airflow
+
+        say("\n== figure 4: Airflow end to end (8 ranks, real scheduler + triggerer) ==")
+        hosts = self.hosts(8)
+        self.notes.append(
+            "fig 4: Airflow REST API run start_date -> end_date; the SSHOperator fail-fast run cannot end before "
+            f"its `sleep 10000` siblings, so it is given up after {self.plan.e2e_cap:g} s (run once)."
+        )
+        self.rows += fig_airflow.run(self.plan, hosts, self.base, self.stack, say)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions, N = 4 and 16 (a smoke run)")
+    ap.add_argument("--only", default="1,2,3,4", help="figures to run, e.g. 1,2 (default: all)")
+    ap.add_argument("--ns", default="", help="override the gang sizes of figures 1-3, e.g. 64 or 4,16")
+    ap.add_argument("--out", default=str(RESULTS / "latest.json"), help="where to write the JSON")
+    args = ap.parse_args(argv)
+    figures = sorted({int(x) for x in args.only.split(",") if x.strip()})
+    if not set(figures) <= {1, 2, 3, 4}:
+        ap.error("--only takes figure numbers 1-4")
+    if os.geteuid() != 0:
+        say("needs root: the sshd test hosts create users and start sshd (tests/sshd.py)")
+        return 2
+    plan = Plan.make(args.quick)
+    if args.ns:
+        plan = dataclasses.replace(plan, ns=tuple(int(x) for x in args.ns.split(",") if x.strip()))
+    base = Path(tempfile.mkdtemp(prefix="sky-bench-"))
+    _setup_env(base)
+    _quiet_logs()
+    vers = versions()  # imports airflow: inside the temp home, before it is removed
+    code = code_state()
+    load_start = os.getloadavg()
+    started = time.time()
+    failed: list[str] = []
+    out = Path(args.out)
+    bench: Bench | None = None
+
+    def save(complete: bool) -> None:
+        """Write the JSON (also after every figure: a run cut short keeps what it measured)."""
+        assert bench is not None
+        doc = {
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "complete": complete,
+            "duration_s": round(time.time() - started, 1),
+            "quick": plan.quick,
+            "figures_run": figures,
+            "plan": dataclasses.asdict(plan),
+            "machine": {
+                "cores": os.cpu_count(),
+                "platform": platform.platform(),
+                "loadavg_start": load_start,
+                "loadavg_end": os.getloadavg(),
+            },
+            "versions": vers,
+            "code": code,
+            "code_changed_during_run": code_state()["package_sha256"] != code["package_sha256"],
+            "rows": [r.to_dict() for r in bench.rows],
+            "notes": bench.notes,
+            "failed": failed,
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        tmp.replace(out)
+
+    interrupted = False
+    with sigterm_as_interrupt():
+        try:
+            with contextlib.ExitStack() as stack:
+                bench = Bench(plan, base, stack)
+                for f in figures:
+                    try:
+                        getattr(bench, f"fig{f}")()
+                    except KeyboardInterrupt:
+                        raise
+                    except Exception as exc:
+                        failed.append(f"figure {f}: {type(exc).__name__}: {exc}")
+                        say(f"figure {f} FAILED:\n{traceback.format_exc()}")
+                    save(complete=False)
+        except KeyboardInterrupt:
+            interrupted = True
+            say("\ninterrupted: everything started was stopped")
+        finally:
+            left = processes_under(base)
+            for pid in left:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, 9)
+            if left:
+                say(f"killed {len(left)} leftover processes under {base}")
+            shutil.rmtree(base, ignore_errors=True)
+    assert bench is not None
+    print()
+    print(table(bench.rows))
+    for note in bench.notes:
+        print(note)
+    for failure in failed:
+        print(f"FAILED {failure}")
+    if interrupted:
+        print(f"\ninterrupted: partial results in {out}" if bench.rows else "\ninterrupted")
+        return 130
+    save(complete=True)
+    print(f"\nwrote {out} ({time.time() - started:.0f} s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
