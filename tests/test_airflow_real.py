@@ -8,10 +8,18 @@ states, task logs (worker and triggerer parts) and XComs.
 The services use their own ``SKY_PROVIDER_HOME`` (not the per-test one of ``conftest.sky_home``), so
 the leak checks here look there: after each run nothing may run under its cluster's directory and
 the directory must be gone (the teardown ran); at the end nothing may run under the whole home.
+
+The module runs twice (the ``real`` fixture is parametrized): once on the embedded local backend,
+once with ``sky_default`` pointing at 4 real sshd hosts (``AIRFLOW_CONN_SKY_DEFAULT``, a ``sky_ssh``
+connection over an :class:`SSHDCluster`, in every service's environment). The DAG files are the
+same; on SSH the cleanup check looks at the hosts: no process of a host's user but SSH sessions,
+and no cluster directory or record left in any host's home.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
@@ -25,6 +33,7 @@ import pytest
 
 from airflow_provider_sky.dev.stack import AirflowStack, parse_time
 from leaks import processes_under
+from sshd import SSHDCluster, user_processes
 
 REPO = Path(__file__).resolve().parent.parent
 DAGS = ("sky_fail_fast", "sky_hello", "sky_segfault", "sky_failed_setup", "sky_yaml")
@@ -38,6 +47,8 @@ class RealAirflow:
     stack: AirflowStack
     sky: Path
     run_ids: dict[str, str]
+    #: the SSH hosts ``sky_default`` points at, or None on the local backend
+    hosts: SSHDCluster | None = None
 
     def finished(self, dag_id: str) -> tuple[str, str]:
         """(run id, final state) of the DAG's run."""
@@ -51,20 +62,31 @@ class RealAirflow:
         return self.stack.task_log(dag_id, run_id, task_id, map_index)
 
     def assert_cleaned_up(self, dag_id: str, run_id: str) -> None:
-        """Nothing of the run's cluster still runs and its directory is gone."""
+        """Nothing of the run's cluster still runs and its directories (and record) are gone."""
         from airflow_provider_sky.operators._spec import default_cluster_name
 
         name = default_cluster_name(dag_id, run_id)
-        cluster_dir = self.sky / "local" / name
+        if self.hosts is None:
+            dirs = [self.sky / "local" / name]
+            records = [self.sky / "local" / "clusters" / f"{name}.json"]
+        else:
+            homes = [Path(n.home) / ".sky_airflow" for n in self.hosts.nodes]
+            dirs = [home / name for home in homes]
+            records = [home / "clusters" / f"{name}.json" for home in homes]
         deadline = time.monotonic() + 5
-        left = processes_under(cluster_dir)
+        left = self._left(dirs)
         while left and time.monotonic() < deadline:
             time.sleep(0.2)
-            left = processes_under(cluster_dir)
+            left = self._left(dirs)
         _kill(left)
-        assert not left, f"{dag_id}: processes left under {cluster_dir}: {left}"
-        assert not cluster_dir.exists(), f"{dag_id}: cluster directory {cluster_dir} still exists"
-        assert not (self.sky / "local" / "clusters" / f"{name}.json").exists()
+        assert not left, f"{dag_id}: processes of cluster {name} left: {left}"
+        for path in dirs + records:
+            assert not path.exists(), f"{dag_id}: {path} still exists after the teardown"
+
+    @staticmethod
+    def _left(dirs: list[Path]) -> list[tuple[int, str]]:
+        """Live processes running under (or naming) one of the cluster's node directories."""
+        return [proc for d in dirs for proc in processes_under(d)]
 
 
 def _processes_of_job(job_id: str, command: str) -> list[int]:
@@ -96,21 +118,67 @@ def _kill(procs: list[tuple[int, str]]) -> None:
                 pass
 
 
-@pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealAirflow]:
-    base = tmp_path_factory.mktemp("airflow-real")
+def _host_processes(hosts: SSHDCluster) -> dict[str, list[int]]:
+    """Per host user: live processes other than SSH sessions (ranks, wrappers, killers)."""
+    out = {}
+    for n in hosts.nodes:
+        pids = [p for p in user_processes(n.user) if not _cmdline(p).startswith("sshd:")]
+        if pids:
+            out[n.user] = pids
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _needs_sshd() -> bool:
+    return os.geteuid() == 0 and os.path.exists("/usr/sbin/sshd")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "local",
+        pytest.param("ssh", marks=pytest.mark.skipif(not _needs_sshd(), reason="needs root and sshd")),
+    ],
+)
+def real(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[RealAirflow]:
+    base = tmp_path_factory.mktemp(f"airflow-real-{request.param}")
     sky = base / "sky"
     sky.mkdir()
-    stack = AirflowStack(base / "airflow", REPO / "dags_examples", {"SKY_PROVIDER_HOME": str(sky)})
-    try:
-        with stack:
-            run_ids = {dag_id: stack.trigger(dag_id) for dag_id in DAGS}
-            yield RealAirflow(stack, sky, run_ids)
-        assert not stack.leftover_processes()
-    finally:
-        left = processes_under(sky)
-        _kill(left)
-    assert not left, f"processes left under the services' SKY_PROVIDER_HOME {sky}: {left}"
+    with contextlib.ExitStack() as cleanup:
+        env = {"SKY_PROVIDER_HOME": str(sky)}
+        hosts: SSHDCluster | None = None
+        if request.param == "ssh":
+            hosts = cleanup.enter_context(SSHDCluster(4, base))
+            conn = {
+                "conn_type": "sky_ssh",
+                "host": ",".join(f"{n.user}@{n.host}:{n.port}" for n in hosts.nodes),
+                "extra": {"key_file": hosts.client_key_path, "known_hosts": hosts.known_hosts_path},
+            }
+            env["AIRFLOW_CONN_SKY_DEFAULT"] = json.dumps(conn)
+        stack = AirflowStack(base / "airflow", REPO / "dags_examples", env)
+        try:
+            with stack:
+                run_ids = {dag_id: stack.trigger(dag_id) for dag_id in DAGS}
+                yield RealAirflow(stack, sky, run_ids, hosts)
+            assert not stack.leftover_processes()
+            if hosts is not None:
+                deadline = time.monotonic() + 10
+                while _host_processes(hosts) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                left_hosts = _host_processes(hosts)
+                for pids in left_hosts.values():
+                    _kill([(pid, "") for pid in pids])
+                assert not left_hosts, f"processes of the SSH hosts' users left: {left_hosts}"
+        finally:
+            left = processes_under(sky)
+            _kill(left)
+        assert not left, f"processes left under the services' SKY_PROVIDER_HOME {sky}: {left}"
 
 
 def test_hello(real: RealAirflow) -> None:
@@ -128,6 +196,10 @@ def test_hello(real: RealAirflow) -> None:
             assert f"rank {other} of 4" not in log
     assert tis[("hello.gang", -1)]["state"] == "success"
     assert tis[("hello.down", -1)]["state"] == "success"
+    handle = real.stack.xcom("sky_hello", run_id, "hello.cluster")
+    assert handle["backend"] == ("local" if real.hosts is None else "ssh"), handle
+    if real.hosts is not None:  # one rank per host, head first
+        assert [n["ip"] for n in handle["nodes"]] == [n.host for n in real.hosts.nodes], handle
     assert state == "success"
     real.assert_cleaned_up("sky_hello", run_id)
 
