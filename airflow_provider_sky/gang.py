@@ -7,6 +7,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 from airflow_provider_sky.exitcodes import describe_exit
 from airflow_provider_sky.runtime import RawRankStatus
@@ -27,15 +28,28 @@ def _ip_key(ip: str) -> tuple[int, int | str]:
         return (1, ip)
 
 
-def rank_order(ips: Sequence[str], head: str | None = None) -> list[str]:
-    """Head first (rank 0), then workers sorted numerically by IP (10.0.0.9 before 10.0.0.10)."""
-    if not ips:
+Address = TypeVar("Address", str, tuple[str, int])
+
+
+def _address_key(node: str | tuple[str, int]) -> tuple[tuple[int, int | str], int]:
+    if isinstance(node, str):
+        return (_ip_key(node), 0)
+    return (_ip_key(node[0]), node[1])
+
+
+def rank_order(nodes: Sequence[Address], head: Address | None = None) -> list[Address]:
+    """Head first (rank 0), then workers sorted numerically by IP (10.0.0.9 before 10.0.0.10).
+
+    A node is an IP, or an ``(ip, port)`` pair when several nodes share an IP (the port breaks ties).
+    """
+    if not nodes:
         return []
-    head = ips[0] if head is None else head
-    if head not in ips:
-        raise ValueError(f"head {head!r} is not one of the nodes {list(ips)}")
-    workers = sorted((ip for ip in ips if ip != head), key=_ip_key)
-    return [head, *workers]
+    first: Address = nodes[0] if head is None else head
+    if first not in nodes:
+        raise ValueError(f"head {first!r} is not one of the nodes {list(nodes)}")
+    workers = sorted((n for n in nodes if n != first), key=_address_key)
+    workers.insert(0, first)
+    return workers
 
 
 def cluster_info_json(cluster_name: str, cloud: str, region: str | None, zone: str | None) -> str:

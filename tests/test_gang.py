@@ -30,6 +30,16 @@ def test_rank_order_is_stable_whatever_the_input_order() -> None:
     assert a == b == ["10.0.0.5", "10.0.0.3", "10.0.0.4"]
 
 
+def test_hosts_sharing_an_ip_are_ordered_by_port() -> None:
+    nodes = [("127.0.0.10", 2201), ("127.0.0.9", 2203), ("127.0.0.9", 2202), ("127.0.0.2", 2299)]
+    assert rank_order(nodes, head=("127.0.0.10", 2201)) == [
+        ("127.0.0.10", 2201),
+        ("127.0.0.2", 2299),
+        ("127.0.0.9", 2202),
+        ("127.0.0.9", 2203),
+    ]
+
+
 def test_unknown_head_is_an_error() -> None:
     with pytest.raises(ValueError, match="head"):
         rank_order(["10.0.0.1"], head="10.0.0.2")

@@ -96,12 +96,22 @@ def test_commands_and_values_arrive_verbatim_nothing_extra_runs(sky_home: Path, 
         ({"host": "10.0.0.1,10.0.0.2", "login": "u", "head": "10.0.0.3"}, "head"),
         ({"host": "10.0.0.1", "login": "u", "host_key_policy": "trust-me"}, "host_key_policy"),
         ({"host": "10.0.0.1", "login": "u", "port": "ssh"}, "port"),
+        ({"host": "10.0.0.1,u@10.0.0.1:22", "login": "u"}, "hosts: '10.0.0.1:22' is listed twice"),
     ],
 )
 def test_bad_ssh_connection_fields_fail_before_any_contact(config: dict[str, Any], words: str) -> None:
     with pytest.raises((BackendError, ValueError), match=words):
         b = SSHBackend.from_config(config)
         b._config("10.0.0.1", 22)  # builds the node config: nothing connects
+
+
+def test_a_misspelled_spec_field_is_named_at_dag_parse_time() -> None:
+    from airflow_provider_sky.operators.cluster import SkyClusterOperator
+
+    with pytest.raises(TypeError, match="num_node"):
+        SkyClusterOperator(task_id="c", num_node=4, run="true")
+    op = SkyClusterOperator(task_id="c", num_nodes=4, run="true", name="train")
+    assert op.rendered_spec().num_nodes == 4 and op.rendered_spec().name == "train"
 
 
 def test_backend_limit_and_unhonourable_fields_fail_before_provisioning(sky_home: Path) -> None:

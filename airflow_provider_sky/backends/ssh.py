@@ -19,6 +19,7 @@ from typing import Any
 
 from airflow_provider_sky import runtime
 from airflow_provider_sky.backends.base import Backend, BackendError, ClusterHandle, Node
+from airflow_provider_sky.gang import rank_order
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.ssh import SSHNodeConfig, SSHRunner, wait_for_ssh
 from airflow_provider_sky.spec import BackendCapabilities, TaskSpec
@@ -84,10 +85,6 @@ def _number(config: Mapping[str, Any], key: str, default: Any, kind: Any) -> Any
     return value
 
 
-def _ip_int(ip: str) -> int:
-    return int(ipaddress.ip_address(ip))
-
-
 class SSHBackend(Backend):
     """Existing machines reached over SSH (paramiko), one rank per host."""
 
@@ -122,6 +119,10 @@ class SSHBackend(Backend):
             if not host_user:
                 raise BackendError(
                     f"login: no user for host {rest!r}; set the connection's login or write user@host"
+                )
+            if endpoint in self.users:
+                raise BackendError(
+                    f"hosts: {rest!r} is listed twice; list each host once (one rank runs per host)"
                 )
             self.users[endpoint] = host_user
             self.endpoints.append(endpoint)
@@ -275,9 +276,9 @@ class SSHBackend(Backend):
                 )
             chosen = [(n.extra["host"], int(n.extra["port"])) for n in existing.nodes]
         else:
-            others = [e for e in self.endpoints if e != self.head]
-            others.sort(key=lambda e: (_ip_int(_resolve_ip(e[0])), e[1]))
-            chosen = [self.head, *others][: spec.num_nodes]
+            resolved = {(_resolve_ip(h), p): (h, p) for h, p in self.endpoints}
+            head = (_resolve_ip(self.head[0]), self.head[1])
+            chosen = [resolved[k] for k in rank_order(list(resolved), head)][: spec.num_nodes]
         probes = self._map(self._probe, chosen)
         errors = [
             f"{h}:{p}: {e}" for (h, p), e in zip(chosen, probes, strict=True) if isinstance(e, Exception)
@@ -289,9 +290,7 @@ class SSHBackend(Backend):
         if existing is not None:  # the stored order, never re-sorted on reuse
             order = [(_resolve_ip(n.extra["host"]), int(n.extra["port"])) for n in existing.nodes]
         else:  # head first, workers by IP numerically (the port only breaks ties between test hosts)
-            head_key = (_resolve_ip(chosen[0][0]), chosen[0][1])
-            workers = sorted((k for k in by_key if k != head_key), key=lambda k: (_ip_int(k[0]), k[1]))
-            order = [head_key, *workers]
+            order = rank_order(list(by_key), (_resolve_ip(chosen[0][0]), chosen[0][1]))
         nodes = []
         for i, key in enumerate(order):
             host, port, home = by_key[key]

@@ -15,6 +15,11 @@ from airflow_provider_sky.spec import SpecError, TaskSpec, load_task_yaml, parse
 SPEC_FIELDS = ("name", "num_nodes", "resources", "setup", "run", "envs", "secrets", "workdir", "file_mounts")
 
 
+def pop_spec_fields(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Take the spec fields (``num_nodes``, ``run``, ...) out of an operator's keyword arguments."""
+    return {name: kwargs.pop(name) for name in SPEC_FIELDS if name in kwargs}
+
+
 def build_spec(
     task_yaml: str | None, task_config: Mapping[str, Any] | None, overrides: Mapping[str, Any]
 ) -> TaskSpec:

@@ -10,7 +10,12 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_sky.gang import job_id_for
 from airflow_provider_sky.hooks.sky import SetupFailed, SkyHook
-from airflow_provider_sky.operators._spec import SkySpecMixin, check_cluster_name, resolve_cluster_name
+from airflow_provider_sky.operators._spec import (
+    SkySpecMixin,
+    check_cluster_name,
+    pop_spec_fields,
+    resolve_cluster_name,
+)
 
 
 class SkyClusterOperator(SkySpecMixin, BaseOperator):
@@ -22,6 +27,8 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
 
     :param task_yaml: path of a SkyPilot task YAML (used as is).
     :param task_config: the same fields as a dict (instead of ``task_yaml``).
+    :param num_nodes, run, setup, envs, secrets, resources, workdir, file_mounts, name: any field of
+        the task given as a keyword argument; it overrides the YAML's (or dict's) value.
     :param cluster_name: defaults to one cluster per DAG run (``sky-<dag>-<hash of run id>``).
     :param sky_conn_id: a ``sky_local`` / ``sky_ssh`` connection; the default falls back to the local backend.
     :param down_on_failure: tear the cluster down when this task fails or is killed. Airflow skips a
@@ -41,27 +48,10 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         poll_interval: float = 0.5,
         grace: float = 3.0,
         down_on_failure: bool = True,
-        num_nodes: int | None = None,
-        run: str | None = None,
-        setup: str | None = None,
-        envs: Mapping[str, Any] | None = None,
-        secrets: Mapping[str, Any] | None = None,
-        resources: Mapping[str, Any] | None = None,
-        workdir: str | None = None,
-        file_mounts: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
+        overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
         super().__init__(**kwargs)
-        overrides = {
-            "num_nodes": num_nodes,
-            "run": run,
-            "setup": setup,
-            "envs": envs,
-            "secrets": secrets,
-            "resources": resources,
-            "workdir": workdir,
-            "file_mounts": file_mounts,
-        }
         self._init_spec(task_yaml, task_config, overrides)
         if cluster_name and "{" not in cluster_name:
             check_cluster_name(cluster_name)  # bad input fails at DAG parse time

@@ -12,7 +12,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_provider_sky.gang import job_id_for
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import LaunchError
-from airflow_provider_sky.operators._spec import SkySpecMixin
+from airflow_provider_sky.operators._spec import SkySpecMixin, pop_spec_fields
 
 
 class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
@@ -24,6 +24,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
     the launch re-attaches on retry and never starts a rank twice.
 
     :param cluster: the cluster handle (``cluster_task.output``).
+    :param task_yaml, task_config, num_nodes, run, ...: the task, as for :class:`SkyClusterOperator`.
     """
 
     template_fields: Sequence[str] = ("task_yaml", "task_config", "spec_overrides", "cluster")
@@ -37,27 +38,10 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         task_yaml: str | None = None,
         task_config: Mapping[str, Any] | None = None,
         sky_conn_id: str | None = SkyHook.default_conn_name,
-        num_nodes: int | None = None,
-        run: str | None = None,
-        setup: str | None = None,
-        envs: Mapping[str, Any] | None = None,
-        secrets: Mapping[str, Any] | None = None,
-        resources: Mapping[str, Any] | None = None,
-        workdir: str | None = None,
-        file_mounts: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
+        overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
         super().__init__(**kwargs)
-        overrides = {
-            "num_nodes": num_nodes,
-            "run": run,
-            "setup": setup,
-            "envs": envs,
-            "secrets": secrets,
-            "resources": resources,
-            "workdir": workdir,
-            "file_mounts": file_mounts,
-        }
         self._init_spec(task_yaml, task_config, overrides)
         self.cluster = cluster
         self.sky_conn_id = sky_conn_id
