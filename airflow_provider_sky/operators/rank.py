@@ -10,6 +10,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import run_sync
+from airflow_provider_sky.operators._watch import GangWatchMixin
 from airflow_provider_sky.triggers.gang import SkyRankTrigger
 
 RANK_LABEL = "rank {{ task.rank }}"
@@ -21,7 +22,7 @@ async def _first_event(trigger: SkyRankTrigger) -> dict[str, Any]:
     raise RuntimeError("the rank trigger ended without an event")
 
 
-class SkyRankOperator(BaseOperator):
+class SkyRankOperator(GangWatchMixin, BaseOperator):
     """Attach to one rank of a started job (it never launches anything) and wait for it deferred.
 
     Map it over the job task's output: ``SkyRankOperator.partial(cluster=...).expand_kwargs(job.output)``.
@@ -59,25 +60,13 @@ class SkyRankOperator(BaseOperator):
             )
         kwargs["retries"] = 0
         super().__init__(**kwargs)
-        self.cluster = cluster
+        self._init_watch(cluster, sky_conn_id, poll_interval, grace, lost_after)
         self.rank = rank
         self.job_id = job_id
         self.ip = ip
-        self.sky_conn_id = sky_conn_id
-        self.poll_interval = poll_interval
-        self.grace = grace
-        self.lost_after = lost_after
 
     def _trigger(self) -> SkyRankTrigger:
-        return SkyRankTrigger(
-            cluster=self.cluster,
-            job_id=self.job_id,
-            rank=int(self.rank),
-            sky_conn_id=self.sky_conn_id,
-            poll_interval=self.poll_interval,
-            grace=self.grace,
-            lost_after=self.lost_after,
-        )
+        return SkyRankTrigger(rank=int(self.rank), **self._watch_kwargs(self.job_id))
 
     def execute(self, context: Any) -> dict[str, Any] | None:
         self.log.info("Attaching to rank %s of job %s (%s)", self.rank, self.job_id, self.ip)

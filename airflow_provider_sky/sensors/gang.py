@@ -9,10 +9,11 @@ from airflow.sdk import BaseSensorOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_sky.hooks.sky import SkyHook
+from airflow_provider_sky.operators._watch import GangWatchMixin
 from airflow_provider_sky.triggers.gang import SkyGangTrigger
 
 
-class SkyGangSensor(BaseSensorOperator):
+class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
     """Watch every rank of a job at once (deferred); succeed when all succeed, fail on the first failure.
 
     :param ranks: the job task's output (one entry per rank, each with the ``job_id``).
@@ -34,22 +35,11 @@ class SkyGangSensor(BaseSensorOperator):
     ) -> None:
         kwargs.setdefault("retries", 0)
         super().__init__(**kwargs)
-        self.cluster = cluster
+        self._init_watch(cluster, sky_conn_id, poll_interval, grace, lost_after)
         self.ranks = ranks
-        self.sky_conn_id = sky_conn_id
-        self.poll_interval = poll_interval
-        self.grace = grace
-        self.lost_after = lost_after
 
     def _trigger(self) -> SkyGangTrigger:
-        return SkyGangTrigger(
-            cluster=self.cluster,
-            job_id=self.ranks[0]["job_id"],
-            sky_conn_id=self.sky_conn_id,
-            poll_interval=self.poll_interval,
-            grace=self.grace,
-            lost_after=self.lost_after,
-        )
+        return SkyGangTrigger(**self._watch_kwargs(self.ranks[0]["job_id"]))
 
     def execute(self, context: Any) -> None:
         self.defer(trigger=self._trigger(), method_name="execute_complete")
