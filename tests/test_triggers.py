@@ -131,3 +131,31 @@ def test_triggers_serialize_round_trip(sky_home: Path) -> None:
         assert again.serialize() == (path, kwargs)
         assert again.shared_stream_key() == trig.shared_stream_key()
     b.terminate("c")
+
+
+def test_a_held_event_waits_for_fire_after_but_the_fail_fast_cancel_does_not(sky_home: Path) -> None:
+    """``fire_after`` (the Airflow 3.3 defer race workaround) delays the events, never the cancel."""
+    run = 'if [ "$SKYPILOT_NODE_RANK" = "1" ]; then exit 3; fi; sleep 10000'
+    b, handle = _start(sky_home, 3, run)
+    fire_after = time.time() + 3.0
+    triggers: list[Any] = [SkyRankTrigger(rank=r, **_kw(handle, fire_after=fire_after)) for r in range(3)]
+    triggers.append(SkyGangTrigger(**_kw(handle, fire_after=fire_after)))
+    assert triggers[0].serialize()[1]["fire_after"] == fire_after  # survives a triggerer restart
+    started = time.time()
+
+    async def watch_siblings() -> float:
+        while processes_under(sky_home / "local" / "c"):
+            await asyncio.sleep(0.05)
+        return time.time()
+
+    async def both() -> tuple[list[Any], float]:
+        siblings_gone = asyncio.ensure_future(watch_siblings())
+        events = await _shared(triggers)
+        return events, await siblings_gone
+
+    events, gone = asyncio.run(both())
+    assert gone - started < 2.5, "the cancel waited for the hold"
+    assert time.time() >= fire_after
+    assert [e["state"] for e in events[:3]] == ["cancelled", "failed", "cancelled"]
+    assert events[3]["state"] == "failed" and "exited with code 3" in events[3]["message"]
+    b.terminate("c")

@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
+
+from airflow.configuration import conf
+
+
+def resume_hold() -> float:
+    """Seconds a deferred watcher's event waits after the deferral (Airflow 3.3 core race workaround).
+
+    When a task defers, its worker exits and the executor reports "success" for that try; the task
+    supervisor notices the exit up to ``[workers] min_heartbeat_interval`` later. If the trigger fires
+    before the scheduler processed that stale report and the task is already queued or running again,
+    Airflow 3.3 marks it failed ("state mismatch", apache/airflow#72716, #71580). Holding the event
+    past that window lets the report land while the task is still deferred, where it is ignored.
+    ``dag.test()`` runs the task and its trigger in one process, with no executor: no hold there.
+    """
+    from airflow.sdk.execution_time import task_runner
+
+    if type(getattr(task_runner, "SUPERVISOR_COMMS", None)).__name__ == "InProcessSupervisorComms":
+        return 0.0
+    return float(conf.getint("workers", "min_heartbeat_interval", fallback=5)) + 2.0
 
 
 class GangWatchMixin:
@@ -27,9 +47,10 @@ class GangWatchMixin:
         self.grace = grace
         self.lost_after = lost_after
 
-    def _watch_kwargs(self, job_id: Any) -> dict[str, Any]:
+    def _watch_kwargs(self, job_id: Any, *, deferring: bool = True) -> dict[str, Any]:
         """The trigger keyword arguments common to SkyRankTrigger and SkyGangTrigger."""
         return {
+            "fire_after": time.time() + resume_hold() if deferring else None,
             "cluster": self.cluster,
             "job_id": str(job_id),
             "sky_conn_id": self.sky_conn_id,

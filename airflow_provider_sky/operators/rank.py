@@ -65,17 +65,16 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
         self.job_id = job_id
         self.ip = ip
 
-    def _trigger(self) -> SkyRankTrigger:
-        return SkyRankTrigger(rank=int(self.rank), **self._watch_kwargs(self.job_id))
+    def _trigger(self, *, deferring: bool = True) -> SkyRankTrigger:
+        return SkyRankTrigger(rank=int(self.rank), **self._watch_kwargs(self.job_id, deferring=deferring))
 
     def execute(self, context: Any) -> dict[str, Any] | None:
         self.log.info("Attaching to rank %s of job %s (%s)", self.rank, self.job_id, self.ip)
-        trigger = self._trigger()
         if self._already_over():
             # A rank that ended before its task started needs no deferral (nor the triggerer round trip).
             self.log.info("Rank %s has already ended; reading its outcome now", self.rank)
-            return self.execute_complete(context, run_sync(_first_event(trigger)))
-        self.defer(trigger=trigger, method_name="execute_complete")
+            return self.execute_complete(context, run_sync(_first_event(self._trigger(deferring=False))))
+        self.defer(trigger=self._trigger(), method_name="execute_complete")
         return None
 
     def _already_over(self) -> bool:

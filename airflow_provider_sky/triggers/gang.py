@@ -41,6 +41,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         poll_interval: float = 0.5,
         grace: float = 3.0,
         lost_after: float = 10.0,
+        fire_after: float | None = None,
     ) -> None:
         super().__init__()
         self.cluster = cluster
@@ -49,6 +50,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         self.poll_interval = float(poll_interval)
         self.grace = float(grace)
         self.lost_after = float(lost_after)
+        self.fire_after = None if fire_after is None else float(fire_after)
 
     def _common_kwargs(self) -> dict[str, Any]:
         return {
@@ -58,7 +60,16 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
             "poll_interval": self.poll_interval,
             "grace": self.grace,
             "lost_after": self.lost_after,
+            "fire_after": self.fire_after,
         }
+
+    async def _hold(self) -> None:
+        """Emit no earlier than ``fire_after`` (epoch seconds); see ``operators._watch.resume_hold``.
+
+        Only the event waits: the fail-fast cancel has already run in the shared poll.
+        """
+        if self.fire_after is not None:
+            await asyncio.sleep(max(0.0, self.fire_after - time.time()))
 
     def shared_stream_key(self) -> Hashable | None:
         return (
@@ -167,6 +178,7 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 expected += len(rest)
             self._log_bytes(b"", pending, client.secret_values, final=True)
             cause = poll.status.root_cause()
+            await self._hold()
             if st.state == SUCCEEDED:
                 message = f"rank {self.rank} ({st.ip}) succeeded"
             elif st.state in BAD:
@@ -215,5 +227,6 @@ class SkyGangTrigger(_SkyGangWatchTrigger):
                 state, message = "cancelled", _cancel_text(status)
             else:
                 continue
+            await self._hold()
             yield TriggerEvent({"kind": "gang", "state": state, "message": message, "gang": status.to_dict()})
             return
