@@ -5,7 +5,8 @@ one :class:`SSHDCluster` of 4 real sshd hosts (127.0.k.1-4, each its own user an
 whole module; the ``sky_rel_ssh`` connection (``AIRFLOW_CONN_SKY_REL_SSH``, a ``sky_ssh``
 connection over the 4 hosts) is in every service's environment. The DAGs are
 ``tests/dags/sky_rel_*.py`` (``sky_rel_gangs.py`` holds the four of one shape). Every case injects
-one fault and asserts what a user notices, read back from Airflow's REST API (run and task states, task logs, XComs), plus what is left on the hosts:
+one fault and asserts what a user notices, read back from Airflow's REST API (run and task states,
+task logs, XComs), plus what is left on the hosts:
 
 1. the job task's worker is SIGKILLed after the gang started: the retry re-attaches, no rank
    starts twice;
