@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import pwd
 import shutil
@@ -30,9 +31,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import pytest
+
 from airflow_provider_sky.runners.ssh import HostUnreachable, SSHNodeConfig, wait_for_ssh
 
 SSHD = "/usr/sbin/sshd"
+
+#: mark for a test module that starts sshd hosts
+needs_sshd = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists(SSHD), reason="needs root and openssh-server"
+)
 LOCK_DIR = Path(tempfile.gettempdir()) / "sky-sshd-blocks"
 BLOCKS = range(20, 250)
 
@@ -68,6 +76,16 @@ def _processes() -> list[_Proc]:
         except (KeyError, ValueError, IndexError):
             continue
     return procs
+
+
+def cmdline(pid: int) -> str:
+    """The process's command line, arguments joined by spaces ("" once it is gone)."""
+    try:
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        )
+    except OSError:
+        return ""
 
 
 def user_processes(user: str) -> list[int]:
@@ -262,6 +280,25 @@ class SSHDCluster:
             pids = user_processes(node.user)
             if pids:
                 out[node.user] = pids
+        return out
+
+    def host_list(self) -> list[str]:
+        """``user@host:port`` of every node, head first: the hosts of a ``sky_ssh`` connection."""
+        return [f"{n.user}@{n.host}:{n.port}" for n in self.nodes]
+
+    def sky_ssh_connection(self) -> str:
+        """A ``sky_ssh`` connection over every node, as JSON for an ``AIRFLOW_CONN_*`` variable."""
+        extra = {"key_file": self.client_key_path, "known_hosts": self.known_hosts_path}
+        return json.dumps({"conn_type": "sky_ssh", "host": ",".join(self.host_list()), "extra": extra})
+
+    def rank_processes(self) -> dict[str, list[tuple[int, str]]]:
+        """Per host user: every live process that is not an SSH session (rank wrappers, commands)."""
+        out = {}
+        for n in self.nodes:
+            procs = [(p, cmdline(p)) for p in user_processes(n.user)]
+            procs = [(p, c) for p, c in procs if not c.startswith("sshd:")]
+            if procs:
+                out[n.user] = procs
         return out
 
     def node_config(self, i: int, **overrides: Any) -> SSHNodeConfig:

@@ -19,7 +19,6 @@ and no cluster directory or record left in any host's home.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -33,7 +32,7 @@ import pytest
 
 from airflow_provider_sky.dev.stack import AirflowStack, parse_time
 from leaks import processes_under
-from sshd import SSHDCluster, user_processes
+from sshd import SSHDCluster, needs_sshd
 
 REPO = Path(__file__).resolve().parent.parent
 DAGS = ("sky_fail_fast", "sky_hello", "sky_segfault", "sky_failed_setup", "sky_yaml")
@@ -118,32 +117,11 @@ def _kill(procs: list[tuple[int, str]]) -> None:
                 pass
 
 
-def _host_processes(hosts: SSHDCluster) -> dict[str, list[int]]:
-    """Per host user: live processes other than SSH sessions (ranks, wrappers, killers)."""
-    out = {}
-    for n in hosts.nodes:
-        pids = [p for p in user_processes(n.user) if not _cmdline(p).startswith("sshd:")]
-        if pids:
-            out[n.user] = pids
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
-def _needs_sshd() -> bool:
-    return os.geteuid() == 0 and os.path.exists("/usr/sbin/sshd")
-
-
 @pytest.fixture(
     scope="module",
     params=[
         "local",
-        pytest.param("ssh", marks=pytest.mark.skipif(not _needs_sshd(), reason="needs root and sshd")),
+        pytest.param("ssh", marks=needs_sshd),
     ],
 )
 def real(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[RealAirflow]:
@@ -155,12 +133,7 @@ def real(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReques
         hosts: SSHDCluster | None = None
         if request.param == "ssh":
             hosts = cleanup.enter_context(SSHDCluster(4, base))
-            conn = {
-                "conn_type": "sky_ssh",
-                "host": ",".join(f"{n.user}@{n.host}:{n.port}" for n in hosts.nodes),
-                "extra": {"key_file": hosts.client_key_path, "known_hosts": hosts.known_hosts_path},
-            }
-            env["AIRFLOW_CONN_SKY_DEFAULT"] = json.dumps(conn)
+            env["AIRFLOW_CONN_SKY_DEFAULT"] = hosts.sky_ssh_connection()
         stack = AirflowStack(base / "airflow", REPO / "dags_examples", env)
         try:
             with stack:
@@ -169,11 +142,11 @@ def real(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReques
             assert not stack.leftover_processes()
             if hosts is not None:
                 deadline = time.monotonic() + 10
-                while _host_processes(hosts) and time.monotonic() < deadline:
+                while hosts.rank_processes() and time.monotonic() < deadline:
                     time.sleep(0.2)
-                left_hosts = _host_processes(hosts)
-                for pids in left_hosts.values():
-                    _kill([(pid, "") for pid in pids])
+                left_hosts = hosts.rank_processes()
+                for procs in left_hosts.values():
+                    _kill(procs)
                 assert not left_hosts, f"processes of the SSH hosts' users left: {left_hosts}"
         finally:
             left = processes_under(sky)

@@ -26,7 +26,6 @@ failing case does not break the next one.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -44,32 +43,19 @@ import pytest
 
 from airflow_provider_sky.dev.stack import AirflowStack, group_members
 from leaks import processes_under
-from sshd import SSHDCluster, SSHDNode, user_processes
+from sshd import SSHDCluster, SSHDNode, needs_sshd, user_processes
+from sshd import cmdline as _cmdline
 
 REPO = Path(__file__).resolve().parent.parent
 CONN_ID = "sky_rel_ssh"
 RUN_TIMEOUT = 150.0
 
-pytestmark = [
-    pytest.mark.airflow_services,
-    pytest.mark.skipif(
-        os.geteuid() != 0 or not os.path.exists("/usr/sbin/sshd"), reason="needs root and openssh-server"
-    ),
-]
+pytestmark = [pytest.mark.airflow_services, needs_sshd]
 
 T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------------------------- /proc
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return (
-            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace").strip()
-        )
-    except OSError:
-        return ""
 
 
 def _ppid(pid: int) -> int:
@@ -271,14 +257,7 @@ class Rel:
         return out
 
     def rank_processes(self) -> dict[str, list[tuple[int, str]]]:
-        """Per host user: every live process that is not an SSH session (rank wrappers, commands)."""
-        out = {}
-        for n in self.hosts.nodes:
-            procs = [(p, _cmdline(p)) for p in user_processes(n.user)]
-            procs = [(p, c) for p, c in procs if not c.startswith("sshd:")]
-            if procs:
-                out[n.user] = procs
-        return out
+        return self.hosts.rank_processes()
 
     def figure(self, name: str, value: str) -> None:
         self.figures[name] = value
@@ -303,12 +282,7 @@ def rel(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
     rel: Rel | None = None
     try:
         with SSHDCluster(4, base) as hosts:
-            conn = {
-                "conn_type": "sky_ssh",
-                "host": ",".join(f"{n.user}@{n.host}:{n.port}" for n in hosts.nodes),
-                "extra": {"key_file": hosts.client_key_path, "known_hosts": hosts.known_hosts_path},
-            }
-            env = {"SKY_PROVIDER_HOME": str(sky), "AIRFLOW_CONN_SKY_REL_SSH": json.dumps(conn)}
+            env = {"SKY_PROVIDER_HOME": str(sky), "AIRFLOW_CONN_SKY_REL_SSH": hosts.sky_ssh_connection()}
             stack = AirflowStack(base / "airflow", dags, env)
             with stack:
                 rel = Rel(stack, hosts, sky, report)
@@ -351,6 +325,14 @@ class Case:
         run_id = self.rel.stack.trigger(dag_id, {"tag": self.tag, **conf})
         self.runs.append((dag_id, run_id))
         return run_id
+
+    def start_gang(self, dag_id: str) -> tuple[str, dict[str, Any], str, list[tuple[int, int]]]:
+        """Trigger a run and wait until every rank is deferred and running once: (run id, handle, job id, pids)."""
+        run_id = self.trigger(dag_id)
+        self.rel.wait_attached(dag_id, run_id)
+        wait_for("every rank to start", lambda: all(len(c) == 1 for c in self.rel.counts(self.tag)), 30)
+        handle, job_id = self.rel.handle(dag_id, run_id), self.rel.job_id(dag_id, run_id)
+        return run_id, handle, job_id, self.rel.rank_pids(handle, job_id)
 
 
 def _cluster_name(dag_id: str, run_id: str) -> str:
@@ -501,11 +483,7 @@ def test_worker_killed_after_start_reattaches(rel: Rel, case: Case, tmp_path: Pa
 def test_triggerer_restart_keeps_ranks_and_fail_fast(rel: Rel, case: Case) -> None:
     """Restart the triggerer while every rank is deferred: nothing is cancelled; fail-fast still works."""
     dag = "sky_rel_triggerer_restart"
-    run_id = case.trigger(dag)
-    rel.wait_attached(dag, run_id)
-    wait_for("every rank to start", lambda: all(len(c) == 1 for c in rel.counts(case.tag)), 30)
-    handle, job_id = rel.handle(dag, run_id), rel.job_id(dag, run_id)
-    before = rel.rank_pids(handle, job_id)
+    run_id, handle, job_id, before = case.start_gang(dag)
     assert all(_alive(pid) for pid, _ in before), before
 
     t = time.monotonic()
@@ -551,13 +529,9 @@ def test_triggerer_restart_keeps_ranks_and_fail_fast(rel: Rel, case: Case) -> No
 def test_mark_failed_cancels_the_gang(rel: Rel, case: Case) -> None:
     """A user marks one deferred rank failed: on_kill cancels every rank; the run fails; teardown runs."""
     dag = "sky_rel_mark_failed"
-    run_id = case.trigger(dag)
-    rel.wait_attached(dag, run_id)
-    wait_for("every rank to start", lambda: all(len(c) == 1 for c in rel.counts(case.tag)), 30)
+    run_id, handle, job_id, pids = case.start_gang(dag)
     # the rank's trigger runs in the triggerer (it streams the rank's output into the task log)
     wait_for("rank 1's trigger to run", lambda: "rank 1 started" in rel.log(dag, run_id, "g.rank", 1), 30)
-    handle, job_id = rel.handle(dag, run_id), rel.job_id(dag, run_id)
-    pids = rel.rank_pids(handle, job_id)
 
     t = time.monotonic()
     rel.stack.mark_failed(dag, run_id, "g.rank", 1)
@@ -588,11 +562,7 @@ def test_mark_failed_cancels_the_gang(rel: Rel, case: Case) -> None:
 def test_node_loss_is_reported_and_fails_the_gang(rel: Rel, case: Case) -> None:
     """Kill node 2 (its sshd and every process of its user) mid-run: rank 2 lost, the others cancelled."""
     dag = "sky_rel_node_loss"
-    run_id = case.trigger(dag)
-    rel.wait_attached(dag, run_id)
-    wait_for("every rank to start", lambda: all(len(c) == 1 for c in rel.counts(case.tag)), 30)
-    handle, job_id = rel.handle(dag, run_id), rel.job_id(dag, run_id)
-    pids = rel.rank_pids(handle, job_id)
+    run_id, handle, job_id, pids = case.start_gang(dag)
     lost = rel.node(2)
     name = handle["name"]
     try:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -19,15 +17,9 @@ from airflow_provider_sky.jobs import GangClient, watch
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.spec import task_from_args
-from sshd import SSHDCluster, user_processes
+from sshd import SSHDCluster, needs_sshd, user_processes
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not os.path.exists("/usr/sbin/sshd"), reason="needs root and openssh-server"
-)
-
-
-def _hosts(c: SSHDCluster) -> list[str]:
-    return [f"{n.user}@{n.host}:{n.port}" for n in c.nodes]
+pytestmark = needs_sshd
 
 
 def _backend(c: SSHDCluster, **kw: Any) -> SSHBackend:
@@ -39,7 +31,7 @@ def _backend(c: SSHDCluster, **kw: Any) -> SSHBackend:
         "ready_timeout": 5.0,
     }
     args.update(kw)
-    hosts = args.pop("hosts", _hosts(c))
+    hosts = args.pop("hosts", c.host_list())
     return SSHBackend(hosts, **args)
 
 
@@ -100,7 +92,7 @@ def test_gang_on_4_hosts_each_rank_is_its_own_host(hosts4: SSHDCluster) -> None:
 
 
 def test_rank_order_is_numeric_and_stable_on_reuse(hosts4: SSHDCluster) -> None:
-    hosts = _hosts(hosts4)
+    hosts = hosts4.host_list()
     shuffled = [hosts[0], *random.sample(hosts[1:], 3)]
     b = _backend(hosts4, hosts=shuffled)
     spec = task_from_args(num_nodes=4, run="true")
@@ -196,7 +188,7 @@ def test_wrong_key_names_host_and_user(hosts4: SSHDCluster, tmp_path: Path) -> N
 
 
 def test_unreachable_host_fails_after_readiness_timeout(hosts4: SSHDCluster) -> None:
-    hosts = [*_hosts(hosts4)[:2], f"{hosts4.nodes[2].user}@127.0.0.254:{hosts4.nodes[0].port}"]
+    hosts = [*hosts4.host_list()[:2], f"{hosts4.nodes[2].user}@127.0.0.254:{hosts4.nodes[0].port}"]
     b = _backend(hosts4, hosts=hosts, ready_timeout=1.0)
     t = time.monotonic()
     with pytest.raises(BackendError, match=r"127\.0\.0\.254.*within 1s"):
@@ -242,12 +234,7 @@ def test_every_example_dag_on_the_ssh_cluster(
     """The same example DAGs, with ``sky_default`` pointing at the SSH hosts instead of the local backend."""
     from test_dag_test import _run, _states
 
-    conn = {
-        "conn_type": "sky_ssh",
-        "host": ",".join(_hosts(hosts4)),
-        "extra": {"key_file": hosts4.client_key_path, "known_hosts": hosts4.known_hosts_path},
-    }
-    monkeypatch.setenv("AIRFLOW_CONN_SKY_DEFAULT", json.dumps(conn))
+    monkeypatch.setenv("AIRFLOW_CONN_SKY_DEFAULT", hosts4.sky_ssh_connection())
     dr, tis = _run("sky_hello")
     assert str(dr.state) == "success" and set(_states(tis, "rank").values()) == {"success"}
     dr, tis = _run("sky_fail_fast")

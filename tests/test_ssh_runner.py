@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import subprocess
 import threading
@@ -28,11 +27,9 @@ from airflow_provider_sky.runners.ssh import (
     UnknownHostKey,
     wait_for_ssh,
 )
-from sshd import SSHDCluster, user_processes
+from sshd import SSHDCluster, needs_sshd, user_processes
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not os.path.exists("/usr/sbin/sshd"), reason="needs root and openssh-server"
-)
+pytestmark = needs_sshd
 
 
 @pytest.fixture

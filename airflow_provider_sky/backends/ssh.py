@@ -286,23 +286,17 @@ class SSHBackend(Backend):
         if errors:
             raise BackendError("hosts not usable, nothing was started: " + "; ".join(errors))
         self._check_resources(spec, probes)
-        by_key = {(_resolve_ip(host), port): (host, port, home) for host, port, home, _, _ in probes}
-        if existing is not None:  # the stored order, never re-sorted on reuse
-            order = [(_resolve_ip(n.extra["host"]), int(n.extra["port"])) for n in existing.nodes]
-        else:  # head first, workers by IP numerically (the port only breaks ties between test hosts)
-            order = rank_order(list(by_key), (_resolve_ip(chosen[0][0]), chosen[0][1]))
-        nodes = []
-        for i, key in enumerate(order):
-            host, port, home = by_key[key]
-            nodes.append(
-                Node(
-                    ip=key[0],
-                    node_id=f"node-{i}",
-                    root=f"{home}/.sky_airflow/{name}",
-                    home=home,
-                    extra={"host": host, "port": port, "user": self.users[(host, port)]},
-                )
+        # ``chosen`` (and so ``probes``) is in rank order: the stored order on reuse, else head first, then by IP
+        nodes = [
+            Node(
+                ip=_resolve_ip(host),
+                node_id=f"node-{i}",
+                root=f"{home}/.sky_airflow/{name}",
+                home=home,
+                extra={"host": host, "port": port, "user": self.users[(host, port)]},
             )
+            for i, (host, port, home, _, _) in enumerate(probes)
+        ]
         handle = ClusterHandle(name=name, backend=self.kind, nodes=tuple(nodes), cloud="ssh")
         self._write_record(handle)
         return handle

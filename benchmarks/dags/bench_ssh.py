@@ -16,27 +16,21 @@ from airflow.sdk import DAG
 RANKS = 8
 CONNS = [f"ssh_bench_{i}" for i in range(RANKS)]
 
-with DAG(
-    "bench_ssh_true",
-    schedule=None,
-    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-    catchup=False,
-    max_active_runs=1,
-    tags=["bench"],
-):
-    SSHOperator.partial(task_id="rank", command="true", cmd_timeout=None).expand(ssh_conn_id=CONNS)
+#: dag id -> the command of each rank
+COMMANDS = {
+    "bench_ssh_true": ["true"] * RANKS,
+    "bench_ssh_fail_fast": ["sleep 2; exit 1" if i == 2 else "sleep 10000" for i in range(RANKS)],
+}
 
-with DAG(
-    "bench_ssh_fail_fast",
-    schedule=None,
-    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-    catchup=False,
-    max_active_runs=1,
-    tags=["bench"],
-):
-    SSHOperator.partial(task_id="rank", cmd_timeout=None).expand_kwargs(
-        [
-            {"ssh_conn_id": conn, "command": "sleep 2; exit 1" if i == 2 else "sleep 10000"}
-            for i, conn in enumerate(CONNS)
-        ]
-    )
+for dag_id, commands in COMMANDS.items():
+    with DAG(
+        dag_id,
+        schedule=None,
+        start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+        catchup=False,
+        max_active_runs=1,
+        tags=["bench"],
+    ):
+        SSHOperator.partial(task_id="rank", cmd_timeout=None).expand_kwargs(
+            [{"ssh_conn_id": conn, "command": cmd} for conn, cmd in zip(CONNS, commands, strict=True)]
+        )
