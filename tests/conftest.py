@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,3 +62,26 @@ def sky_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         except OSError:
             pass
     assert not left, f"processes left running after the test: {left}"
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """At the end of the run: the tests skipped for want of a system tool, and the command that fixes it."""
+    sshd = sys.modules.get("sshd")  # imported by the SSH test modules; none collected, nothing to say
+    if sshd is None or not getattr(sshd, "SKIP_REASON", ""):
+        return
+    by_module: dict[str, list[str]] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        if sshd.SKIP_REASON in reason:
+            module, _, name = report.nodeid.partition("::")
+            by_module.setdefault(module, []).append(name or "(whole module)")
+    if not by_module:
+        return
+    count = sum(len(names) for names in by_module.values())
+    write = terminalreporter.write_line
+    terminalreporter.section("SSH tests that did not run", sep="=", yellow=True, bold=True)
+    write(f"{count} tests were skipped: {sshd.SKIP_REASON}")
+    for module, names in by_module.items():
+        write(f"  {module} ({len(names)}): {', '.join(names)}")
+    write(f"To run them: {sshd.FIX_COMMAND}", yellow=True, bold=True)

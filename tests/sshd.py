@@ -35,12 +35,46 @@ import pytest
 
 from airflow_provider_sky.runners.ssh import HostUnreachable, SSHNodeConfig, wait_for_ssh
 
-SSHD = "/usr/sbin/sshd"
+#: The sshd binary (sshd wants an absolute path). ``SKY_TEST_SSHD`` overrides it; a path that does not
+#: exist plays a machine without openssh-server (how the missing-tools summary is checked).
+SSHD = os.environ.get("SKY_TEST_SSHD") or (
+    "/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else shutil.which("sshd") or "/usr/sbin/sshd"
+)
+
+
+def missing_packages() -> list[str]:
+    """The Debian packages of the tools these hosts need that this machine lacks (``make system-deps``)."""
+    missing = []
+    if not os.path.exists(SSHD):
+        missing.append("openssh-server")
+    if not shutil.which("ssh-keygen"):
+        missing.append("openssh-client")
+    if not (shutil.which("useradd") or os.path.exists("/usr/sbin/useradd")):
+        missing.append("passwd")
+    return missing
+
+
+def _skip() -> tuple[str, str]:
+    """(skip reason, the one command that fixes it); ("", "") when the SSH tests can run."""
+    missing = missing_packages()
+    install = f"apt-get update && apt-get install -y --no-install-recommends {' '.join(missing)}"
+    if os.geteuid() != 0:
+        need = "root" + (f" and {', '.join(missing)}" if missing else "")
+        # as root, `make test` installs the missing packages itself (the system-deps target)
+        return f"needs {need} (it starts sshd daemons and creates users)", "sudo make test"
+    if missing:
+        where = f" ({SSHD} not found)" if "openssh-server" in missing else ""
+        return f"needs {', '.join(missing)}{where}", install
+    return "", ""
+
+
+#: why the SSH tests are skipped on this machine and the command that fixes it (the conftest's summary
+#: lists the skipped tests with it); both "" when they can run
+SKIP_REASON, FIX_COMMAND = _skip()
 
 #: mark for a test module that starts sshd hosts
-needs_sshd = pytest.mark.skipif(
-    os.geteuid() != 0 or not os.path.exists(SSHD), reason="needs root and openssh-server"
-)
+needs_sshd = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON or "sshd hosts available")
+
 LOCK_DIR = Path(tempfile.gettempdir()) / "sky-sshd-blocks"
 BLOCKS = range(20, 250)
 
