@@ -20,6 +20,11 @@ RUNNING, PENDING = "running", "pending"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED, LOST})
 BAD = frozenset({FAILED, LOST})
 
+ORPHANED_REASON = (
+    "orphaned: nothing polled this job for its orphan_timeout (Airflow lost track of it), so the node's "
+    "dead-man's switch killed its processes"
+)
+
 
 def _ip_key(ip: str) -> tuple[int, int | str]:
     try:
@@ -122,6 +127,8 @@ class RankStatus:
     end: float | None = None
     reason: str = ""
     log_size: int = 0
+    #: when any watcher last polled this rank, by that watcher's clock (None: never)
+    polled_at: float | None = None
 
     @property
     def terminal(self) -> bool:
@@ -134,16 +141,23 @@ class RankStatus:
 def classify(raw: RawRankStatus, ip: str, observed_at: float) -> RankStatus:
     """Map what a node reports to a user-facing state: a cancelled sibling is never a bare 137."""
     st = RankStatus(raw.rank, ip, RUNNING, raw.exit_code, raw.start, raw.end, "", raw.log_size)
-    if raw.state == "exited":
-        if raw.exit_code == 0:
+    st.polled_at = raw.polled_at
+    cancelled = "cancelled: " + raw.cancel_reason if raw.cancel_reason else "cancelled"
+    if raw.state in ("exited", "badexit"):
+        if raw.state == "exited" and raw.exit_code == 0:
             st.state, st.reason = SUCCEEDED, "succeeded"
+        elif raw.orphaned:
+            st.state, st.reason = FAILED, ORPHANED_REASON
         elif raw.cancel_requested:
-            st.state, st.reason = CANCELLED, "cancelled"
+            st.state, st.reason = CANCELLED, cancelled
+        elif raw.state == "badexit":
+            st.state = FAILED
+            st.reason = f"the rank's exit file cannot be read as an exit code: {raw.exit_text.strip()!r}"
         else:
             st.state, st.reason = FAILED, describe_exit(raw.exit_code)
     elif raw.state in ("lost", "missing"):
         if raw.cancel_requested:
-            st.state, st.reason = CANCELLED, "cancelled"
+            st.state, st.reason = CANCELLED, cancelled
         else:
             st.state = LOST
             st.reason = (
@@ -164,6 +178,8 @@ class GangStatus:
     job_id: str
     ranks: list[RankStatus] = field(default_factory=list)
     cancel_requested: bool = False
+    #: why the gang was cancelled, when whoever cancelled it said (e.g. a user's mark-failed)
+    cancel_reason: str = ""
 
     @property
     def done(self) -> bool:
@@ -216,13 +232,19 @@ class GangStatus:
         return {
             "job_id": self.job_id,
             "cancel_requested": self.cancel_requested,
+            "cancel_reason": self.cancel_reason,
             "ranks": [r.to_dict() for r in self.ranks],
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> GangStatus:
         ranks = [RankStatus(**r) for r in data.get("ranks", [])]  # type: ignore[attr-defined]
-        return cls(str(data["job_id"]), ranks, bool(data.get("cancel_requested")))
+        return cls(
+            str(data["job_id"]),
+            ranks,
+            bool(data.get("cancel_requested")),
+            str(data.get("cancel_reason") or ""),
+        )
 
 
 def _ranks_text(ranks: Iterable[int]) -> str:

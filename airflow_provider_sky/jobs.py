@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 FANOUT_LIMIT = 64
 DEFAULT_LOG_CHUNK = 256 * 1024
+#: seconds without any poll after which the nodes kill a job (a lost scheduler, a killed ``dags test``)
+DEFAULT_ORPHAN_TIMEOUT = 300.0
 
 
 class LaunchError(Exception):
@@ -131,14 +133,42 @@ class GangClient:
             out.append(runtime.RankLaunch(rank, command, env, dict(spec.secrets), cwd))
         return out
 
-    async def alaunch(self, spec: TaskSpec, job_id: str, stage: str = "run") -> dict[int, str]:
-        """Start every rank at once. Returns rank → ``STARTED``/``EXISTS``; on any failure cancels all."""
+    def guard(self, rank: int, orphan_timeout: float, idle_down: float) -> runtime.Guard:
+        """The node-side guards of one rank's launch: one keeper per machine, armed with our clock."""
+        roots: list[str] | None = None
+        if getattr(self.backend, "shared_machine", False):  # every node on one machine: one keeper
+            roots = [n.root for n in self.handle.nodes] if rank == 0 else []
+        paths = getattr(self.backend, "idle_down_paths", None)
+        return runtime.Guard(
+            orphan_timeout=int(math.ceil(orphan_timeout)) if orphan_timeout else 0,
+            idle_down=int(math.ceil(idle_down)) if idle_down else 0,
+            idle_rm=tuple(paths(self.handle, rank)) if paths and idle_down else (),
+            keeper_roots=roots,
+            keeper_tick=max(0.2, min(5.0, min(t for t in (orphan_timeout, idle_down, 50.0) if t) / 10)),
+            now=time.time(),
+        )
+
+    async def alaunch(
+        self,
+        spec: TaskSpec,
+        job_id: str,
+        stage: str = "run",
+        *,
+        orphan_timeout: float = DEFAULT_ORPHAN_TIMEOUT,
+        idle_down: float = 0,
+    ) -> dict[int, str]:
+        """Start every rank at once. Returns rank → ``STARTED``/``EXISTS``; on any failure cancels all.
+
+        ``orphan_timeout``: the nodes kill the job when nothing polled it for that long (0: never).
+        ``idle_down``: the nodes tear the cluster down once nothing ran on it for that long (0: never).
+        """
         runtime.check_job_id(job_id)
         launches = self.rank_launches(spec, job_id, stage)
 
         async def one(rl: runtime.RankLaunch) -> str:
             node = self.node_of(rl.rank)
-            script = runtime.launch_script(node.root, job_id, [rl])
+            guard = self.guard(rl.rank, orphan_timeout, idle_down)
+            script = runtime.launch_script(node.root, job_id, [rl], guard=guard)
             res = await self.runner(node).arun_script(script, timeout=60)
             words = res.text.split()
             if res.returncode != 0:
@@ -150,12 +180,12 @@ class GangClient:
         results = await fan_out(one, launches)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            await self.acancel(job_id, grace=1.0)
+            await self.acancel(job_id, grace=1.0, reason="the gang start failed")
             raise LaunchError("; ".join(str(e) for e in errors))
         return {rl.rank: str(r) for rl, r in zip(launches, results, strict=False)}
 
-    def launch(self, spec: TaskSpec, job_id: str, stage: str = "run") -> dict[int, str]:
-        return run_sync(self.alaunch(spec, job_id, stage))
+    def launch(self, spec: TaskSpec, job_id: str, stage: str = "run", **guards: float) -> dict[int, str]:
+        return run_sync(self.alaunch(spec, job_id, stage, **guards))
 
     # -- status ---------------------------------------------------------------------------------
 
@@ -165,19 +195,33 @@ class GangClient:
         offsets: Mapping[int, int] | None = None,
         max_log: int = DEFAULT_LOG_CHUNK,
         ranks: Sequence[int] | None = None,
+        *,
+        mark: bool = True,
     ) -> Poll:
-        """One status call per node: states of its ranks plus new log bytes from ``offsets``."""
+        """One status call per node: states of its ranks plus new log bytes from ``offsets``.
+
+        ``mark`` leaves this poll's time on the nodes, which keeps their dead-man's switch from
+        firing; a poll that must not keep a job alive (the launch-side bridge) passes False.
+        """
         offsets = offsets or {}
         wanted = list(range(self.num_ranks)) if ranks is None else list(ranks)
 
         async def one(rank: int) -> list[runtime.RawRankStatus]:
             node = self.node_of(rank)
             off = offsets.get(rank, 0)
-            args = runtime.status_args(node.root, [(job_id, rank, off, max_log)])
+            args = runtime.status_args(
+                node.root, [(job_id, rank, off, max_log)], time.time() if mark else None
+            )
             res = await self.runner(node).arun_script(runtime.STATUS_SCRIPT, args, timeout=30)
             if res.returncode != 0:
                 raise RunnerError(node.ip, f"status script failed: {res.error_text}")
-            return runtime.parse_status(res.stdout, {(job_id, rank): off})
+            try:
+                found = runtime.parse_status(res.stdout, {(job_id, rank): off})
+            except (runtime.StatusParseError, ValueError) as exc:
+                raise RunnerError(node.ip, f"unreadable status of rank {rank}: {exc}") from exc
+            if [r.rank for r in found] != [rank]:  # a rank never silently drops out of the status
+                raise RunnerError(node.ip, f"the status of rank {rank} is missing from the node's answer")
+            return found
 
         started = time.time()
         results = await self._bounded(one, wanted)
@@ -193,6 +237,8 @@ class GangClient:
                 st = classify(raw, ip, now)
                 poll.status.ranks.append(st)
                 poll.status.cancel_requested |= raw.cancel_requested
+                if raw.cancel_reason and not poll.status.cancel_reason:
+                    poll.status.cancel_reason = raw.cancel_reason
                 if raw.log_chunk:
                     poll.chunks[rank] = (raw.log_offset, raw.log_chunk)
         return poll
@@ -236,38 +282,39 @@ class GangClient:
         data = await self.aread_log(job_id, rank, max(0, size - nbytes), nbytes)
         return data.decode("utf-8", "replace")
 
-    async def asecret_values(self, job_id: str) -> list[str]:
-        """The job's secret values (from rank 0's node), so a log reader can mask them."""
-        node = self.node_of(0)
-        res = await self.runner(node).arun_script(
-            runtime.REDACT_SCRIPT, [node.root, runtime.check_job_id(job_id)]
-        )
-        text = res.text.strip()
-        return [str(v) for v in json.loads(text)] if res.returncode == 0 and text else []
-
     # -- cancel ---------------------------------------------------------------------------------
 
     async def acancel(
-        self, job_id: str, ranks: Sequence[int] | None = None, grace: float = 3.0, *, wait: bool = True
+        self,
+        job_id: str,
+        ranks: Sequence[int] | None = None,
+        grace: float = 3.0,
+        *,
+        wait: bool = True,
+        reason: str = "",
     ) -> None:
-        """SIGTERM the process tree of every unfinished listed rank, SIGKILL after ``grace`` seconds.
+        """SIGTERM every process of every listed rank, SIGKILL after ``grace`` seconds.
 
-        ``wait=False`` (fail-fast) returns once the SIGTERMs are sent; the SIGKILL still follows on
-        the node. Not waiting keeps the cancel fan-out light when every second counts.
+        Processes are found by the mark they inherit, so a rank's background or re-parented children
+        go too. ``wait=False`` (fail-fast) returns once the SIGTERMs are sent; the SIGKILL still follows
+        on the node. ``reason`` is recorded with each unfinished rank (its state reads ``cancelled:
+        <reason>``).
         """
         wanted = list(range(self.num_ranks)) if ranks is None else list(ranks)
 
         async def one(rank: int) -> None:
             node = self.node_of(rank)
-            args = runtime.cancel_args(node.root, grace, [(job_id, rank)], wait=wait)
+            args = runtime.cancel_args(node.root, grace, [(job_id, rank)], wait=wait, reason=reason)
             await self.runner(node).arun_script(runtime.CANCEL_SCRIPT, args, timeout=grace + 30)
 
         for rank, res in zip(wanted, await fan_out(one, wanted), strict=False):
             if isinstance(res, BaseException):
                 log.warning("Could not cancel rank %s (%s): %s", rank, self.node_of(rank).ip, res)
 
-    def cancel(self, job_id: str, ranks: Sequence[int] | None = None, grace: float = 3.0) -> None:
-        run_sync(self.acancel(job_id, ranks, grace))
+    def cancel(
+        self, job_id: str, ranks: Sequence[int] | None = None, grace: float = 3.0, *, reason: str = ""
+    ) -> None:
+        run_sync(self.acancel(job_id, ranks, grace, reason=reason))
 
 
 @dataclass
@@ -288,6 +335,7 @@ async def watch(
     grace: float = 3.0,
     lost_after: float = 10.0,
     state: MonitorState | None = None,
+    mark: bool = True,
 ) -> Any:
     """Poll a job until every rank is terminal, yielding each :class:`Poll`.
 
@@ -297,7 +345,7 @@ async def watch(
     """
     st = state or MonitorState()
     while True:
-        poll = await client.apoll(job_id, st.offsets)
+        poll = await client.apoll(job_id, st.offsets, mark=mark)
         for rank, (off, data) in poll.chunks.items():
             st.offsets[rank] = off + len(data)
         for r in poll.status.ranks:
@@ -318,7 +366,9 @@ async def watch(
             pending = [r.rank for r in poll.status.ranks if not r.terminal]
             if pending:
                 log.info("Rank failed; cancelling ranks %s of job %s", pending, job_id)
-                await client.acancel(job_id, pending, grace, wait=False)
+                cause = poll.status.root_cause()
+                why = f"rank {cause.rank} failed first" if cause else "a rank failed"
+                await client.acancel(job_id, pending, grace, wait=False, reason=why)
             poll.status.cancel_requested = True
         yield poll
         if poll.status.done:

@@ -1,15 +1,17 @@
 """The job contract on a node, the same on every backend: POSIX ``sh`` scripts plus their parsers.
 
 Per (job id, rank) a directory ``<root>/jobs/<job id>/<rank>/`` holds ``cmd.sh`` (the user's command),
-``env`` and ``secrets`` (0600), ``rank.sh`` (the wrapper), ``pid`` (wrapper), ``pgid`` (the user's
-process group), ``start``, ``end``, ``exit`` (written to a temp file, then renamed), ``cancel``
-(marker) and ``log``. The scripts travel on stdin and take only validated ids and integers as
-arguments, so nothing a user wrote is ever on a command line.
+``env`` and ``secrets`` (0600; the secrets are deleted as soon as the rank's shell has read them),
+``mask`` (the secrets' output filter, deleted once the filter has opened it), ``rank.sh`` (the
+wrapper), ``pid`` (wrapper), ``pgid`` (the user's process group), ``start``, ``end``, ``exit``
+(written to a temp file, then renamed), ``cancel`` (marker holding the reason), ``polled`` (the
+last watcher's clock), ``orphaned`` and ``log``. Every process of a rank carries its mark in its
+environment (:data:`MARKED_FUNCS`). The scripts travel on stdin and take only validated ids,
+integers and paths as arguments, so nothing a user wrote is ever on a command line.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import secrets as _secrets
 import shlex
@@ -19,22 +21,60 @@ from dataclasses import dataclass
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,180}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
+#: Every process a rank starts inherits ``SKY_PROVIDER_MARK=<rank dir>/`` in its environment, so a
+#: node finds all of them through ``/proc/<pid>/environ`` whatever they did to their process group or
+#: session (``setsid``, double forks, ``nohup``). ``marked MARK...`` prints the pids whose environment
+#: holds one of the marks (a prefix: ``<root>/jobs/`` is every process of a cluster's node). No single
+#: quote in it: it is embedded in single-quoted helper scripts.
+MARKED_FUNCS = r"""
+marked() {
+  [ -r /proc/self/environ ] || return 0
+  _n=$#
+  while [ "$_n" -gt 0 ]; do set -- "$@" -e "SKY_PROVIDER_MARK=$1"; shift; _n=$((_n - 1)); done
+  [ $# -gt 0 ] || return 0
+  grep -l -F "$@" /proc/[0-9]*/environ 2>/dev/null | while read -r _f; do _p=${_f#/proc/}; echo "${_p%/environ}"; done
+}
+killmarked() {
+  _s=$1; shift
+  for _p in $(marked "$@"); do kill "-$_s" "$_p" 2>/dev/null; done
+}
+"""
+
 #: The wrapper. It runs the user's command in a child shell (its own session and process group,
-#: so a kill reaches the whole tree but not the wrapper), and always records the exit code.
+#: so a kill reaches the whole tree but not the wrapper), and always records the exit code. The
+#: child alone carries the mark; when the job has secrets, its output goes through a ``sed`` that
+#: masks them before anything reaches the log on disk.
 WRAPPER = r"""#!/bin/sh
 # airflow-provider-sky rank wrapper: the user's command runs in a child shell, so an `exit`,
 # `exec` or `set -e` in it can never skip recording its exit code.
 d=$1
 cwd=$2
 now() { t=$(date +%s.%N 2>/dev/null); case "$t" in *N*|'') t=$(date +%s);; esac; printf '%s\n' "$t"; }
+tick() { sleep 0.05 2>/dev/null || sleep 1; }
 sh_=/bin/sh
 if command -v bash >/dev/null 2>&1; then sh_=$(command -v bash); fi
-child_cmd='cd "$1" 2>/dev/null || cd; . "$2/env"; if [ -f "$2/secrets" ]; then . "$2/secrets"; rm -f "$2/secrets"; fi; exec "$0" "$2/cmd.sh"'
+cd "$cwd" 2>/dev/null || cd
 now > "$d/start"
+out="$d/log"
+if [ -f "$d/mask" ]; then
+  rm -f "$d/out" "$d/filter.done"
+  if mkfifo -m 600 "$d/out" 2>/dev/null; then
+    u=''
+    echo | sed -u p >/dev/null 2>&1 && u=-u
+    exec 3<"$d/mask"
+    rm -f "$d/mask"
+    (LC_ALL=C sed $u -f /dev/fd/3 <"$d/out" >>"$d/log" 2>&1; : > "$d/filter.done") &
+    exec 3<&-
+    out="$d/out"
+  else
+    rm -f "$d/mask"
+    echo "airflow-provider-sky: could not create a pipe to mask secrets; output is not masked" >>"$d/log"
+  fi
+fi
 if command -v setsid >/dev/null 2>&1; then
-  setsid "$sh_" -c "$child_cmd" "$sh_" "$cwd" "$d" >>"$d/log" 2>&1 </dev/null &
+  SKY_PROVIDER_MARK="$d/" setsid "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null &
 else
-  "$sh_" -c "$child_cmd" "$sh_" "$cwd" "$d" >>"$d/log" 2>&1 </dev/null &
+  SKY_PROVIDER_MARK="$d/" "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null &
 fi
 child=$!
 echo "$child" > "$d/pgid.tmp" && mv "$d/pgid.tmp" "$d/pgid"
@@ -45,72 +85,142 @@ while :; do
   rc=$?
   kill -0 "$child" 2>/dev/null || break
 done
+rm -f "$d/secrets"
+if [ "$out" != "$d/log" ]; then
+  # let the filter flush the last lines (bounded: a leftover background process may hold the pipe)
+  i=0; while [ ! -f "$d/filter.done" ] && [ "$i" -lt 40 ]; do tick; i=$((i + 1)); done
+  rm -f "$d/out"
+fi
 now > "$d/end.tmp" && mv "$d/end.tmp" "$d/end"
 echo "$rc" > "$d/exit.tmp" && mv "$d/exit.tmp" "$d/exit"
 """
 
+#: The first lines of every ``cmd.sh``: the env, then the secrets (sourced and deleted at once),
+#: in the rank's own shell, so a value too big for the process environment still reaches ``run``.
+CMD_PROLOGUE = """__sky_d=$1; shift
+. "$__sky_d/env"
+if [ -f "$__sky_d/secrets" ]; then . "$__sky_d/secrets"; rm -f "$__sky_d/secrets"; fi
+unset __sky_d
+"""
+
 #: One call per node per poll, so it forks as little as it can: ``read`` (a builtin) for the small
-#: files, one ``wc`` for the log size, ``tail | head`` only when there are new log bytes.
+#: files, one ``wc`` for the log size, ``tail | head`` only when there are new log bytes. The poller's
+#: clock (``now``, or ``-``) is left in ``polled``: the node's dead-man's switch and other watchers
+#: read it. Per rank: a header line, then ``n`` log bytes, ``xn`` bytes of an unreadable exit file and
+#: ``cn`` bytes of the cancel reason.
 STATUS_SCRIPT = r"""
-root=$1; shift
+root=$1; now=$2; shift 2
 while [ $# -ge 4 ]; do
   j=$1; r=$2; off=$3; max=$4; shift 4
   d="$root/jobs/$j/$r"
-  ex=-; st=-; en=-; sz=0; c=0; n=0
+  ex=-; st=-; en=-; sz=0; c=0; n=0; pl=-; o=0; xn=0; cn=0
   if [ ! -d "$d" ]; then
     state=missing
   else
     [ -f "$d/cancel" ] && c=1
+    [ -f "$d/orphaned" ] && o=1
     [ -f "$d/start" ] && read -r st < "$d/start"
+    [ -f "$d/polled" ] && read -r pl < "$d/polled"
+    [ "$now" = - ] || printf '%s\n' "$now" > "$d/polled"
     if [ -f "$d/exit" ]; then
       state=exited
     elif [ -f "$d/pid" ] && read -r pid < "$d/pid"; then
-      if kill -0 "$pid" 2>/dev/null; then state=running
+      case "$pid" in ''|*[!0-9]*) pid=0;; esac
+      if [ "$pid" -gt 0 ] && kill -0 "$pid" 2>/dev/null; then state=running
       elif [ -f "$d/exit" ]; then state=exited
       else state=lost; fi
     else
       state=pending
     fi
     if [ "$state" = exited ]; then
-      read -r ex < "$d/exit"
+      ex=''
+      read -r ex < "$d/exit" || :
+      v=${ex#-}
+      case "$v" in
+        ''|*[!0-9]*) state=badexit; ex=-; xn=$(wc -c < "$d/exit"); xn=$((xn + 0)); [ "$xn" -gt 200 ] && xn=200;;
+      esac
       [ -f "$d/end" ] && read -r en < "$d/end"
     fi
     [ -f "$d/log" ] && sz=$(wc -c < "$d/log") && sz=$((sz + 0))
+    if [ "$c" = 1 ]; then cn=$(wc -c < "$d/cancel"); cn=$((cn + 0)); [ "$cn" -gt 500 ] && cn=500; fi
   fi
+  case "$st" in ''|*[!0-9.]*) st=-;; esac
+  case "$en" in ''|*[!0-9.]*) en=-;; esac
+  case "$pl" in ''|*[!0-9.]*) pl=-;; esac
   if [ "$sz" -gt "$off" ] && [ "$max" -gt 0 ]; then n=$((sz - off)); [ "$n" -gt "$max" ] && n=$max; fi
-  printf '@ %s %s %s %s %s %s %s %s %s\n' "$j" "$r" "$state" "${ex:--}" "${st:--}" "${en:--}" "$sz" "$c" "$n"
+  printf '@ %s %s %s %s %s %s %s %s %s %s %s %s %s\n' "$j" "$r" "$state" "$ex" "$st" "$en" "$sz" "$c" "$n" "$pl" "$o" "$xn" "$cn"
   if [ "$n" -gt 0 ]; then tail -c +$((off + 1)) "$d/log" | head -c "$n"; fi
+  if [ "$xn" -gt 0 ]; then head -c "$xn" "$d/exit"; fi
+  if [ "$cn" -gt 0 ]; then head -c "$cn" "$d/cancel"; fi
 done
 """
 
-#: TERM every listed rank's process group, SIGKILL what is left after the grace, then wait
-#: (bounded) for the wrappers to record the exit codes. Ranks that already exited are left alone.
-CANCEL_SCRIPT = r"""
-root=$1; grace=$2; mode=$3; shift 3
+#: The delayed SIGKILL of a fail-fast cancel, run detached: ``sh -c KILLER sh TICKS GROUPS`` with the
+#: marks in ``$SKY_KILL_MARKS`` (one per line). It leaves as soon as everything it watches is gone.
+KILLER = (  # no single quote in it: it travels inside one
+    MARKED_FUNCS
+    + r"""
+cd /
+ticks=$1; gs=$2; shift 2
+nl="
+"
+oldifs=$IFS; IFS=$nl; set -f; set -- $SKY_KILL_MARKS; set +f; IFS=$oldifs
+i=0
+while [ "$i" -lt "$ticks" ]; do
+  up=""
+  for pg in $gs; do kill -0 "-$pg" 2>/dev/null && up=1; done
+  [ -z "$up" ] && [ -z "$(marked "$@")" ] && exit 0
+  sleep 0.1 2>/dev/null || sleep 1; i=$((i + 1))
+done
+for pg in $gs; do kill -KILL "-$pg" 2>/dev/null || kill -KILL "$pg" 2>/dev/null; done
+i=0
+while [ "$i" -lt 20 ] && [ -n "$(marked "$@")" ]; do
+  killmarked KILL "$@"; sleep 0.1 2>/dev/null || sleep 1; i=$((i + 1))
+done
+"""
+)
+
+#: TERM every listed rank's process group and every process carrying its mark, SIGKILL what is left
+#: after the grace, then wait (bounded) until they are gone. ``reason`` goes in each unfinished rank's
+#: cancel marker. A rank that already exited keeps its outcome; processes it left behind are killed.
+CANCEL_SCRIPT = (
+    MARKED_FUNCS
+    + r"""
+root=$1; grace=$2; mode=$3; reason=$4; shift 4
 tick() { sleep 0.1 2>/dev/null || sleep 1; }
 groups=''
+nl='
+'
+marks=${extra_mark:-}
 while [ $# -ge 2 ]; do
   d="$root/jobs/$1/$2"; shift 2
+  marks="$marks$nl$d/"
   [ -d "$d" ] || continue
   [ -f "$d/exit" ] && continue
-  : > "$d/cancel"
+  printf '%s\n' "$reason" > "$d/cancel"
   [ -f "$d/pgid" ] || continue
-  pg=$(cat "$d/pgid")
+  read -r pg < "$d/pgid" || continue
+  case "$pg" in ''|*[!0-9]*) continue;; esac
   kill -TERM "-$pg" 2>/dev/null || kill -TERM "$pg" 2>/dev/null
   groups="$groups $pg"
   echo "C $d"
 done
+oldifs=$IFS; IFS=$nl; set -f; set -- $marks; set +f; IFS=$oldifs
+killmarked TERM "$@"
 if [ "$mode" = nowait ]; then
   # fail-fast: return at once; a detached helper SIGKILLs whatever is left after the grace
-  [ -n "$groups" ] || exit 0
-  killer="cd /; sleep $grace; for pg in $groups; do kill -KILL -\$pg 2>/dev/null || kill -KILL \$pg 2>/dev/null; done"
-  if command -v setsid >/dev/null 2>&1; then setsid sh -c "$killer" </dev/null >/dev/null 2>&1 &
-  else nohup sh -c "$killer" </dev/null >/dev/null 2>&1 & fi
+  killer='__KILLER__'
+  frac=${grace#*.}; ticks=$(( ${grace%.*} * 10 + ${frac%??} ))
+  SKY_KILL_MARKS=$marks
+  export SKY_KILL_MARKS
+  if command -v setsid >/dev/null 2>&1; then setsid sh -c "$killer" sh "$ticks" "$groups" </dev/null >/dev/null 2>&1 &
+  else nohup sh -c "$killer" sh "$ticks" "$groups" </dev/null >/dev/null 2>&1 & fi
   exit 0
 fi
 # A group is alive while it has a member that is not a zombie (a slow init may reap late).
 # `kill -0` is a builtin and answers most rounds; `ps` (a fork) only tells zombies apart.
 alive() {
+  [ -n "$(marked "$@")" ] && return 0
   any=''
   for pg in $groups; do
     if kill -0 "-$pg" 2>/dev/null || kill -0 "$pg" 2>/dev/null; then any="$any $pg"; fi
@@ -125,33 +235,41 @@ alive() {
 }
 limit=$(awk "BEGIN{print int($grace * 10)}")
 i=0
-while alive && [ "$i" -lt "$limit" ]; do tick; i=$((i + 1)); done
-if alive; then
+while alive "$@" && [ "$i" -lt "$limit" ]; do tick; i=$((i + 1)); done
+if alive "$@"; then
   for pg in $groups; do
     kill -KILL "-$pg" 2>/dev/null || kill -KILL "$pg" 2>/dev/null
     command -v pkill >/dev/null 2>&1 && pkill -KILL -s "$pg" 2>/dev/null
     echo "K $pg"
   done
+  killmarked KILL "$@"
 fi
 i=0
-while alive && [ "$i" -lt 50 ]; do tick; i=$((i + 1)); done
+while alive "$@" && [ "$i" -lt 50 ]; do killmarked KILL "$@"; tick; i=$((i + 1)); done
+left=$(marked "$@")
+[ -z "$left" ] || echo "LEFT" $left
 exit 0
-"""
+""".replace("__KILLER__", KILLER)
+)
 
-#: Kill everything any job under ``root`` started, then remove ``root`` (teardown of one node).
+#: Kill everything any job under ``root`` started (found by the mark, so a lost job directory or
+#: exit file loses nothing), stop the node's keeper, then remove ``root`` (teardown of one node).
 TEARDOWN_SCRIPT = r"""
 root=$1; grace=$2
-[ -d "$root" ] || { echo "ABSENT"; exit 0; }
+if [ -f "$root/keeper.pid" ] && read -r kp < "$root/keeper.pid"; then
+  case "$(tr '\000' ' ' < "/proc/$kp/cmdline" 2>/dev/null)" in *sky-keeper*) kill -KILL "$kp" 2>/dev/null ;; esac
+fi
 set --
 for d in "$root"/jobs/*/*; do
-  [ -f "$d/pgid" ] || continue
-  [ -f "$d/exit" ] && continue
+  [ -d "$d" ] || continue
   j=$(basename "$(dirname "$d")"); r=$(basename "$d")
   set -- "$@" "$j" "$r"
 done
-if [ $# -gt 0 ]; then
+(
+  extra_mark="$root/jobs/"
+  set -- "$root" "$grace" wait "torn down" "$@"
   __CANCEL__
-fi
+)
 # a wrapper still alive without an exit code: kill it, but only if that pid is still our wrapper
 # (pids are reused; without /proc a reused pid can't be told apart, so it is left alone)
 for d in "$root"/jobs/*/*; do
@@ -163,23 +281,77 @@ for d in "$root"/jobs/*/*; do
     *"$d/rank.sh"*) kill -KILL "$pid" 2>/dev/null ;;
   esac
 done
-rm -rf "$root"
-echo "REMOVED"
+if [ -d "$root" ]; then rm -rf "$root"; echo "REMOVED"; else echo "ABSENT"; fi
 """
 
-
-#: print the secret values of a job (rank 0's copy) for log masking; nothing if it has none
-REDACT_SCRIPT = r"""
-f="$1/jobs/$2/0/redact"
-[ -f "$f" ] && cat "$f"
-exit 0
+#: The node's keeper (one per cluster root, or one for all roots of a machine): a dead-man's switch
+#: that kills a job nobody polls any more (``orphan_timeout`` per rank), and SkyPilot's autodown for a
+#: cluster left idle (``idle_down``). It counts its own ticks rather than comparing clocks, forks only
+#: ``sleep``, and exits when it has nothing left to guard. ``sh -c KEEPER sky-keeper TICK TICK_MS`` with
+#: the roots in ``$SKY_KEEPER_ROOTS`` (one per line).
+KEEPER_SCRIPT = (
+    MARKED_FUNCS
+    + r"""
+tick=$1; tick_ms=$2
+nl="
+"
+oldifs=$IFS; IFS=$nl; set -f; set -- $SKY_KEEPER_ROOTS; set +f; IFS=$oldifs
+cd /
+for root in "$@"; do [ -d "$root" ] && printf '%s\n' "$$" > "$root/keeper.pid"; done
+idle=0; launched=-
+while :; do
+  sleep "$tick" 2>/dev/null || sleep 1
+  any=0; active=0
+  for root in "$@"; do
+    [ -d "$root" ] || continue
+    any=1
+    for d in "$root"/jobs/*/*; do
+      [ -f "$d/pid" ] || continue
+      [ -f "$d/exit" ] && continue
+      active=1
+      [ -f "$d/orphaned" ] && continue
+      to=0; [ -f "$d/orphan_timeout" ] && read -r to < "$d/orphan_timeout"
+      case "$to" in ''|*[!0-9]*) to=0;; esac
+      [ "$to" -gt 0 ] || continue
+      pl=-; [ -f "$d/polled" ] && read -r pl < "$d/polled"
+      spl=-; sidle=0; [ -f "$d/keeper" ] && read -r spl sidle < "$d/keeper"
+      case "$sidle" in ''|*[!0-9]*) sidle=0;; esac
+      if [ "$pl" != "$spl" ]; then sidle=0; else sidle=$((sidle + tick_ms)); fi
+      printf '%s %s\n' "$pl" "$sidle" > "$d/keeper"
+      if [ "$sidle" -ge $((to * 1000)) ]; then
+        printf 'orphaned: nothing polled this job for %ss (Airflow lost it); the node killed its processes\n' "$to" > "$d/orphaned"
+        pg=''; [ -f "$d/pgid" ] && read -r pg < "$d/pgid"
+        case "$pg" in ''|*[!0-9]*) pg='';; esac
+        [ -n "$pg" ] && kill -TERM "-$pg" 2>/dev/null
+        killmarked TERM "$d/"
+        (sleep 3; [ -n "$pg" ] && kill -KILL "-$pg" 2>/dev/null; killmarked KILL "$d/") </dev/null >/dev/null 2>&1 &
+      fi
+    done
+  done
+  [ "$any" = 1 ] || exit 0
+  root=$1
+  l=-; [ -f "$root/launched" ] && read -r l < "$root/launched"
+  if [ "$active" = 1 ] || [ "$l" != "$launched" ]; then idle=0; launched=$l; continue; fi
+  down=0; [ -f "$root/idle_down" ] && read -r down < "$root/idle_down"
+  case "$down" in ''|*[!0-9]*) down=0;; esac
+  [ "$down" -gt 0 ] || exit 0
+  idle=$((idle + tick_ms))
+  [ "$idle" -ge $((down * 1000)) ] || continue
+  # idle for idle_down: tear the cluster down on this machine (SkyPilot's autodown)
+  for r in "$@"; do killmarked KILL "$r/jobs/"; done
+  for r in "$@"; do
+    if [ -f "$r/idle_rm" ]; then while read -r p; do [ -n "$p" ] && rm -rf "$p"; done < "$r/idle_rm"; fi
+    rm -rf "$r"
+  done
+  exit 0
+done
 """
+)
 
 
 def teardown_script() -> str:
     """The teardown script with the cancel logic inlined (one remote call per node)."""
-    body = '(\n  set -- "$root" "$grace" wait "$@"\n' + CANCEL_SCRIPT + "\n)"
-    return TEARDOWN_SCRIPT.replace("__CANCEL__", body)
+    return TEARDOWN_SCRIPT.replace("__CANCEL__", CANCEL_SCRIPT)
 
 
 def check_job_id(job_id: str) -> str:
@@ -200,16 +372,61 @@ def _heredoc(path: str, content: str) -> str:
     return f"cat > {path} <<'{delim}'\n{content}{delim}\n"
 
 
+#: Linux refuses to exec a process with one environment string longer than this (``MAX_ARG_STRLEN``,
+#: 32 pages), failing with "Argument list too long"
+MAX_ENV_STRING = 128 * 1024
+
+
 def env_file(env: Mapping[str, str]) -> str:
-    """``export NAME='value'`` lines; names are validated, values single-quoted (no expansion)."""
+    """``export NAME='value'`` lines; names are validated, values single-quoted (no expansion).
+
+    A value too long for the process environment is set in the rank's shell without ``export``
+    (with a note in the rank's log), so the rank still starts and ``run`` still sees it.
+    """
     lines = []
     for name, value in env.items():
         if not ENV_NAME_RE.match(name):
             raise ValueError(f"invalid environment variable name {name!r}")
         if "\x00" in value:
             raise ValueError(f"environment variable {name} contains a NUL byte")
-        lines.append(f"export {name}={shlex.quote(value)}")
+        size = len(name) + len(value.encode()) + 2
+        if size <= MAX_ENV_STRING:
+            lines.append(f"export {name}={shlex.quote(value)}")
+        else:
+            lines.append(f"{name}={shlex.quote(value)}")
+            note = (
+                f"airflow-provider-sky: {name} is {size} bytes, over Linux's {MAX_ENV_STRING // 1024} KiB "
+                "limit for one environment variable: it is set in this shell but not exported to the "
+                "programs it starts (pass it through a file for those)"
+            )
+            lines.append(f"printf '%s\\n' {shlex.quote(note)} >&2")
     return "\n".join(lines) + "\n"
+
+
+#: Airflow's masker ignores values this short (``[logging] min_length_masked_secret``): they would
+#: mask ordinary words. The same floor applies to each line of a multi-line secret.
+MIN_MASKED = 5
+
+
+def mask_values(secrets: Mapping[str, str]) -> list[str]:
+    """What to mask: each value and each line of a multi-line value, longest first."""
+    found: set[str] = set()
+    for value in secrets.values():
+        for part in [value, *value.splitlines()]:
+            part = part.strip("\r\n")
+            if len(part) >= MIN_MASKED and "\n" not in part:
+                found.add(part)
+    return sorted(found, key=lambda v: (-len(v), v))
+
+
+def _bre(text: str) -> str:
+    """``text`` as a literal POSIX basic regular expression (for a ``sed s///`` with ``/``)."""
+    return "".join("\\" + c if c in "\\.*[]^$/" else c for c in text)
+
+
+def mask_script(secrets: Mapping[str, str]) -> str:
+    """A ``sed`` script replacing every secret (and every line of one) with ``***``; '' if none."""
+    return "".join(f"s/{_bre(v)}/***/g\n" for v in mask_values(secrets))
 
 
 @dataclass(frozen=True)
@@ -223,28 +440,84 @@ class RankLaunch:
     cwd: str
 
 
-def launch_script(root: str, job_id: str, ranks: Sequence[RankLaunch], wait_seconds: float = 20.0) -> str:
+@dataclass(frozen=True)
+class Guard:
+    """The node-side guards a launch arms (see :data:`KEEPER_SCRIPT`).
+
+    ``orphan_timeout``: seconds without a poll after which the node kills the job (0: off).
+    ``idle_down``: seconds a cluster may sit with nothing running before the node tears it down
+    (0: never); ``idle_rm``: further paths the node removes then (its cluster record).
+    ``keeper_roots``: the roots one keeper watches (a machine that hosts several nodes runs one
+    keeper for all); empty: this launch starts none. ``now``: the launcher's clock.
+    """
+
+    orphan_timeout: int = 0
+    idle_down: int = 0
+    idle_rm: Sequence[str] = ()
+    keeper_roots: Sequence[str] | None = None
+    keeper_tick: float = 5.0
+    now: float = 0.0
+
+
+def _keeper_start(roots: Sequence[str], tick: float) -> str:
+    """Start the keeper unless one runs for ``$root`` (its pid checked against its command line)."""
+    tick = max(0.05, float(tick))
+    return (
+        'kp=""; [ -f "$root/keeper.pid" ] && read -r kp < "$root/keeper.pid"\n'
+        "case \"$(tr '\\000' ' ' < \"/proc/$kp/cmdline\" 2>/dev/null)\" in\n"
+        "*sky-keeper*) ;;\n*)\n"
+        f"SKY_KEEPER_ROOTS={shlex.quote(chr(10).join(roots))}\nexport SKY_KEEPER_ROOTS\n"
+        + "ks=$(cat <<'SKY_KEEPER_EOF'\n"
+        + KEEPER_SCRIPT
+        + "\nSKY_KEEPER_EOF\n)\n"
+        + "(cd / && if command -v setsid >/dev/null 2>&1; then\n"
+        f'  exec setsid sh -c "$ks" sky-keeper {tick:.3f} {int(tick * 1000)}\n'
+        f'else exec nohup sh -c "$ks" sky-keeper {tick:.3f} {int(tick * 1000)}; fi) </dev/null >/dev/null 2>&1 &\n'
+        ";;\nesac\n"
+    )
+
+
+def launch_script(
+    root: str,
+    job_id: str,
+    ranks: Sequence[RankLaunch],
+    wait_seconds: float = 20.0,
+    guard: Guard | None = None,
+) -> str:
     """One script that writes and starts every listed rank on one node.
 
     A rank whose directory already exists is not started again (``EXISTS``), so a retried launch can
     never run a rank twice. Prints ``STARTED <rank> <pid>`` once each wrapper has recorded its pid.
     """
     check_job_id(job_id)
+    if "\n" in root:
+        raise ValueError(f"node root {root!r} contains a newline")
+    guard = guard or Guard()
     q = shlex.quote
     parts = ["set -e", "umask 077", f"root={q(root)}", 'mkdir -p "$root/jobs"']
+    parts.append(f'printf "%s\\n" {q(repr(float(guard.now)))} > "$root/launched"')
+    if guard.idle_down > 0:
+        parts.append(f'echo {int(guard.idle_down)} > "$root/idle_down"')
+        parts.append(_heredoc('"$root/idle_rm"', "\n".join(guard.idle_rm)))
+    else:
+        parts.append('rm -f "$root/idle_down" "$root/idle_rm"')
     started = []
     for rl in ranks:
         d = f'"$root/jobs"/{q(job_id)}/{int(rl.rank)}'
         parts.append(f"d={d}")
         parts.append(f'if [ -e "$d" ]; then echo "EXISTS {int(rl.rank)}"; else')
         parts.append('mkdir -p "$d"')
-        parts.append(_heredoc('"$d/cmd.sh"', rl.command))
+        parts.append(_heredoc('"$d/cmd.sh"', CMD_PROLOGUE + rl.command))
         parts.append(_heredoc('"$d/env"', env_file(rl.env)))
         if rl.secrets:
             parts.append(_heredoc('"$d/secrets"', env_file(rl.secrets)))
-            # the values, so whoever shows this rank's log can mask them (kept 0600 until teardown)
-            parts.append(_heredoc('"$d/redact"', json.dumps(sorted(set(rl.secrets.values())))))
+            mask = mask_script(rl.secrets)
+            if mask:
+                # read once by the rank's output filter, then deleted: no secret stays on disk
+                parts.append(_heredoc('"$d/mask"', mask))
         parts.append(_heredoc('"$d/rank.sh"', WRAPPER))
+        parts.append(f'echo {int(guard.orphan_timeout)} > "$d/orphan_timeout"')
+        parts.append(f'printf "%s\\n" {q(repr(float(guard.now)))} > "$d/polled"')
         parts.append(f"cwd={q(rl.cwd)}")
         parts.append(
             'if command -v setsid >/dev/null 2>&1; then setsid sh "$d/rank.sh" "$d" "$cwd" </dev/null >/dev/null 2>&1 &\n'
@@ -252,29 +525,40 @@ def launch_script(root: str, job_id: str, ranks: Sequence[RankLaunch], wait_seco
         )
         parts.append("fi")
         started.append(int(rl.rank))
+    roots = [root] if guard.keeper_roots is None else list(guard.keeper_roots)
+    if roots and (guard.orphan_timeout > 0 or guard.idle_down > 0):
+        parts.append("set +e")
+        parts.append(_keeper_start(roots, guard.keeper_tick))
     ticks = int(wait_seconds * 20)
     for r in started:
         parts.append(
             f'd="$root/jobs"/{q(job_id)}/{r}; i=0\n'
-            f'while [ ! -f "$d/pid" ] && [ "$i" -lt {ticks} ]; do sleep 0.05 2>/dev/null || sleep 1; i=$((i + 1)); done\n'
-            f'if [ -f "$d/pid" ]; then echo "STARTED {r} $(cat "$d/pid")"; else echo "NOSTART {r}"; fi'
+            f'while [ ! -f "$d/pid" ] && [ ! -f "$d/exit" ] && [ "$i" -lt {ticks} ]; do sleep 0.05 2>/dev/null || sleep 1; i=$((i + 1)); done\n'
+            f'if [ -f "$d/pid" ] || [ -f "$d/exit" ]; then echo "STARTED {r} $(cat "$d/pid" 2>/dev/null)"; else echo "NOSTART {r}"; fi'
         )
     return "\n".join(parts) + "\n"
 
 
-def status_args(root: str, queries: Sequence[tuple[str, int, int, int]]) -> list[str]:
-    """Arguments of :data:`STATUS_SCRIPT`: (job id, rank, log offset, max log bytes) per rank."""
-    args = [root]
+def status_args(
+    root: str, queries: Sequence[tuple[str, int, int, int]], now: float | None = None
+) -> list[str]:
+    """Arguments of :data:`STATUS_SCRIPT`: (job id, rank, log offset, max log bytes) per rank.
+
+    ``now`` (the poller's clock) is left on the node as the last poll; ``None`` polls without
+    leaving a trace (a launch-side bridge must not keep an abandoned job alive).
+    """
+    args = [root, "-" if now is None else f"{now:.3f}"]
     for job_id, rank, offset, max_bytes in queries:
         args += [check_job_id(job_id), str(int(rank)), str(max(0, int(offset))), str(max(0, int(max_bytes)))]
     return args
 
 
 def cancel_args(
-    root: str, grace: float, targets: Sequence[tuple[str, int]], *, wait: bool = True
+    root: str, grace: float, targets: Sequence[tuple[str, int]], *, wait: bool = True, reason: str = ""
 ) -> list[str]:
     """Arguments of :data:`CANCEL_SCRIPT`; ``wait=False`` returns right after the SIGTERMs."""
-    args = [root, f"{max(0.0, float(grace)):.3f}", "wait" if wait else "nowait"]
+    reason = " ".join(reason.split())[:400]  # one line in the marker file
+    args = [root, f"{max(0.0, float(grace)):.3f}", "wait" if wait else "nowait", reason]
     for job_id, rank in targets:
         args += [check_job_id(job_id), str(int(rank))]
     return args
@@ -286,7 +570,7 @@ class RawRankStatus:
 
     job_id: str
     rank: int
-    state: str  # missing | pending | running | exited | lost
+    state: str  # missing | pending | running | exited | badexit | lost
     exit_code: int | None
     start: float | None
     end: float | None
@@ -294,6 +578,10 @@ class RawRankStatus:
     cancel_requested: bool
     log_offset: int
     log_chunk: bytes
+    polled_at: float | None = None
+    orphaned: bool = False
+    exit_text: str = ""
+    cancel_reason: str = ""
 
 
 def _num(text: str) -> float | None:
@@ -303,22 +591,30 @@ def _num(text: str) -> float | None:
         return None
 
 
+class StatusParseError(ValueError):
+    """The node's status output is not what the status script prints."""
+
+
 def parse_status(output: bytes, offsets: Mapping[tuple[str, int], int] | None = None) -> list[RawRankStatus]:
-    """Parse :data:`STATUS_SCRIPT` output: a header line per rank, then exactly ``n`` bytes of log."""
+    """Parse :data:`STATUS_SCRIPT` output: a header line per rank, then its payloads."""
     out: list[RawRankStatus] = []
     pos = 0
     while pos < len(output):
         nl = output.find(b"\n", pos)
         if nl < 0:
-            break
+            raise StatusParseError(f"truncated status output: {output[pos : pos + 200]!r}")
         header = output[pos:nl].decode("utf-8", "replace").split(" ")
         pos = nl + 1
-        if len(header) != 10 or header[0] != "@":
-            continue
-        _, job_id, rank_s, state, ex, st, en, sz, c, n_s = header
-        n = int(n_s)
+        if len(header) != 14 or header[0] != "@":
+            raise StatusParseError(f"unexpected status line: {' '.join(header)[:200]!r}")
+        _, job_id, rank_s, state, ex, st, en, sz, c, n_s, pl, o, xn_s, cn_s = header
+        n, xn, cn = int(n_s), int(xn_s), int(cn_s)
         chunk = output[pos : pos + n]
         pos += n
+        exit_text = output[pos : pos + xn].decode("utf-8", "replace")
+        pos += xn
+        cancel_reason = output[pos : pos + cn].decode("utf-8", "replace").strip()
+        pos += cn
         rank = int(rank_s)
         code = int(ex) if ex.lstrip("-").isdigit() else None
         out.append(
@@ -333,6 +629,10 @@ def parse_status(output: bytes, offsets: Mapping[tuple[str, int], int] | None = 
                 cancel_requested=c == "1",
                 log_offset=(offsets or {}).get((job_id, rank), 0),
                 log_chunk=chunk,
+                polled_at=_num(pl),
+                orphaned=o == "1",
+                exit_text=exit_text,
+                cancel_reason=cancel_reason,
             )
         )
     return out

@@ -14,12 +14,25 @@ import time
 from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
-from airflow.sdk.log import mask_secret
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 
 from airflow_provider_sky.gang import BAD, CANCELLED, SUCCEEDED, GangStatus
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import GangClient, Poll, watch
+from airflow_provider_sky.logtext import READ_CHUNK, LineSplitter
+
+
+def _mask(text: str, secrets: list[str]) -> str:
+    for value in secrets:
+        if value:
+            text = text.replace(value, "***")
+    return text
+
+
+def _splitter(client: GangClient) -> LineSplitter:
+    """Lines of a rank's output, masked with the values the client was told to mask (if any)."""
+    secrets: list[str] = list(getattr(client, "secret_values", None) or [])
+    return LineSplitter(mask=lambda text: _mask(text, secrets), secrets=secrets)
 
 
 def _cancel_text(status: GangStatus) -> str:
@@ -85,13 +98,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         """Poll the job (fail-fast included) and yield ``(Poll, client)``; once done, repeat the end."""
         client = await SkyHook(kwargs["sky_conn_id"]).aclient(kwargs["cluster"])
         try:
-            # secrets never travel in trigger kwargs; mask what the job's ranks might print
-            client.secret_values = sorted(
-                await client.asecret_values(kwargs["job_id"]), key=len, reverse=True
-            )
-            for value in client.secret_values:
-                if value:
-                    mask_secret(value)
+            # secrets never travel in trigger kwargs: the nodes mask them before output reaches the log
             last: Poll | None = None
             async for poll in watch(
                 client,
@@ -139,44 +146,46 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
         kwargs = {**self._common_kwargs(), "rank": self.rank, "log_offset": self.log_offset}
         return f"{type(self).__module__}.{type(self).__qualname__}", kwargs
 
-    def _log_bytes(self, data: bytes, pending: bytearray, secrets: list[str], final: bool = False) -> None:
-        """Log complete lines (the rest waits for its newline), with the job's secrets masked."""
-        pending.extend(data)
-        lines = pending.decode("utf-8", "replace").split("\n")
-        keep = "" if final else lines.pop()
-        for line in [*lines, keep] if final and keep else lines:
-            for value in secrets:
-                if value:
-                    line = line.replace(value, "***")
+    def _log_lines(self, lines: list[str]) -> None:
+        for line in lines:
             self.log.info("%s", line)
-        pending[:] = b"" if final else keep.encode()
+
+    async def _catch_up(self, client: GangClient, lines: LineSplitter, offset: int, end: int) -> int:
+        """Log the rank's output from ``offset`` to ``end``, ``READ_CHUNK`` bytes per call.
+
+        One call for the whole rest would hold all of it at once (a rank printing 200 MB drove the
+        watcher past 1 GB); chunks keep the memory bounded whatever the rank printed.
+        """
+        while offset < end:
+            data = await client.aread_log(self.job_id, self.rank, offset, min(READ_CHUNK, end - offset))
+            if not data:
+                break
+            self._log_lines(lines.feed(data))
+            offset += len(data)
+        return offset
 
     async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
         expected = self.log_offset
-        pending = bytearray()
+        lines: LineSplitter | None = None
         async for poll, client in shared_stream:
             assert isinstance(poll, Poll) and isinstance(client, GangClient)
             try:
                 st = poll.status.by_rank(self.rank)
             except KeyError:
                 continue
+            if lines is None:
+                lines = _splitter(client)
             off, data = poll.chunks.get(self.rank, (st.log_size, b""))
             if expected < off:  # joined late, or the stream read past us: fetch the gap ourselves
-                gap = await client.aread_log(self.job_id, self.rank, expected, off - expected)
-                self._log_bytes(gap, pending, client.secret_values)
-                expected += len(gap)
-            if expected >= off and expected < off + len(data):
-                self._log_bytes(data[expected - off :], pending, client.secret_values)
+                expected = await self._catch_up(client, lines, expected, off)
+            if off <= expected < off + len(data):
+                self._log_lines(lines.feed(data[expected - off :]))
                 expected = off + len(data)
             if not st.terminal:
                 continue
-            while expected < st.log_size:  # the rank is over: read the rest of its log
-                rest = await client.aread_log(self.job_id, self.rank, expected, st.log_size - expected)
-                if not rest:
-                    break
-                self._log_bytes(rest, pending, client.secret_values)
-                expected += len(rest)
-            self._log_bytes(b"", pending, client.secret_values, final=True)
+            # the rank is over: log the rest of its output, then its unfinished last line
+            expected = await self._catch_up(client, lines, expected, st.log_size)
+            self._log_lines(lines.flush())
             cause = poll.status.root_cause()
             await self._hold()
             if st.state == SUCCEEDED:
