@@ -257,7 +257,7 @@ exit 0
 TEARDOWN_SCRIPT = r"""
 root=$1; grace=$2
 if [ -f "$root/keeper.pid" ] && read -r kp < "$root/keeper.pid"; then
-  case "$(tr '\000' ' ' < "/proc/$kp/cmdline" 2>/dev/null)" in *sky-keeper*) kill -KILL "$kp" 2>/dev/null ;; esac
+  case "$(tr '\000' ' ' < "/proc/$kp/cmdline" 2>/dev/null)" in *sky-keeper*) kill -KILL "-$kp" 2>/dev/null || kill -KILL "$kp" 2>/dev/null ;; esac
 fi
 set --
 for d in "$root"/jobs/*/*; do
