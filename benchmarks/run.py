@@ -37,6 +37,7 @@ from benchmarks.common import (
     sigterm_as_interrupt,
     table,
 )
+from benchmarks.fig_failfast import TRIGGER_DELAY
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -53,12 +54,16 @@ class Plan:
     indep_max_n: int  # fig 3: measure N independent pollers up to this N (N×N printed for all)
     e2e_reps: int  # fig 4
     e2e_cap: float  # fig 4: the SSHOperator fail-fast run is given up after this many seconds
+    ff_once_reps: int = 3  # fig 1c (rank fails at once), per N and backend
+    #: fig 1c: seconds from the job task's end to the triggers' start
+    trigger_delay: float = TRIGGER_DELAY
+    at_once_only: bool = False  # `--only 1c`: figure 1's "fails at once" case alone
 
     @classmethod
     def make(cls, quick: bool) -> Plan:
         if quick:
-            return cls(True, (4, 16), 2, 1, 2, 1, 2.0, 4, 1, 20.0)
-        return cls(False, (4, 16, 64), 5, 3, 5, 3, 5.0, 16, 3, 60.0)
+            return cls(True, (4, 16), 2, 1, 2, 1, 2.0, 4, 1, 20.0, ff_once_reps=1)
+        return cls(False, (4, 16, 64), 5, 3, 5, 3, 5.0, 16, 3, 60.0, ff_once_reps=3)
 
 
 def _setup_env(base: Path) -> None:
@@ -215,10 +220,16 @@ class Bench:
         variants = [("ssh", 0.5, self.plan.ff_reps), ("local", 0.5, self.plan.ff_reps)]
         if self.plan.ff_fast_reps:
             variants += [("ssh", 0.2, self.plan.ff_fast_reps), ("local", 0.2, self.plan.ff_fast_reps)]
+        if self.plan.at_once_only:
+            variants = []
         self.notes.append(
             "fig 1: 1a = failing rank's own end timestamp -> last sibling `sleep 10000` gone (/proc, 5 ms); "
             "1b = same start -> the last of the N rank triggers fired. Triggers use poll_interval p "
-            "(0.5 s = the default) and grace 3 s (the default); goal: 1a median < 1 s at N=64, p=0.5."
+            "(0.5 s = the default) and grace 3 s (the default); goal: 1a median < 1 s at N=64, p=0.5. "
+            "1c = the failing rank's first command is `exit 1`: gang started by the job task "
+            "(SkyJobOperator.execute -> GangClient.launch), the triggers started "
+            f"{self.plan.trigger_delay:g} s after it ended (--trigger-delay, the job task's end -> first "
+            "poll under the real scheduler); its exit -> last sibling gone; goal < 1 s at every N."
         )
         for n in self.plan.ns:
             clusters = {
@@ -260,6 +271,50 @@ class Bench:
                     ]
                     self.rows.append(Row(f"1  {kind} ..exit->cancel sent p={poll}", n, sent, "s"))
                     self.rows.append(Row(f"1  {kind} ..cancel sent->gone p={poll}", n, kill, "s"))
+            for kind in ("ssh", "local"):
+                self._fig1_at_once(n, kind, clusters[kind][1])
+
+    def _fig1_at_once(self, n: int, kind: str, handle: Any) -> None:
+        """1c: the failing rank's first command is `exit 1`; started by the job task, triggers later."""
+        from benchmarks import fig_failfast as ff
+
+        poll, delay = 0.5, self.plan.trigger_delay
+        conn = "sky_bench" if kind == "ssh" else None
+        samples = ff.measure_at_once(
+            handle,
+            n,
+            self.plan.ff_once_reps,
+            sky_conn_id=conn,
+            poll_interval=poll,
+            trigger_delay=delay,
+            label=kind,
+        )
+        good = ff.valid_at_once(samples)
+        bad = len(samples) - len(good)
+        note = f"{bad} of {len(samples)} samples invalid (see log)" if bad else ""
+        gone = [s.gone for s in good if s.gone is not None]
+        goal = "< 1 s median"
+        met = bool(gone) and statistics.median(gone) < 1.0
+        extra = {
+            "poll_interval": poll,
+            "grace": 3.0,
+            "trigger_delay": delay,
+            "job_task_end": [s.job_end for s in good],
+            "triggers_start": [s.triggers_start for s in good],
+            "cancel_sent": [s.cancel_sent for s in good],
+            "rank_events": [s.events for s in good],
+            "gang_event": [s.gang_event for s in good],
+            "siblings_seen_running": [s.seen for s in good],
+            "job_task_seconds": [s.launch for s in samples],
+            "job_task_errors": [s.job_error for s in samples if s.job_error],
+            "errors": [s.error for s in samples if s.error],
+        }
+        label = f"1c {kind} fails at once: exit->siblings gone, triggers +{delay:g}s"
+        self.rows.append(Row(label, n, gone, "s", goal, met, note, extra=extra))
+        job_end = [s.job_end for s in good if s.job_end is not None]
+        self.rows.append(Row(f"1c {kind} ..exit->job task end", n, job_end, "s"))
+        sent = [s.cancel_sent for s in good if s.cancel_sent is not None]
+        self.rows.append(Row(f"1c {kind} ..exit->first cancel after triggers start", n, sent, "s"))
 
     # -- figure 2
 
@@ -378,19 +433,34 @@ class Bench:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, N = 4 and 16 (a smoke run)")
-    ap.add_argument("--only", default="1,2,3,4", help="figures to run, e.g. 1,2 (default: all)")
+    ap.add_argument(
+        "--only",
+        default="1,2,3,4",
+        help="figures to run, e.g. 1,2 (default: all); 1c = only figure 1's 'rank fails at once' case",
+    )
     ap.add_argument("--ns", default="", help="override the gang sizes of figures 1-3, e.g. 64 or 4,16")
     ap.add_argument("--out", default=str(RESULTS / "latest.json"), help="where to write the JSON")
+    ap.add_argument(
+        "--trigger-delay",
+        type=float,
+        default=None,
+        help="figure 1c: seconds from the job task's end to the triggers' start (default 5)",
+    )
     args = ap.parse_args(argv)
-    figures = sorted({int(x) for x in args.only.split(",") if x.strip()})
-    if not set(figures) <= {1, 2, 3, 4}:
-        ap.error("--only takes figure numbers 1-4")
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    if not only <= {"1", "1c", "2", "3", "4"}:
+        ap.error("--only takes figure numbers 1-4 (and 1c)")
+    figures = sorted({1 if x == "1c" else int(x) for x in only})
     if os.geteuid() != 0:
         say("needs root: the sshd test hosts create users and start sshd (tests/sshd.py)")
         return 2
     plan = Plan.make(args.quick)
     if args.ns:
         plan = dataclasses.replace(plan, ns=tuple(int(x) for x in args.ns.split(",") if x.strip()))
+    if args.trigger_delay is not None:
+        plan = dataclasses.replace(plan, trigger_delay=args.trigger_delay)
+    if "1c" in only and "1" not in only:
+        plan = dataclasses.replace(plan, at_once_only=True)
     base = Path(tempfile.mkdtemp(prefix="sky-bench-"))
     _setup_env(base)
     _quiet_logs()
