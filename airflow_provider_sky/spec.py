@@ -519,6 +519,12 @@ def _parse_file_mounts(value: object) -> dict[str, str]:
                 "the key is the destination on the node and must be an absolute path or start with '~/' "
                 "(e.g. /data or ~/data); the value is the local path or URL",
             )
+        if ".." in dest.split("/"):
+            raise SpecError(
+                where,
+                "a '..' segment may not be in a destination: it could leave the node's home (or the "
+                "directory named); write the path without '..', e.g. ~/data or /data",
+            )
         if not isinstance(src, str) or not src.strip():
             raise SpecError(
                 where,

@@ -31,13 +31,20 @@ def sky_gang(
     """Build the whole gang pattern in a TaskGroup from a SkyPilot YAML, a dict, or the fields.
 
     ``spec_fields`` are the YAML's fields as arguments (``num_nodes=4, run="..."``) and override the
-    file. ``down=False`` keeps the cluster for the next run (reuse by ``cluster_name``).
+    file. ``down=False`` keeps the cluster for the next run (reuse by ``cluster_name``) and takes no
+    lease on it, so the next run's teardown removes it. With ``down=True`` runs sharing a
+    ``cluster_name`` each hold a lease: the last one's teardown removes the cluster.
     """
     spec_args: dict[str, Any] = {"task_yaml": task_yaml, "task_config": task_config, **spec_fields}
     watch: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
     with TaskGroup(group_id=group_id) as group:
         cluster = SkyClusterOperator(
-            task_id="cluster", cluster_name=cluster_name, down_on_failure=down, **spec_args, **watch
+            task_id="cluster",
+            cluster_name=cluster_name,
+            down_on_failure=down,
+            lease=down,  # without a down task nothing would release it
+            **spec_args,
+            **watch,
         )
         job = SkyJobOperator(task_id="job", cluster=cluster.output, sky_conn_id=sky_conn_id, **spec_args)
         ranks = SkyRankOperator.partial(

@@ -164,10 +164,10 @@ def test_teardown_kills_everything_and_is_idempotent(backend: LocalBackend, sky_
     client, spec = _gang(backend, "c", 3, "sleep 10000")
     client.launch(spec, "job")
     assert processes_under(sky_home)
-    assert backend.terminate("c") is True
+    assert backend.terminate("c").removed is True
     assert not processes_under(sky_home)
     assert not (sky_home / "local" / "c").exists()
-    assert backend.terminate("c") is False
+    assert backend.terminate("c").removed is False
 
 
 def test_teardown_never_kills_a_process_that_reused_a_rank_pid(backend: LocalBackend, tmp_path: Path) -> None:

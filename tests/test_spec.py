@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 from typing import Any, cast
 
@@ -613,3 +614,83 @@ def test_is_bucket_source() -> None:
     assert not is_bucket_source("/local/path")
     assert not is_bucket_source("./rel")
     assert not is_bucket_source("~/x")
+
+
+# ------------------------------------------------------------------------------------------- paths (issue 8.6)
+
+
+@pytest.mark.parametrize(
+    "dest",
+    ["~/../../../../escape", "~/data/../../x", "/data/../etc/passwd", "~/..", "/..", "~/a/.."],
+)
+def test_file_mount_destination_with_dotdot_is_an_error_in_args(dest: str) -> None:
+    with pytest.raises(SpecError) as info:
+        task_from_args(run="true", file_mounts={dest: "/etc/hosts"})
+    assert info.value.field == f"file_mounts.{dest}"
+    assert "'..'" in info.value.message and "home" in info.value.message
+
+
+def test_file_mount_destination_with_dotdot_is_an_error_in_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "task.yaml"
+    path.write_text("run: echo hi\nfile_mounts:\n  ~/../../../../escape: ./data\n")
+    with pytest.raises(SpecError) as info:
+        load_task_yaml(path)
+    assert info.value.field == "file_mounts.~/../../../../escape"
+    assert "'..'" in info.value.message and str(path) in info.value.message
+
+
+def test_file_mount_override_with_dotdot_is_an_error() -> None:
+    with pytest.raises(SpecError, match=r"file_mounts\.~/\.\./x"):
+        parse_task(_task(), overrides={"file_mounts": {"~/../x": "/etc/hosts"}})
+
+
+@pytest.mark.parametrize("dest", ["~/data..old/x", "~/..hidden", "/data/x..", "~/./x", "/opt/data"])
+def test_file_mount_destinations_without_dotdot_segments_stay_valid(dest: str) -> None:
+    assert task_from_args(run="true", file_mounts={dest: "/etc/hosts"}).file_mounts == {dest: "/etc/hosts"}
+
+
+# ------------------------------------------------------------------------------------------- default cluster names (issue 8.5)
+
+_DNS_LABEL = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+def test_default_cluster_names_do_not_collide() -> None:
+    from airflow_provider_sky.operators._spec import default_cluster_name
+
+    run = "scheduled__2026-01-01T00:00:00+00:00"
+    long_a, long_b = "x" * 40 + "_first", "x" * 40 + "_second"
+    names = {
+        default_cluster_name("adv_collide_A", run),
+        default_cluster_name("adv-collide-a", run),  # the same slug, another DAG
+        default_cluster_name(long_a, run),
+        default_cluster_name(long_b, run),  # DAG ids differing after 40 characters
+        default_cluster_name("train", run),
+        default_cluster_name("eval", run),  # scheduled runs of different DAGs share run ids
+        default_cluster_name("train", "manual__2026-01-02"),
+    }
+    assert len(names) == 7
+    assert default_cluster_name("train", run) == default_cluster_name("train", run)  # stable for a run
+    assert default_cluster_name("adv_collide_A", run).startswith("sky-adv-collide-a-")  # readable
+
+
+@pytest.mark.parametrize(
+    "dag_id",
+    [
+        "train",
+        "adv_collide_A",
+        "A" * 250,
+        "Ünïcödé_DAG.v2",
+        "___",
+        "9_starts_with_digit",
+        "ends_with_dash_-",
+        "a.b.c-" * 30,
+        "x" * 45 + "-" + "y" * 10,
+    ],
+)
+def test_default_cluster_names_are_dns_1123_labels(dag_id: str) -> None:
+    from airflow_provider_sky.operators._spec import check_cluster_name, default_cluster_name
+
+    name = default_cluster_name(dag_id, "manual__2026-01-01T00:00:00.123456+00:00")
+    assert _DNS_LABEL.match(name), name
+    assert len(name) <= 63
+    check_cluster_name(name)

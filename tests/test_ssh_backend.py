@@ -86,9 +86,9 @@ def test_gang_on_4_hosts_each_rank_is_its_own_host(hosts4: SSHDCluster) -> None:
     for rank, node in enumerate(hosts4.nodes):
         out = c.poll("job").chunks[rank][1].decode().split()
         assert out == [node.user, str(node.index), str(rank), hosts4.nodes[0].host]
-    assert b.terminate("g4") is True
+    assert b.terminate("g4").removed is True
     assert b.find("g4") is None
-    assert b.terminate("g4") is False
+    assert b.terminate("g4").removed is False
 
 
 def test_rank_order_is_numeric_and_stable_on_reuse(hosts4: SSHDCluster) -> None:

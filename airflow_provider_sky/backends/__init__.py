@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from airflow_provider_sky.backends.base import Backend, BackendError, ClusterHandle, Node
+from airflow_provider_sky.backends.base import Backend, BackendError, ClusterHandle, Node, Teardown
 
-__all__ = ["Backend", "BackendError", "ClusterHandle", "Node", "make_backend", "BACKEND_KINDS"]
+__all__ = ["Backend", "BackendError", "ClusterHandle", "Node", "Teardown", "make_backend", "BACKEND_KINDS"]
 
 BACKEND_KINDS = ("local", "ssh")
 

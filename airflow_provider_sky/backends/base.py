@@ -1,12 +1,25 @@
 """What every backend provides: provision, find and terminate N nodes, and a runner per node.
 
 A backend never imports Airflow: it is configured from a plain dict (a connection's extras).
+
+A cluster's record is its handle (``ClusterHandle.to_dict()``) plus who uses it and what is left to clean:
+
+* ``leases``: ``{holder id: {"holder": ..., "since": ...}}``. Runs sharing a cluster (one ``cluster_name``)
+  each hold a lease; a teardown releases its own and removes the cluster only when no other remains, so
+  the short run's teardown never removes the cluster under the long run.
+* ``down``: set while a teardown runs; a provision of that name waits for it to end, then starts afresh.
+* ``unclean``: ``{node id: why}`` for nodes a teardown could not clean (they did not answer). The record
+  stays, naming them, and the next teardown cleans only those.
+
+The functions below change a record (a plain dict); each backend applies them under its own lock.
 """
 
 from __future__ import annotations
 
+import copy
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -16,6 +29,10 @@ from airflow_provider_sky.spec import BackendCapabilities, TaskSpec
 
 class BackendError(Exception):
     """Provisioning or teardown failed; the message says what and how to fix it."""
+
+
+class ClusterBusy(BackendError):
+    """The cluster is being torn down; a provision of that name waits for the teardown to end."""
 
 
 @dataclass(frozen=True)
@@ -64,15 +81,38 @@ class ClusterHandle:
         )
 
 
+@dataclass(frozen=True)
+class Teardown:
+    """What :meth:`Backend.terminate` did.
+
+    ``removed``: every node was cleaned and the cluster is gone. ``kept_for``: other holders (runs, as
+    ``<dag_id>/<run_id>``) still hold leases, so nothing was killed. ``unclean``: nodes that could not be
+    cleaned (``"<ip>: <why>"``); the record stays and the next terminate cleans only those. All empty:
+    there was no such cluster.
+    """
+
+    removed: bool
+    kept_for: tuple[str, ...] = ()
+    unclean: tuple[str, ...] = ()
+
+
 class Backend(ABC):
     """Provision / find / terminate; hand out runners. Implementations keep the rank order stable."""
 
     kind: str
     capabilities: BackendCapabilities
+    #: seconds a provision waits for a teardown of the same cluster name to end before it gives up
+    busy_wait: float = 120.0
 
     @abstractmethod
-    def provision(self, name: str, spec: TaskSpec) -> ClusterHandle:
-        """Create the cluster, or reuse one of the same name with the same node count."""
+    def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
+        """Create the cluster, or reuse one of the same name with the same node count.
+
+        ``holder`` (e.g. ``<dag_id>/<run_id>``) gets a lease on the cluster, created or reused, under the
+        backend's lock; a holder that has one keeps it. ``None`` or ``""`` takes no lease. A cluster being
+        torn down is waited for (``busy_wait``), then made afresh; one with nodes left unclean by a
+        teardown is refused until that teardown is finished.
+        """
 
     @abstractmethod
     def find(self, name: str) -> ClusterHandle | None:
@@ -83,8 +123,15 @@ class Backend(ABC):
         """A command runner for one node of a cluster of this backend."""
 
     @abstractmethod
-    def terminate(self, name: str, grace: float = 2.0) -> bool:
-        """Kill every process the cluster started and release it. Idempotent: False if absent."""
+    def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
+        """Release ``holder``'s lease; kill every process the cluster started and release it when no lease
+        remains. Idempotent: a cluster already gone is ``Teardown(removed=False)``.
+
+        ``holder=None`` is a forced teardown: leases are ignored. A holder without a lease (``""``, a run
+        whose provision failed) releases nothing and removes only a cluster nobody holds. When other
+        leases remain nothing is killed and their holders are returned in ``kept_for``. Nodes that do not
+        answer within the connect timeout are returned in ``unclean`` and kept in the record.
+        """
 
     def sync_files(self, handle: ClusterHandle, spec: TaskSpec) -> None:  # noqa: B027 - optional
         """Copy ``workdir`` and local ``file_mounts`` to every node before setup."""
@@ -95,3 +142,90 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional
         """Drop connections held by runners."""
+
+
+# -- cluster records: leases, teardown in progress, nodes left unclean ------------------------------------
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def new_record(handle: ClusterHandle, holder: str | None) -> dict[str, Any]:
+    """The record of a cluster just made: its handle and the first holder's lease."""
+    return add_lease({**handle.to_dict(), "leases": {}}, holder)
+
+
+def add_lease(record: Mapping[str, Any], holder: str | None) -> dict[str, Any]:
+    """``record`` with a lease for ``holder``; a holder that has one keeps it (and its ``since``)."""
+    out = copy.deepcopy(dict(record))
+    leases = out.setdefault("leases", {})
+    if holder and holder not in leases:
+        leases[holder] = {"holder": holder, "since": _now()}
+    return out
+
+
+def check_reusable(record: Mapping[str, Any], name: str, num_nodes: int) -> None:
+    """Raise unless a provision may join the cluster: being torn down, half torn down, or another size."""
+    down = record.get("down")
+    if down:
+        by = f" by {down['holder']}" if down.get("holder") else ""
+        raise ClusterBusy(f"cluster {name!r} is being torn down (since {down.get('since')}{by})")
+    unclean = record.get("unclean") or {}
+    if unclean:
+        raise BackendError(
+            f"cluster {name!r} has a teardown to finish: {'; '.join(unclean.values())}. Processes of the "
+            "cluster may still run there. Tear it down again once they answer (it cleans only those "
+            "nodes), or use another cluster name"
+        )
+    count = len(record["nodes"])
+    if count != num_nodes:
+        raise BackendError(
+            f"cluster {name!r} exists with {count} nodes but the task asks for "
+            f"{num_nodes}: tear it down first or use another cluster name"
+        )
+
+
+def begin_teardown(record: Mapping[str, Any], holder: str | None) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Release ``holder``'s lease. Returns the new record and the holders that keep the cluster; when none
+    do (or ``holder`` is None: forced), the record is marked ``down`` and every lease dropped."""
+    out = copy.deepcopy(dict(record))
+    leases: dict[str, Any] = out.get("leases") or {}
+    if holder is not None:
+        leases.pop(holder, None)
+        if leases:
+            out["leases"] = leases
+            return out, tuple(leases)  # in the order they were taken
+    out["leases"] = {}
+    out["down"] = {"since": _now(), "holder": holder or ""}
+    return out, ()
+
+
+def nodes_to_clean(record: Mapping[str, Any]) -> list[Node]:
+    """Every node, or only those an earlier teardown left unclean."""
+    nodes = list(ClusterHandle.from_dict(record).nodes)
+    unclean = record.get("unclean") or {}
+    return [n for n in nodes if n.node_id in unclean] if unclean else nodes
+
+
+def finish_teardown(record: Mapping[str, Any] | None, unclean: Mapping[str, str]) -> dict[str, Any] | None:
+    """The record after a teardown: gone (None) when every node was cleaned, else naming the others."""
+    if record is None or not unclean:
+        return None
+    out = copy.deepcopy(dict(record))
+    out.pop("down", None)
+    out["unclean"] = dict(unclean)
+    return out
+
+
+def unclean_reason(node: Node, error: BaseException | str) -> str:
+    """``"<ip>: <why>"`` for a node a teardown could not clean."""
+    text = str(error).strip() or type(error).__name__
+    return text if text.startswith(f"{node.ip}:") else f"{node.ip}: {text}"
+
+
+def teardown_result(unclean: Mapping[str, str], nodes: Sequence[Node]) -> Teardown:
+    """The :class:`Teardown` after cleaning ``nodes``; ``unclean`` maps node id to why, in rank order."""
+    return Teardown(
+        removed=not unclean, unclean=tuple(unclean[n.node_id] for n in nodes if n.node_id in unclean)
+    )

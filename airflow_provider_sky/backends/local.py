@@ -2,7 +2,8 @@
 
 Node i of a cluster gets ``127.0.<block>.<i+1>`` (Linux routes all of 127/8 to ``lo``, so a rank can
 bind its own address) and the directory ``<state>/local/<cluster>/node-<i>`` as its home. Cluster
-records (with the rank order) live in ``<state>/local/clusters/<name>.json``.
+records (with the rank order and the leases, see ``backends.base``) live in
+``<state>/local/clusters/<name>.json`` and change only under an ``fcntl`` lock.
 """
 
 from __future__ import annotations
@@ -10,17 +11,36 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import shutil
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from airflow_provider_sky import runtime
-from airflow_provider_sky.backends.base import Backend, BackendError, ClusterHandle, Node
+from airflow_provider_sky.backends.base import (
+    Backend,
+    BackendError,
+    ClusterBusy,
+    ClusterHandle,
+    Node,
+    Teardown,
+    add_lease,
+    begin_teardown,
+    check_reusable,
+    finish_teardown,
+    new_record,
+    nodes_to_clean,
+    teardown_result,
+    unclean_reason,
+)
 from airflow_provider_sky.gang import rank_order
 from airflow_provider_sky.runners.local import LocalRunner
 from airflow_provider_sky.spec import BackendCapabilities, SpecError, TaskSpec
+
+log = logging.getLogger(__name__)
 
 LOCAL_MAX_NODES = 128
 
@@ -71,11 +91,22 @@ class LocalBackend(Backend):
         runtime.check_job_id(name)
         return self.records / f"{name}.json"
 
-    def _read(self, name: str) -> ClusterHandle | None:
+    def _load(self, name: str) -> dict[str, Any] | None:
+        """The raw record (handle, leases, unclean nodes); callers that change it hold the lock."""
         path = self._record(name)
         if not path.exists():
             return None
-        return ClusterHandle.from_dict(json.loads(path.read_text()))
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data
+
+    def _store(self, name: str, record: dict[str, Any]) -> None:
+        tmp = self._record(name).with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(self._record(name))
+
+    def _read(self, name: str) -> ClusterHandle | None:
+        record = self._load(name)
+        return ClusterHandle.from_dict(record) if record is not None else None
 
     def _free_block(self) -> int:
         used = set()
@@ -87,41 +118,51 @@ class LocalBackend(Backend):
                 return block
         raise BackendError("local backend: all 254 address blocks (127.0.1-254.x) are in use; down a cluster")
 
-    def provision(self, name: str, spec: TaskSpec) -> ClusterHandle:
+    def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
         for key, _path in spec.file_mounts.items():
             if not key.startswith("~/"):
                 raise SpecError(
                     f"file_mounts.{key}",
                     "the local backend puts file mounts in each node's own home; use a '~/...' destination",
                 )
-        with self._lock():
-            existing = self._read(name)
-            if existing is not None:
-                if len(existing.nodes) != spec.num_nodes:
-                    raise BackendError(
-                        f"cluster {name!r} exists with {len(existing.nodes)} nodes but the task asks for "
-                        f"{spec.num_nodes}: tear it down first or use another cluster name"
-                    )
-                return existing
-            block = self._free_block()
-            cluster_dir = self.base / name
-            ips = [f"127.0.{block}.{i + 1}" for i in range(spec.num_nodes)]
-            nodes = []
-            for i, ip in enumerate(rank_order(ips, head=ips[0])):
-                home = cluster_dir / f"node-{i}"
-                home.mkdir(parents=True, exist_ok=True)
-                nodes.append(Node(ip=ip, node_id=f"node-{i}", root=str(home / ".sky"), home=str(home)))
-            handle = ClusterHandle(
-                name=name,
-                backend=self.kind,
-                nodes=tuple(nodes),
-                cloud="local",
-                extra={"block": block, "dir": str(cluster_dir)},
-            )
-            tmp = self._record(name).with_suffix(".tmp")
-            tmp.write_text(json.dumps(handle.to_dict(), indent=1))
-            tmp.replace(self._record(name))
-            return handle
+        deadline = time.monotonic() + self.busy_wait
+        while True:
+            try:
+                with self._lock():
+                    return self._provision_locked(name, spec, holder)
+            except ClusterBusy as busy:
+                if time.monotonic() > deadline:
+                    raise ClusterBusy(
+                        f"{busy}; waited {self.busy_wait:g}s for it. If that teardown was interrupted, "
+                        "tear the cluster down again, then retry"
+                    ) from None
+            time.sleep(0.2)
+
+    def _provision_locked(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
+        existing = self._load(name)
+        if existing is not None:
+            check_reusable(existing, name, spec.num_nodes)
+            record = add_lease(existing, holder)
+            if record != existing:
+                self._store(name, record)
+            return ClusterHandle.from_dict(record)
+        block = self._free_block()
+        cluster_dir = self.base / name
+        ips = [f"127.0.{block}.{i + 1}" for i in range(spec.num_nodes)]
+        nodes = []
+        for i, ip in enumerate(rank_order(ips, head=ips[0])):
+            home = cluster_dir / f"node-{i}"
+            home.mkdir(parents=True, exist_ok=True)
+            nodes.append(Node(ip=ip, node_id=f"node-{i}", root=str(home / ".sky"), home=str(home)))
+        handle = ClusterHandle(
+            name=name,
+            backend=self.kind,
+            nodes=tuple(nodes),
+            cloud="local",
+            extra={"block": block, "dir": str(cluster_dir)},
+        )
+        self._store(name, new_record(handle, holder))
+        return handle
 
     def find(self, name: str) -> ClusterHandle | None:
         return self._read(name)
@@ -137,21 +178,53 @@ class LocalBackend(Backend):
             if spec.workdir:
                 _copy(Path(spec.workdir), Path(node.home) / "sky_workdir")
             for dest, src in spec.file_mounts.items():
-                _copy(Path(src), Path(node.home) / dest[2:])
+                _copy(Path(src), _inside_home(node, dest))
 
-    def terminate(self, name: str, grace: float = 2.0) -> bool:
-        handle = self._read(name)
-        if handle is None:
-            return False
-        script = runtime.teardown_script()
-        for node in handle.nodes:
-            res = self.runner(node).run_script(script, [node.root, f"{grace:.3f}"], timeout=grace + 30)
-            if res.returncode != 0:
-                raise BackendError(f"teardown of {node.ip} failed: {res.error_text}")
+    def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
         with self._lock():
-            shutil.rmtree(handle.extra.get("dir", self.base / name), ignore_errors=True)
-            self._record(name).unlink(missing_ok=True)
-        return True
+            record = self._load(name)
+            if record is None:
+                return Teardown(removed=False)
+            record, kept_for = begin_teardown(record, holder)
+            self._store(name, record)
+        if kept_for:
+            log.info("cluster %s kept: still held by %s", name, ", ".join(kept_for))
+            return Teardown(removed=False, kept_for=kept_for)
+        nodes = nodes_to_clean(record)
+        script = runtime.teardown_script()
+        unclean: dict[str, str] = {}
+        for node in nodes:
+            try:
+                res = self.runner(node).run_script(script, [node.root, f"{grace:.3f}"], timeout=grace + 30)
+                if res.returncode != 0:
+                    unclean[node.node_id] = unclean_reason(node, f"teardown failed: {res.error_text}")
+            except Exception as exc:  # kept in the record; the next teardown retries this node
+                unclean[node.node_id] = unclean_reason(node, exc)
+        with self._lock():
+            left = finish_teardown(self._load(name), unclean)
+            if left is None:
+                shutil.rmtree(record["extra"].get("dir", self.base / name), ignore_errors=True)
+                self._record(name).unlink(missing_ok=True)
+            else:
+                self._store(name, left)
+        return teardown_result(unclean, nodes)
+
+
+def _inside_home(node: Node, dest: str) -> Path:
+    """Where a ``~/...`` file mount goes on a node, refused if it resolves outside the node's home.
+
+    The spec already refuses ``..``; this also catches a spec built without the parser and a symlink in
+    the home (e.g. left by setup) that points elsewhere.
+    """
+    home = Path(node.home).resolve()
+    target = (home / dest[2:]).resolve()
+    if target != home and home not in target.parents:
+        raise SpecError(
+            f"file_mounts.{dest}",
+            f"resolves to {target}, outside the node's home {home}; use a '~/...' destination "
+            "without '..' that is not reached through a symlink",
+        )
+    return target
 
 
 def _copy(src: Path, dest: Path) -> None:

@@ -1,8 +1,11 @@
 """Gangs on existing machines over SSH: the hosts are given, "provisioning" checks and reserves them.
 
-A cluster is a named set of hosts. Its record (rank order, resolved homes) is kept on the head node in
-``~/.sky_airflow/clusters/<name>.json``, so any worker that can reach the head finds it. Each node's
-runtime directory is ``~/.sky_airflow/<cluster>``; teardown kills everything under it and removes it.
+A cluster is a named set of hosts. Its record (rank order, resolved homes, leases: see ``backends.base``)
+is kept on the head node in ``~/.sky_airflow/clusters/<name>.json``, so any worker that can reach the head
+finds it. The record changes by compare-and-swap: one remote script, under ``flock`` on the head (a
+``mkdir`` lock where ``flock`` is missing), writes the new record only if the file still holds what was
+read; otherwise it returns the current one and the change is made again on that. Each node's runtime
+directory is ``~/.sky_airflow/<cluster>``; teardown kills everything under it and removes it.
 """
 
 from __future__ import annotations
@@ -10,17 +13,34 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-import shlex
+import random
+import re
+import secrets
 import socket
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from airflow_provider_sky import runtime
-from airflow_provider_sky.backends.base import Backend, BackendError, ClusterHandle, Node
+from airflow_provider_sky.backends.base import (
+    Backend,
+    BackendError,
+    ClusterBusy,
+    ClusterHandle,
+    Node,
+    Teardown,
+    add_lease,
+    begin_teardown,
+    check_reusable,
+    finish_teardown,
+    new_record,
+    nodes_to_clean,
+    teardown_result,
+    unclean_reason,
+)
 from airflow_provider_sky.gang import rank_order
-from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.ssh import SSHNodeConfig, SSHRunner, wait_for_ssh
 from airflow_provider_sky.spec import BackendCapabilities, TaskSpec
 
@@ -33,14 +53,69 @@ _HOME_SCRIPT = 'printf "%s\\n" "$HOME"; nproc 2>/dev/null || echo 0; ' + (
     "awk '/MemTotal/ {print $2}' /proc/meminfo 2>/dev/null || echo 0"
 )
 _READ_SCRIPT = '[ -f "$1" ] && cat "$1"; exit 0'
-_WRITE_SCRIPT = """set -e
-mkdir -p "$(dirname "$1")"
-umask 077
-cat > "$1.tmp" <<'SKY_RECORD_EOF'
-__DATA__
-SKY_RECORD_EOF
-mv "$1.tmp" "$1"
+#: compare-and-swap of a cluster record on the head: $1 record path (relative to $HOME), $2 "1" if the
+#: record was there when read, $3 "1" to write the new record ("0" deletes it), $4 lock kind (auto|mkdir).
+#: Prints OK, or CONFLICT and the current record. __OLD__ / __NEW__ are quoted here-documents.
+_CAS_SCRIPT = r"""
+rec="$HOME/$1"; had=$2; put=$3; d=$(dirname "$rec")
+mkdir -p "$d" || exit 3
+if [ "$4" != mkdir ] && command -v flock >/dev/null 2>&1; then
+  exec 9>>"$d/.lock"
+  flock -w 60 9 || { echo "the cluster records' lock $d/.lock is held for over 60s" >&2; exit 3; }
+else
+  n=0
+  while ! mkdir "$d/.lockd" 2>/dev/null; do
+    p=; read -r p < "$d/.lockd/pid" 2>/dev/null || true
+    if [ -n "$p" ] && ! kill -0 "$p" 2>/dev/null; then rm -rf "$d/.lockd"; continue; fi
+    n=$((n + 1))
+    [ "$n" -lt 600 ] || { echo "the cluster records' lock $d/.lockd is held for over 60s" >&2; exit 3; }
+    sleep 0.1
+  done
+  trap 'rm -rf "$d/.lockd"' EXIT
+  trap 'exit 1' HUP INT TERM
+  echo $$ > "$d/.lockd/pid"
+fi
+has=0; cur=
+if [ -f "$rec" ]; then has=1; cur=$(cat "$rec") || exit 3; fi
+old=$(cat <<'__OLD_EOF__'
+__OLD__
+__OLD_EOF__
+)
+if [ "$has" != "$had" ] || [ "$cur" != "$old" ]; then
+  echo CONFLICT
+  [ "$has" = 1 ] && printf '%s\n' "$cur"
+  exit 0
+fi
+if [ "$put" = 1 ]; then
+  umask 077
+  cat > "$rec.tmp" <<'__NEW_EOF__' || exit 3
+__NEW__
+__NEW_EOF__
+  mv "$rec.tmp" "$rec" || exit 3
+else
+  rm -f "$rec"
+fi
+echo OK
 """
+
+T = TypeVar("T")
+
+
+def _cas_script(old: str | None, new: dict[str, Any] | None) -> str:
+    """The compare-and-swap script with the expected and the new record inlined (never on a command line)."""
+    new_text = json.dumps(new, indent=1) if new is not None else ""
+    while True:  # a delimiter line that neither text holds
+        tag = secrets.token_hex(6)
+        if tag not in (old or "") and tag not in new_text:
+            break
+    parts = {
+        "__OLD_EOF__": f"SKY_OLD_{tag}",
+        "__NEW_EOF__": f"SKY_NEW_{tag}",
+        "__OLD__": old or "",
+        "__NEW__": new_text,
+    }
+    # one pass over the template: text put in (holder ids are user text) is never scanned again
+    return re.sub(r"__(?:OLD|NEW)(?:_EOF)?__", lambda m: parts[m.group(0)], _CAS_SCRIPT)
 
 
 def _split_user(entry: str, default_user: str) -> tuple[str, str]:
@@ -89,6 +164,8 @@ class SSHBackend(Backend):
     """Existing machines reached over SSH (paramiko), one rank per host."""
 
     kind = "ssh"
+    #: how the head's cluster records are locked: ``auto`` (``flock`` if the head has it) or ``mkdir``
+    record_lock = "auto"
 
     def __init__(
         self,
@@ -233,20 +310,48 @@ class SSHBackend(Backend):
         runtime.check_job_id(name)
         return f".sky_airflow/clusters/{name}.json"
 
-    def find(self, name: str) -> ClusterHandle | None:
+    def _read_record(self, name: str) -> str | None:
+        """The record's text on the head (trailing newlines dropped, as the swap script compares it)."""
         res = self._head_runner().run_script(_READ_SCRIPT, [self._record_path(name)], timeout=30)
         if res.returncode != 0:
             raise BackendError(
                 f"reading the cluster record on the head {self.head[0]} failed: {res.error_text}"
             )
-        return ClusterHandle.from_dict(json.loads(res.stdout)) if res.stdout.strip() else None
+        text = res.text.rstrip("\n")
+        return text if text.strip() else None
 
-    def _write_record(self, handle: ClusterHandle) -> None:
-        data = json.dumps(handle.to_dict(), indent=1)
-        script = _WRITE_SCRIPT.replace("__DATA__", data)  # JSON never holds the delimiter line
-        res = self._head_runner().run_script(script, [self._record_path(handle.name)], timeout=30)
-        if res.returncode != 0:
-            raise BackendError(f"writing the cluster record on {self.head[0]} failed: {res.error_text}")
+    def find(self, name: str) -> ClusterHandle | None:
+        text = self._read_record(name)
+        return ClusterHandle.from_dict(json.loads(text)) if text is not None else None
+
+    def _update(
+        self, name: str, change: Callable[[dict[str, Any] | None], tuple[dict[str, Any] | None, T]]
+    ) -> T:
+        """Apply ``change`` (record → new record, result) atomically on the head; return its result.
+
+        Compare-and-swap: the new record is written only if the head still holds the record ``change``
+        saw; otherwise ``change`` runs again on the current one. A new record of None deletes it.
+        """
+        text = self._read_record(name)
+        for _ in range(100):
+            current = json.loads(text) if text is not None else None
+            new, result = change(current)
+            if new == current:
+                return result
+            script = _cas_script(text, new)
+            args = [self._record_path(name), "1" if text is not None else "0", "1" if new else "0"]
+            res = self._head_runner().run_script(script, [*args, self.record_lock], timeout=90)
+            out = res.text
+            if res.returncode != 0 or not out.startswith(("OK", "CONFLICT")):
+                raise BackendError(
+                    f"updating the cluster record {name!r} on the head {self.head[0]} failed: "
+                    f"{res.error_text or out.strip() or f'exit code {res.returncode}'}"
+                )
+            if out.startswith("OK"):
+                return result
+            text = out[len("CONFLICT") :].strip("\n") or None  # someone changed it: redo on theirs
+            time.sleep(random.uniform(0, 0.05))
+        raise BackendError(f"the cluster record {name!r} on {self.head[0]} kept changing; retry")
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -259,7 +364,7 @@ class SSHBackend(Backend):
         lines = res.text.split("\n")
         return host, port, lines[0].strip(), int(lines[1] or 0), int(lines[2] or 0)
 
-    def provision(self, name: str, spec: TaskSpec) -> ClusterHandle:
+    def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
         """Check every host answers and authenticates before anything runs; keep a stored rank order."""
         runtime.check_job_id(name)
         if spec.num_nodes > len(self.endpoints):
@@ -267,14 +372,26 @@ class SSHBackend(Backend):
                 f"num_nodes: the task asks for {spec.num_nodes} nodes but the SSH connection has "
                 f"{len(self.endpoints)} hosts; add hosts or lower num_nodes"
             )
-        existing = self.find(name)
-        if existing is not None:
-            if len(existing.nodes) != spec.num_nodes:
-                raise BackendError(
-                    f"cluster {name!r} exists with {len(existing.nodes)} nodes but the task asks for "
-                    f"{spec.num_nodes}: tear it down first or use another cluster name"
-                )
-            chosen = [(n.extra["host"], int(n.extra["port"])) for n in existing.nodes]
+        deadline = time.monotonic() + self.busy_wait
+        while True:
+            try:
+                return self._provision_once(name, spec, holder)
+            except ClusterBusy as busy:
+                if time.monotonic() > deadline:
+                    raise ClusterBusy(
+                        f"{busy}; waited {self.busy_wait:g}s for it. If that teardown was interrupted, "
+                        "tear the cluster down again, then retry"
+                    ) from None
+            time.sleep(0.5)
+
+    def _provision_once(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
+        text = self._read_record(name)
+        if text is not None:
+            existing = json.loads(text)
+            check_reusable(existing, name, spec.num_nodes)
+            chosen = [
+                (n.extra["host"], int(n.extra["port"])) for n in ClusterHandle.from_dict(existing).nodes
+            ]
         else:
             resolved = {(_resolve_ip(h), p): (h, p) for h, p in self.endpoints}
             head = (_resolve_ip(self.head[0]), self.head[1])
@@ -297,9 +414,15 @@ class SSHBackend(Backend):
             )
             for i, (host, port, home, _, _) in enumerate(probes)
         ]
-        handle = ClusterHandle(name=name, backend=self.kind, nodes=tuple(nodes), cloud="ssh")
-        self._write_record(handle)
-        return handle
+        fresh = ClusterHandle(name=name, backend=self.kind, nodes=tuple(nodes), cloud="ssh")
+
+        def join(record: dict[str, Any] | None) -> tuple[dict[str, Any], ClusterHandle]:
+            if record is None:
+                return new_record(fresh, holder), fresh
+            check_reusable(record, name, spec.num_nodes)  # it may have changed since it was read
+            return add_lease(record, holder), ClusterHandle.from_dict(record)
+
+        return self._update(name, join)
 
     def _check_resources(self, spec: TaskSpec, probes: Sequence[Any]) -> None:
         """``cpus``/``memory`` on existing machines are checked, not ignored: too small is an error."""
@@ -333,31 +456,41 @@ class SSHBackend(Backend):
         if errors:
             raise BackendError("copying workdir/file_mounts failed: " + "; ".join(errors))
 
-    def terminate(self, name: str, grace: float = 2.0) -> bool:
-        handle = self.find(name)
-        if handle is None:
-            return False
+    def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
+        def begin(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, Any]:
+            if record is None:
+                return None, None
+            new, kept_for = begin_teardown(record, holder)
+            return new, (new, kept_for)
+
+        begun = self._update(name, begin)
+        if begun is None:
+            return Teardown(removed=False)
+        record, kept_for = begun
+        if kept_for:
+            log.info("cluster %s kept: still held by %s", name, ", ".join(kept_for))
+            return Teardown(removed=False, kept_for=kept_for)
+        nodes = nodes_to_clean(record)
         script = runtime.teardown_script()
 
         def one(node: Node) -> None:
+            # a hung node must not hang the teardown: it has to greet within the connect timeout
+            wait_for_ssh(node.extra["host"], int(node.extra["port"]), self.connect_timeout, max_delay=0.5)
             res = self.runner(node).run_script(script, [node.root, f"{grace:.3f}"], timeout=grace + 60)
             if res.returncode != 0:
-                raise BackendError(f"teardown of {node.ip} failed: {res.error_text}")
+                raise BackendError(f"teardown failed: {res.error_text or f'exit code {res.returncode}'}")
 
-        results = self._map(one, list(handle.nodes))
-        lost = [
-            f"{n.ip}: {e}" for n, e in zip(handle.nodes, results, strict=True) if isinstance(e, Exception)
-        ]
-        for n, e in zip(handle.nodes, results, strict=True):
-            if isinstance(e, RunnerError):
-                log.warning(
-                    "Node %s unreachable during teardown (%s); nothing of the cluster runs on it "
-                    "unless it comes back",
-                    n.ip,
-                    e,
-                )
-        if lost and not all(isinstance(e, RunnerError) or e is None for e in results):
-            raise BackendError("teardown failed: " + "; ".join(lost))
-        rm = f"rm -f {shlex.quote(self._record_path(name))}"
-        self._head_runner().run_script(rm, timeout=30)
-        return True
+        unclean = {
+            n.node_id: unclean_reason(n, e)
+            for n, e in zip(nodes, self._map(one, nodes), strict=True)
+            if isinstance(e, Exception)
+        }
+        for reason in unclean.values():
+            log.warning(
+                "cluster %s: a node could not be cleaned (%s); it stays in the cluster record and the "
+                "next teardown retries it",
+                name,
+                reason,
+            )
+        self._update(name, lambda record: (finish_teardown(record, unclean), None))
+        return teardown_result(unclean, nodes)

@@ -8,7 +8,7 @@ from typing import Any
 
 from airflow.sdk import BaseHook
 
-from airflow_provider_sky.backends import Backend, ClusterHandle, make_backend
+from airflow_provider_sky.backends import Backend, ClusterHandle, Teardown, make_backend
 from airflow_provider_sky.jobs import GangClient, run_sync, watch
 from airflow_provider_sky.spec import TaskSpec, check_backend
 
@@ -140,10 +140,12 @@ class SkyHook(BaseHook):
         """Everything the backend cannot honour fails here, before anything is provisioned."""
         check_backend(spec, self.get_backend().capabilities)
 
-    def provision(self, name: str, spec: TaskSpec) -> ClusterHandle:
+    def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
+        """Create or reuse the cluster; ``holder`` (``<dag_id>/<run_id>``) takes a lease on it, so another
+        run's teardown keeps it while this run uses it."""
         self.check(spec)
         backend = self.get_backend()
-        return backend.provision(name, spec)
+        return backend.provision(name, spec, holder=holder)
 
     def sync_files(self, handle: ClusterHandle, spec: TaskSpec) -> None:
         """``workdir`` and ``file_mounts`` to every node, before setup."""
@@ -195,8 +197,15 @@ class SkyHook(BaseHook):
                 )
             raise SetupFailed(msg)
 
-    def teardown(self, name: str, grace: float = 3.0) -> bool:
-        return self.get_backend().terminate(name, grace=grace)
+    def teardown(
+        self, name: str, grace: float = 3.0, *, holder: str | None = None, force: bool = False
+    ) -> Teardown:
+        """Release ``holder``'s lease and remove the cluster when no other run holds one.
+
+        Without a holder the cluster is removed only if no run holds it (this also finishes a teardown
+        that left nodes unclean); ``force=True`` removes it whoever holds it.
+        """
+        return self.get_backend().terminate(name, grace=grace, holder=None if force else holder or "")
 
 
 class SkySSHHook(SkyHook):

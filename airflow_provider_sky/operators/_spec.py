@@ -37,10 +37,27 @@ def mask_spec_secrets(spec: TaskSpec) -> None:
             mask_secret(value)
 
 
+#: hex digits of the (dag id, run id) hash in a default cluster name: 48 bits, no birthday collision in practice
+_NAME_HASH_LEN = 12
+#: longest slug so ``sky-<slug>-<hash>`` fits a DNS-1123 label (63 characters, Kubernetes' limit)
+_NAME_SLUG_LEN = 63 - len("sky-") - 1 - _NAME_HASH_LEN
+
+
 def default_cluster_name(dag_id: str, run_id: str) -> str:
-    """One cluster per DAG run unless the user names one: readable, unique, a valid node path part."""
-    slug = re.sub(r"[^a-z0-9-]+", "-", dag_id.lower()).strip("-")[:40] or "dag"
-    return f"sky-{slug}-{hashlib.sha256(run_id.encode()).hexdigest()[:8]}"
+    """One cluster per DAG run unless the user names one: ``sky-<dag slug>-<hash>``.
+
+    The hash covers the full DAG id and the run id, because slugs collide (``a_B`` / ``a-b``, ids cut
+    short) and scheduled runs of different DAGs share run ids. The name is a DNS-1123 label (lowercase
+    letters, digits and '-', at most 63 characters, starting with a letter), valid on every backend.
+    """
+    digest = hashlib.sha256(f"{dag_id}\0{run_id}".encode()).hexdigest()[:_NAME_HASH_LEN]
+    slug = re.sub(r"[^a-z0-9]+", "-", dag_id.lower()).strip("-")[:_NAME_SLUG_LEN].rstrip("-") or "dag"
+    return f"sky-{slug}-{digest}"
+
+
+def run_holder(context: Mapping[str, Any]) -> str:
+    """The lease holder id of the running DAG run (``<dag_id>/<run_id>``): what a shared cluster names."""
+    return f"{context['dag'].dag_id}/{context['run_id']}"
 
 
 CLUSTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")

@@ -15,7 +15,9 @@ from airflow_provider_sky.operators._spec import (
     check_cluster_name,
     pop_spec_fields,
     resolve_cluster_name,
+    run_holder,
 )
+from airflow_provider_sky.operators.down import log_teardown, unclean_message
 
 
 class SkyClusterOperator(SkySpecMixin, BaseOperator):
@@ -29,10 +31,14 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
     :param task_config: the same fields as a dict (instead of ``task_yaml``).
     :param num_nodes, run, setup, envs, secrets, resources, workdir, file_mounts, name: any field of
         the task given as a keyword argument; it overrides the YAML's (or dict's) value.
-    :param cluster_name: defaults to one cluster per DAG run (``sky-<dag>-<hash of run id>``).
+    :param cluster_name: defaults to one cluster per DAG run (``sky-<dag>-<hash of dag id and run id>``).
     :param sky_conn_id: a ``sky_local`` / ``sky_ssh`` connection; the default falls back to the local backend.
     :param down_on_failure: tear the cluster down when this task fails or is killed. Airflow skips a
         teardown task whose setup task failed, so without this a failed setup would leak the nodes.
+    :param lease: hold a lease on the cluster for this DAG run (``<dag_id>/<run_id>``), released by the
+        run's down task: while it is held, another run's teardown of the same ``cluster_name`` keeps the
+        cluster. Set False when no down task of this run will release it (``sky_gang(down=False)``), so
+        a later run's teardown can remove the cluster.
     """
 
     template_fields: Sequence[str] = ("task_yaml", "task_config", "spec_overrides", "cluster_name")
@@ -48,6 +54,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         poll_interval: float = 0.5,
         grace: float = 3.0,
         down_on_failure: bool = True,
+        lease: bool = True,
         **kwargs: Any,
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
@@ -60,7 +67,9 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         self.poll_interval = poll_interval
         self.grace = grace
         self.down_on_failure = down_on_failure
+        self.lease = lease
         self._provisioning: str | None = None
+        self._holder: str = ""
 
     def _down_after_failure(self, name: str) -> None:
         if not self.down_on_failure:
@@ -68,9 +77,13 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
             return
         self.log.info("Tearing down cluster %s after the failure, so no node leaks", name)
         try:
-            SkyHook(self.sky_conn_id).teardown(name, grace=self.grace)
+            result = SkyHook(self.sky_conn_id).teardown(name, grace=self.grace, holder=self._holder)
         except Exception:
             self.log.exception("Teardown of cluster %s failed", name)
+            return
+        log_teardown(self.log, name, result)
+        if result.unclean:
+            self.log.error("%s", unclean_message(name, result, self.sky_conn_id))
 
     def on_kill(self) -> None:
         if self._provisioning:
@@ -79,6 +92,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
     def execute(self, context: Any) -> dict[str, Any]:
         spec = self.rendered_spec()
         name = resolve_cluster_name(self.cluster_name, context)
+        self._holder = run_holder(context)
         hook = SkyHook(self.sky_conn_id)
         hook.check(spec)
         self.log.info(
@@ -97,7 +111,8 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
             self._provisioning = None
 
     def _provision_and_setup(self, hook: SkyHook, name: str, spec: Any, context: Any) -> dict[str, Any]:
-        handle = hook.provision(name, spec)  # a backend cleans up its own half-made cluster
+        # a backend cleans up its own half-made cluster; the lease keeps other runs' teardowns off it
+        handle = hook.provision(name, spec, holder=self._holder if self.lease else None)
         self._provisioning = name
         hook.sync_files(handle, spec)
         for rank, node in enumerate(handle.nodes):
