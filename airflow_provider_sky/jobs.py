@@ -136,13 +136,12 @@ class GangClient:
     def guard(self, rank: int, orphan_timeout: float, idle_down: float) -> runtime.Guard:
         """The node-side guards of one rank's launch: one keeper per machine, armed with our clock."""
         roots: list[str] | None = None
-        if getattr(self.backend, "shared_machine", False):  # every node on one machine: one keeper
+        if self.backend.shared_machine:  # every node on one machine: one keeper
             roots = [n.root for n in self.handle.nodes] if rank == 0 else []
-        paths = getattr(self.backend, "idle_down_paths", None)
         return runtime.Guard(
             orphan_timeout=int(math.ceil(orphan_timeout)) if orphan_timeout else 0,
             idle_down=int(math.ceil(idle_down)) if idle_down else 0,
-            idle_rm=tuple(paths(self.handle, rank)) if paths and idle_down else (),
+            idle_rm=tuple(self.backend.idle_down_paths(self.handle, rank)) if idle_down else (),
             keeper_roots=roots,
             keeper_tick=max(0.2, min(5.0, min(t for t in (orphan_timeout, idle_down, 50.0) if t) / 10)),
             now=time.time(),
@@ -274,12 +273,28 @@ class GangClient:
         return run_sync(self.apoll(job_id, offsets, max_log))
 
     async def aread_log(self, job_id: str, rank: int, offset: int, nbytes: int) -> bytes:
-        """Read ``nbytes`` of a rank's log from ``offset`` (a late subscriber filling its gap)."""
-        poll = await self.apoll(job_id, {rank: offset}, max_log=nbytes, ranks=[rank])
-        return poll.chunks.get(rank, (offset, b""))[1]
+        """Up to ``nbytes`` of a rank's log from ``offset``, and never more than 4 MiB: read in a loop.
+
+        A direct call, not :meth:`apoll`: a read made while the shared poll asks the same node would
+        count as a hung status call there and come back empty (the rest of a log lost). The cap
+        keeps any reader's memory bounded whatever a rank printed. Raises :class:`RunnerError`.
+        """
+        node = self.node_of(rank)
+        n = max(0, min(int(nbytes), 16 * DEFAULT_LOG_CHUNK))
+        args = runtime.status_args(node.root, [(job_id, rank, offset, n)])
+        res = await self.runner(node).arun_script(runtime.STATUS_SCRIPT, args, timeout=60)
+        if res.returncode != 0:
+            raise RunnerError(node.ip, f"reading the log of rank {rank} failed: {res.error_text}")
+        try:
+            found = runtime.parse_status(res.stdout, {(job_id, rank): offset})
+        except ValueError as exc:
+            raise RunnerError(node.ip, f"unreadable log read of rank {rank}: {exc}") from exc
+        return next((raw.log_chunk[:n] for raw in found if raw.rank == rank), b"")
 
     async def alog_tail(self, job_id: str, rank: int, size: int, nbytes: int = 2048) -> str:
-        data = await self.aread_log(job_id, rank, max(0, size - nbytes), nbytes)
+        """The last ``nbytes`` (at most) of a rank's log of ``size`` bytes, as text."""
+        start = max(0, size - nbytes)
+        data = await self.aread_log(job_id, rank, start, size - start)
         return data.decode("utf-8", "replace")
 
     # -- cancel ---------------------------------------------------------------------------------

@@ -182,3 +182,29 @@ def test_teardown_stops_the_keeper(sky_home: Path) -> None:
     assert _wait_for(lambda: len(keepers()) == 1), "one keeper for the machine's nodes"
     b.terminate("c")
     assert _wait_for(lambda: not keepers(), 3)
+
+
+def test_an_idle_cluster_goes_down_by_itself(sky_home: Path) -> None:
+    """``idle_down`` (SkyPilot's autodown): a cluster kept after its run is removed once idle."""
+    b, client, spec = _gang(sky_home, 2, "setsid sleep 10000 & sleep 1")
+    client.launch(spec, "job", idle_down=2)
+    poll = _wait_done(client)
+    assert poll.status.succeeded and b.find("c") is not None
+    time.sleep(1)
+    assert b.find("c") is not None, "went down before idle_down"
+    assert _wait_for(lambda: b.find("c") is None, 15), "the idle cluster is still there"
+    assert not (sky_home / "local" / "c").exists()
+    assert not _alive(_marked(str(sky_home)))
+    # the address block is free again: a new cluster of that name starts afresh
+    spec2 = task_from_args(num_nodes=2, run="true")
+    assert b.provision("c", spec2).name == "c"
+    b.terminate("c")
+
+
+def test_a_running_job_keeps_an_idle_down_cluster(sky_home: Path) -> None:
+    b, client, spec = _gang(sky_home, 1, "sleep 5")
+    client.launch(spec, "job", idle_down=1, orphan_timeout=0)
+    time.sleep(3.5)
+    assert b.find("c") is not None
+    assert client.poll("job", max_log=0).status.ranks[0].state == "running"
+    b.terminate("c")

@@ -103,6 +103,13 @@ class Backend(ABC):
     capabilities: BackendCapabilities
     #: seconds a provision waits for a teardown of the same cluster name to end before it gives up
     busy_wait: float = 120.0
+    #: every node is on this one machine: one node-side keeper guards them all
+    shared_machine: bool = False
+
+    def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
+        """What a node removes besides its runtime directory when the cluster goes down idle (``idle_down``):
+        the cluster record, on the node that keeps it."""
+        return []
 
     @abstractmethod
     def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:

@@ -164,6 +164,12 @@ class LocalBackend(Backend):
         self._store(name, new_record(handle, holder))
         return handle
 
+    shared_machine = True
+
+    def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
+        """The cluster's directory and record (the keeper of this machine removes them)."""
+        return [str(handle.extra.get("dir", self.base / handle.name)), str(self._record(handle.name))]
+
     def find(self, name: str) -> ClusterHandle | None:
         return self._read(name)
 

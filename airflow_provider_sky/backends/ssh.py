@@ -320,6 +320,10 @@ class SSHBackend(Backend):
         text = res.text.rstrip("\n")
         return text if text.strip() else None
 
+    def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
+        """The cluster record, kept on the head (rank 0's node)."""
+        return [f"{handle.nodes[0].home}/{self._record_path(handle.name)}"] if rank == 0 else []
+
     def find(self, name: str) -> ClusterHandle | None:
         text = self._read_record(name)
         return ClusterHandle.from_dict(json.loads(text)) if text is not None else None
