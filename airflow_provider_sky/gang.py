@@ -207,7 +207,12 @@ class GangStatus:
         return min(bad, key=lambda r: (r.end if r.end is not None else math.inf, r.rank))
 
     def failure_message(self) -> str:
-        """One line naming the root cause in plain words, then what happened to the others."""
+        """One line naming the root cause in plain words, then what happened to the others.
+
+        Once the gang's cancel is requested, a rank not yet over counts as cancelled: the failing
+        rank's own message is built at the poll that saw the failure, before the siblings ended,
+        and must tell the same story as theirs.
+        """
         cause = self.root_cause()
         if cause is None:
             return ""
@@ -217,12 +222,15 @@ class GangStatus:
             head = f"rank {cause.rank} ({cause.ip}) exited with code {cause.exit_code}"
             if cause.reason != f"exited with code {cause.exit_code}":
                 head += f": {cause.reason}"
-        others = [r for r in self.ranks if r.rank != cause.rank]
+        states = {
+            r.rank: CANCELLED if self.cancel_requested and not r.terminal else r.state for r in self.ranks
+        }
         groups: dict[str, list[int]] = {}
-        for r in others:
-            groups.setdefault(r.state, []).append(r.rank)
+        for r in self.ranks:
+            if r.rank != cause.rank:
+                groups.setdefault(states[r.rank], []).append(r.rank)
         tail = "; ".join(f"{_ranks_text(v)} {k}" for k, v in sorted(groups.items()))
-        codes = [r.exit_code if r.state != CANCELLED else "cancelled" for r in self.ranks]
+        codes = [r.exit_code if states[r.rank] != CANCELLED else "cancelled" for r in self.ranks]
         msg = f"Job {self.job_id} failed: {head}"
         if tail:
             msg += f"; {tail}"

@@ -161,40 +161,74 @@ class SkyHook(BaseHook):
         poll_interval: float = 0.5,
         grace: float = 3.0,
     ) -> None:
-        """Setup on every node at once; the first failure stops the rest and raises :class:`SetupFailed`."""
+        """Setup on every node at once; the first failure stops the rest and raises :class:`SetupFailed`.
+
+        Every node's setup log is read to its end (in bounded chunks) before this returns or raises,
+        so no line is lost and a failure quotes the real last lines of the failed nodes' logs.
+        """
+        from collections import deque
+
+        from airflow_provider_sky.gang import BAD, CANCELLED, GangStatus
+        from airflow_provider_sky.jobs import MonitorState
+        from airflow_provider_sky.logtext import READ_CHUNK, TAIL_LINES, LineSplitter, tail_text
+        from airflow_provider_sky.runners.base import RunnerError
+
         if not spec.setup:
             return
         client = self.client(handle)
-        tails: dict[int, list[str]] = {}
+        secrets = [v for v in spec.secrets.values() if v]
+        splitters: dict[int, LineSplitter] = {}
+        tails: dict[int, deque[str]] = {}
 
-        async def go() -> Any:
+        def show(rank: int, data: bytes | None) -> None:
+            """Log ``data``'s complete lines (a line split across reads is joined); None: the log ended."""
+            lines = splitters.setdefault(rank, LineSplitter(mask=spec.redacted, secrets=secrets))
+            tail = tails.setdefault(rank, deque(maxlen=TAIL_LINES))
+            for line in lines.flush() if data is None else lines.feed(data):
+                on_log(rank, line)
+                tail.append(line)
+
+        async def go() -> GangStatus:
             await client.alaunch(spec, job_id, stage="setup")
+            state = MonitorState()
             last = None
-            async for poll in watch(client, job_id, poll_interval=poll_interval, grace=grace):
+            async for poll in watch(client, job_id, poll_interval=poll_interval, grace=grace, state=state):
                 for rank, (_, data) in sorted(poll.chunks.items()):
-                    for line in data.decode("utf-8", "replace").splitlines():
-                        on_log(rank, spec.redacted(line))
-                        tails.setdefault(rank, []).append(spec.redacted(line))
-                        del tails[rank][:-20]
+                    show(rank, data)
                 last = poll
-            return last
+            assert last is not None
+            # a poll reads at most one chunk per node: what the nodes printed since is still unread
+            for st in last.status.ranks:
+                offset = state.offsets.get(st.rank, 0)
+                while offset < st.log_size:
+                    try:
+                        data = await client.aread_log(
+                            job_id, st.rank, offset, min(READ_CHUNK, st.log_size - offset)
+                        )
+                    except RunnerError as exc:
+                        on_log(st.rank, f"(the rest of this setup log could not be read: {exc})")
+                        break
+                    if not data:
+                        break
+                    show(st.rank, data)
+                    offset += len(data)
+                show(st.rank, None)
+            return last.status
 
         try:
-            last = run_sync(go())
+            status = run_sync(go())
         finally:
             client.close()
-        status = last.status
         if status.failed:
-            bad = [r for r in status.ranks if r.state in ("failed", "lost")]
+            bad = [r for r in status.ranks if r.state in BAD]
             parts = [f"rank {r.rank} ({r.ip}) exit code {r.exit_code}: {r.reason}" for r in bad]
-            stopped = [r.rank for r in status.ranks if r.state == "cancelled"]
+            stopped = [r.rank for r in status.ranks if r.state == CANCELLED]
             msg = "setup failed (FAILED_SETUP). Failed workers: " + "; ".join(parts)
             if stopped:
                 msg += f". Setup stopped on ranks {stopped}"
             for r in bad:
-                msg += f"\n--- last lines of rank {r.rank}'s setup log ---\n" + "\n".join(
-                    tails.get(r.rank, [])
-                )
+                msg += f"\n--- last lines of rank {r.rank}'s setup log ---\n"
+                msg += tail_text(tails.get(r.rank, ()))
             raise SetupFailed(msg)
 
     def teardown(

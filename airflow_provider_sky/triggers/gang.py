@@ -20,6 +20,7 @@ from airflow_provider_sky.gang import BAD, CANCELLED, SUCCEEDED, GangStatus
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import GangClient, Poll, watch
 from airflow_provider_sky.logtext import READ_CHUNK, LineSplitter
+from airflow_provider_sky.runners.base import RunnerError
 
 
 def _mask(text: str, secrets: list[str]) -> str:
@@ -31,15 +32,16 @@ def _mask(text: str, secrets: list[str]) -> str:
 
 def _splitter(client: GangClient) -> LineSplitter:
     """Lines of a rank's output, masked with the values the client was told to mask (if any)."""
-    secrets: list[str] = list(getattr(client, "secret_values", None) or [])
+    secrets: list[str] = [v for v in getattr(client, "secret_values", None) or [] if v]
+    if not secrets:
+        return LineSplitter()
     return LineSplitter(mask=lambda text: _mask(text, secrets), secrets=secrets)
 
 
 def _cancel_text(status: GangStatus) -> str:
-    return (
-        status.failure_message()
-        or f"Job {status.job_id} was cancelled from Airflow (a rank task was marked failed or cleared)"
-    )
+    """Why a gang with no failed rank was cancelled: whoever cancelled it said why (``on_kill``)."""
+    reason = status.cancel_reason or "a task watching it was marked failed or cleared by a user"
+    return status.failure_message() or f"Job {status.job_id} was cancelled from Airflow: {reason}"
 
 
 class _SkyGangWatchTrigger(BaseEventTrigger):
@@ -124,12 +126,23 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
                 yield event
                 return
 
+    def _task_label(self, ti: Any) -> str:
+        return f"task {ti.task_id}" if ti is not None else "a task watching the gang"
+
+    def user_action(self) -> str:
+        """The cancel reason every rank shows: which task a user acted on (the triggerer tells us)."""
+        ti = self.task_instance
+        where = f" of DAG {ti.dag_id}, run {ti.run_id}," if ti is not None else ""
+        # Airflow calls on_kill for a mark-failed, a mark-success or a clear, and does not say which
+        return f"{self._task_label(ti)}{where} was marked failed, marked success or cleared by a user"
+
     async def on_kill(self) -> None:
-        """A user marked the deferred task failed / cleared it: cancel the whole gang."""
-        self.log.info("Task acted on by a user: cancelling every rank of job %s", self.job_id)
+        """A user marked the deferred task failed / cleared it: cancel the whole gang, saying who."""
+        reason = self.user_action()
+        self.log.info("Task acted on by a user: cancelling every rank of job %s (%s)", self.job_id, reason)
         client = await SkyHook(self.sky_conn_id).aclient(self.cluster)
         try:
-            await client.acancel(self.job_id, grace=self.grace)
+            await client.acancel(self.job_id, grace=self.grace, reason=reason)
         finally:
             client.close()
 
@@ -146,6 +159,13 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
         kwargs = {**self._common_kwargs(), "rank": self.rank, "log_offset": self.log_offset}
         return f"{type(self).__module__}.{type(self).__qualname__}", kwargs
 
+    def _task_label(self, ti: Any) -> str:
+        if ti is None:
+            return f"the task watching rank {self.rank}"
+        map_index = getattr(ti, "map_index", -1)
+        extra = "" if map_index in (-1, self.rank, None) else f", map index {map_index}"
+        return f"rank task {ti.task_id} [rank {self.rank}{extra}]"
+
     def _log_lines(self, lines: list[str]) -> None:
         for line in lines:
             self.log.info("%s", line)
@@ -157,7 +177,11 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
         watcher past 1 GB); chunks keep the memory bounded whatever the rank printed.
         """
         while offset < end:
-            data = await client.aread_log(self.job_id, self.rank, offset, min(READ_CHUNK, end - offset))
+            try:
+                data = await client.aread_log(self.job_id, self.rank, offset, min(READ_CHUNK, end - offset))
+            except RunnerError as exc:
+                self.log.warning("Could not read rank %s's output past byte %s: %s", self.rank, offset, exc)
+                break
             if not data:
                 break
             self._log_lines(lines.feed(data))
@@ -216,6 +240,9 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
 
 class SkyGangTrigger(_SkyGangWatchTrigger):
     """Fires on the gang's first failure (after siblings were cancelled) or when every rank succeeded."""
+
+    def _task_label(self, ti: Any) -> str:
+        return f"gang sensor task {ti.task_id}" if ti is not None else "the gang sensor task"
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return f"{type(self).__module__}.{type(self).__qualname__}", self._common_kwargs()

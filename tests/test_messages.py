@@ -1,0 +1,119 @@
+"""What the rank tasks say, on real local ranks: one picture of a failure, and who cancelled a gang."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+from typing import Any
+
+from airflow.executors.workloads import TaskInstance
+from airflow.triggers.shared_stream import SharedStreamManager
+
+from airflow_provider_sky.backends.local import LocalBackend
+from airflow_provider_sky.jobs import GangClient
+from airflow_provider_sky.spec import task_from_args
+from airflow_provider_sky.triggers.gang import SkyGangTrigger, SkyRankTrigger
+
+
+def _start(sky_home: Path, n: int, run: str) -> tuple[LocalBackend, dict[str, Any]]:
+    b = LocalBackend(sky_home)
+    spec = task_from_args(num_nodes=n, run=run)
+    handle = b.provision("c", spec)
+    GangClient(b, handle).launch(spec, "job")
+    return b, handle.to_dict()
+
+
+def _kw(handle: dict[str, Any]) -> dict[str, Any]:
+    return {"cluster": handle, "job_id": "job", "sky_conn_id": None, "poll_interval": 0.2, "grace": 1.0}
+
+
+async def _subscribe(manager: SharedStreamManager, i: int, trig: Any) -> dict[str, Any]:
+    """One trigger, subscribed the way Airflow's triggerer does it; its first event."""
+    key = trig.shared_stream_key()
+    stream = manager.subscribe(trigger_id=i, trigger=trig, key=key)
+    try:
+        async for event in trig.filter_shared_stream(stream):
+            return dict(event.payload)
+        raise AssertionError("no event")
+    finally:
+        await manager.unsubscribe(i, key)
+
+
+def test_every_rank_task_tells_the_same_failure(sky_home: Path) -> None:
+    """The failing rank's own message lists its siblings as cancelled, like theirs (not running / None)."""
+    b, handle = _start(
+        sky_home, 4, 'if [ "$SKYPILOT_NODE_RANK" = 2 ]; then sleep 0.5; exit 1; fi; sleep 10000'
+    )
+    ip2 = handle["nodes"][2]["ip"]
+    triggers: list[Any] = [SkyRankTrigger(rank=r, **_kw(handle)) for r in range(4)]
+    triggers.append(SkyGangTrigger(**_kw(handle)))
+
+    async def run() -> list[dict[str, Any]]:
+        manager = SharedStreamManager()
+        return await asyncio.gather(*(_subscribe(manager, i, t) for i, t in enumerate(triggers)))
+
+    events = asyncio.run(run())
+    assert [e["state"] for e in events] == ["cancelled", "cancelled", "failed", "cancelled", "failed"]
+    picture = (
+        f"Job job failed: rank 2 ({ip2}) exited with code 1; ranks 0, 1, 3 cancelled. "
+        "Return code list: ['cancelled', 'cancelled', 1, 'cancelled']"
+    )
+    for e in events:
+        assert picture in e["message"], e["message"]
+    assert events[2]["message"] == picture
+    b.terminate("c")
+
+
+def _marked(sky_home: Path, ti: TaskInstance | None) -> list[dict[str, Any]]:
+    """Three ranks run; a user acts on rank 1's deferred task: its trigger's on_kill, then it is removed."""
+    b, handle = _start(sky_home, 3, "sleep 10000")
+    triggers: list[Any] = [SkyRankTrigger(rank=r, **_kw(handle)) for r in range(3)]
+    triggers.append(SkyGangTrigger(**_kw(handle)))
+    if ti is not None:
+        triggers[1].task_instance = ti  # what the triggerer sets on a trigger it runs for a task
+
+    async def run() -> list[dict[str, Any]]:
+        manager = SharedStreamManager()
+        watchers = {i: asyncio.ensure_future(_subscribe(manager, i, t)) for i, t in enumerate(triggers)}
+        await asyncio.sleep(1.0)  # every trigger is watching
+        watchers.pop(1).cancel()  # the triggerer cancels the marked task's trigger, then calls on_kill
+        await triggers[1].on_kill()
+        return [await w for w in watchers.values()]
+
+    events = asyncio.run(run())
+    b.terminate("c")
+    return events
+
+
+def test_a_mark_failed_cancel_names_the_task_and_the_user(sky_home: Path) -> None:
+    ti = TaskInstance(
+        id=uuid.uuid4(),
+        dag_version_id=uuid.uuid4(),
+        dag_id="train",
+        task_id="gang.rank",
+        run_id="manual__2026-12-03T05:00:00+00:00",
+        try_number=1,
+        map_index=1,
+        pool_slots=1,
+        priority_weight=1,
+    )
+    events = _marked(sky_home, ti)
+    who = (
+        "rank task gang.rank [rank 1] of DAG train, run manual__2026-12-03T05:00:00+00:00, "
+        "was marked failed, marked success or cleared by a user"
+    )
+    assert [e["state"] for e in events] == ["cancelled", "cancelled", "cancelled"]
+    for e in events:
+        assert f"Job job was cancelled from Airflow: {who}" in e["message"], e["message"]
+    assert events[0]["message"].startswith("rank 0 (")
+    assert events[0]["reason"] == f"cancelled: {who}"
+
+
+def test_a_cancel_by_a_trigger_without_its_task_still_says_a_user_did_it(sky_home: Path) -> None:
+    events = _marked(sky_home, None)
+    for e in events:
+        assert (
+            "Job job was cancelled from Airflow: the task watching rank 1 was marked failed, "
+            "marked success or cleared by a user" in e["message"]
+        ), e["message"]
