@@ -7,7 +7,7 @@ reads more than ``READ_CHUNK`` bytes at once, whatever comes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 #: a line longer than this many bytes is shown in pieces; every piece but the last ends with LINE_MARKER
 LINE_LIMIT = 64 * 1024
@@ -56,8 +56,16 @@ class LineSplitter:
         self._margin = max((len(s) for s in self._secrets), default=0)
         self._pending = bytearray()
 
-    def feed(self, data: bytes) -> list[str]:
-        """The lines ``data`` completes (and pieces of over-long ones); the rest waits for more."""
+    def feed(self, data: bytes) -> Iterator[str]:
+        """The lines ``data`` completes (and pieces of over-long ones); the rest waits for more.
+
+        Lazily, one ``limit``-sized slice of ``data`` at a time, so a read of many short lines never
+        becomes one list of them all; consume it all before the next call.
+        """
+        for start in range(0, len(data), self.limit):
+            yield from self._feed(data[start : start + self.limit])
+
+    def _feed(self, data: bytes) -> list[str]:
         out: list[str] = []
         parts = data.split(b"\n")
         last = len(parts) - 1

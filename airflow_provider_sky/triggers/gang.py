@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncGenerator, AsyncIterator, Hashable, Iterable
 from typing import Any
 
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
@@ -22,11 +22,13 @@ from airflow_provider_sky.jobs import GangClient, Poll, watch
 from airflow_provider_sky.logtext import READ_CHUNK, LineSplitter
 from airflow_provider_sky.runners.base import RunnerError
 
+#: log lines written between two yields to the event loop
+LOG_BATCH = 500
+
 
 def _mask(text: str, secrets: list[str]) -> str:
     for value in secrets:
-        if value:
-            text = text.replace(value, "***")
+        text = text.replace(value, "***")
     return text
 
 
@@ -42,6 +44,47 @@ def _cancel_text(status: GangStatus) -> str:
     """Why a gang with no failed rank was cancelled: whoever cancelled it said why (``on_kill``)."""
     reason = status.cancel_reason or "a task watching it was marked failed or cleared by a user"
     return status.failure_message() or f"Job {status.job_id} was cancelled from Airflow: {reason}"
+
+
+async def _newest(stream: AsyncIterator[Any]) -> AsyncGenerator[Any, None]:
+    """``stream``, read by a task of its own that keeps only the newest item: older ones are dropped.
+
+    The triggerer queues every poll for a subscriber that is busy (logging a long output, reading
+    the rest of an ended rank), and each poll holds up to a chunk of every rank's log: a slow rank
+    trigger would come to hold its rank's whole output (and fail once 1024 polls wait). Dropping
+    a poll loses nothing: the rank trigger reads any gap in its rank's log itself.
+    """
+    newest: list[Any] = []
+    ended: list[BaseException | None] = []
+    ready = asyncio.Event()
+
+    async def pump() -> None:
+        try:
+            async for item in stream:
+                newest[:] = [item]
+                ready.set()
+            ended.append(None)
+        except Exception as exc:  # the shared poll failed: the subscriber sees it next
+            ended.append(exc)
+        finally:
+            ready.set()
+
+    task = asyncio.ensure_future(pump())
+    try:
+        while True:
+            if not newest and not ended:
+                ready.clear()
+                await ready.wait()
+            if newest:
+                yield newest.pop()
+            elif ended[0] is not None:
+                raise ended[0]
+            else:
+                return
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 class _SkyGangWatchTrigger(BaseEventTrigger):
@@ -122,9 +165,13 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         """Standalone path (``dag.test()``, or a triggerer without shared streams): the same code."""
         _, kwargs = self.serialize()
         async with contextlib.aclosing(type(self).open_shared_stream(kwargs)) as stream:  # type: ignore[type-var]
-            async for event in self.filter_shared_stream(stream):
+            async for event in self._watch(stream):
                 yield event
                 return
+
+    def _watch(self, polls: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
+        """The trigger's events from a stream of polls (its own poll's, or the triggerer's shared one)."""
+        return self.filter_shared_stream(polls)
 
     def _task_label(self, ti: Any) -> str:
         return f"task {ti.task_id}" if ti is not None else "a task watching the gang"
@@ -166,9 +213,16 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
         extra = "" if map_index in (-1, self.rank, None) else f", map index {map_index}"
         return f"rank task {ti.task_id} [rank {self.rank}{extra}]"
 
-    def _log_lines(self, lines: list[str]) -> None:
-        for line in lines:
+    async def _log_lines(self, lines: Iterable[str]) -> None:
+        """Log each line; every ``LOG_BATCH`` lines let the triggerer's other work run.
+
+        A read of short lines is thousands of log calls: done in one go, they would hold up every
+        other trigger of the triggerer, fail-fast polls included, for a good fraction of a second.
+        """
+        for i, line in enumerate(lines, 1):
             self.log.info("%s", line)
+            if i % LOG_BATCH == 0:
+                await asyncio.sleep(0)
 
     async def _catch_up(self, client: GangClient, lines: LineSplitter, offset: int, end: int) -> int:
         """Log the rank's output from ``offset`` to ``end``, ``READ_CHUNK`` bytes per call.
@@ -184,14 +238,22 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 break
             if not data:
                 break
-            self._log_lines(lines.feed(data))
+            await self._log_lines(lines.feed(data))
             offset += len(data)
         return offset
 
     async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
+        """In the triggerer: polls that came while we were busy logging are dropped, not kept (``_newest``)."""
+        async with contextlib.aclosing(_newest(shared_stream)) as polls:
+            async with contextlib.aclosing(self._watch(polls)) as events:  # type: ignore[type-var]
+                async for event in events:
+                    yield event
+                    return
+
+    async def _watch(self, polls: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
         expected = self.log_offset
         lines: LineSplitter | None = None
-        async for poll, client in shared_stream:
+        async for poll, client in polls:
             assert isinstance(poll, Poll) and isinstance(client, GangClient)
             try:
                 st = poll.status.by_rank(self.rank)
@@ -203,13 +265,13 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
             if expected < off:  # joined late, or the stream read past us: fetch the gap ourselves
                 expected = await self._catch_up(client, lines, expected, off)
             if off <= expected < off + len(data):
-                self._log_lines(lines.feed(data[expected - off :]))
+                await self._log_lines(lines.feed(data[expected - off :]))
                 expected = off + len(data)
             if not st.terminal:
                 continue
             # the rank is over: log the rest of its output, then its unfinished last line
             expected = await self._catch_up(client, lines, expected, st.log_size)
-            self._log_lines(lines.flush())
+            await self._log_lines(lines.flush())
             cause = poll.status.root_cause()
             await self._hold()
             if st.state == SUCCEEDED:
