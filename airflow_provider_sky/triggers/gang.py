@@ -26,20 +26,6 @@ from airflow_provider_sky.runners.base import RunnerError
 LOG_BATCH = 500
 
 
-def _mask(text: str, secrets: list[str]) -> str:
-    for value in secrets:
-        text = text.replace(value, "***")
-    return text
-
-
-def _splitter(client: GangClient) -> LineSplitter:
-    """Lines of a rank's output, masked with the values the client was told to mask (if any)."""
-    secrets: list[str] = [v for v in getattr(client, "secret_values", None) or [] if v]
-    if not secrets:
-        return LineSplitter()
-    return LineSplitter(mask=lambda text: _mask(text, secrets), secrets=secrets)
-
-
 def _cancel_text(status: GangStatus) -> str:
     """Why a gang with no failed rank was cancelled: whoever cancelled it said why (``on_kill``)."""
     reason = status.cancel_reason or "a task watching it was marked failed or cleared by a user"
@@ -176,7 +162,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
     def _task_label(self, ti: Any) -> str:
         return f"task {ti.task_id}" if ti is not None else "a task watching the gang"
 
-    def user_action(self) -> str:
+    def _user_action(self) -> str:
         """The cancel reason every rank shows: which task a user acted on (the triggerer tells us)."""
         ti = self.task_instance
         where = f" of DAG {ti.dag_id}, run {ti.run_id}," if ti is not None else ""
@@ -185,7 +171,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
 
     async def on_kill(self) -> None:
         """A user marked the deferred task failed / cleared it: cancel the whole gang, saying who."""
-        reason = self.user_action()
+        reason = self._user_action()
         self.log.info("Task acted on by a user: cancelling every rank of job %s (%s)", self.job_id, reason)
         client = await SkyHook(self.sky_conn_id).aclient(self.cluster)
         try:
@@ -252,15 +238,13 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
 
     async def _watch(self, polls: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
         expected = self.log_offset
-        lines: LineSplitter | None = None
+        lines = LineSplitter()  # the nodes masked the job's secrets already
         async for poll, client in polls:
             assert isinstance(poll, Poll) and isinstance(client, GangClient)
             try:
                 st = poll.status.by_rank(self.rank)
             except KeyError:
                 continue
-            if lines is None:
-                lines = _splitter(client)
             off, data = poll.chunks.get(self.rank, (st.log_size, b""))
             if expected < off:  # joined late, or the stream read past us: fetch the gap ourselves
                 expected = await self._catch_up(client, lines, expected, off)
