@@ -8,6 +8,7 @@ from typing import Any
 from airflow.sdk import TaskGroup
 
 from airflow_provider_sky.hooks.sky import SkyHook
+from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT
 from airflow_provider_sky.operators.cluster import SkyClusterOperator
 from airflow_provider_sky.operators.down import SkyDownOperator
 from airflow_provider_sky.operators.job import SkyJobOperator
@@ -26,6 +27,7 @@ def sky_gang(
     grace: float = 3.0,
     lost_after: float = 10.0,
     down: bool = True,
+    orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT,
     **spec_fields: Any,
 ) -> TaskGroup:
     """Build the whole gang pattern in a TaskGroup from a SkyPilot YAML, a dict, or the fields.
@@ -34,6 +36,8 @@ def sky_gang(
     file. ``down=False`` keeps the cluster for the next run (reuse by ``cluster_name``) and takes no
     lease on it, so the next run's teardown removes it. With ``down=True`` runs sharing a
     ``cluster_name`` each hold a lease: the last one's teardown removes the cluster.
+    ``orphan_timeout``: the nodes kill a setup or job nothing polled for that many seconds (a lost
+    scheduler, a killed ``dags test``); 0 or None turns it off.
     """
     spec_args: dict[str, Any] = {"task_yaml": task_yaml, "task_config": task_config, **spec_fields}
     watch: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
@@ -43,10 +47,18 @@ def sky_gang(
             cluster_name=cluster_name,
             down_on_failure=down,
             lease=down,  # without a down task nothing would release it
+            orphan_timeout=orphan_timeout,
             **spec_args,
             **watch,
         )
-        job = SkyJobOperator(task_id="job", cluster=cluster.output, sky_conn_id=sky_conn_id, **spec_args)
+        job = SkyJobOperator(
+            task_id="job",
+            cluster=cluster.output,
+            lost_after=lost_after,
+            orphan_timeout=orphan_timeout,
+            **spec_args,
+            **watch,
+        )
         ranks = SkyRankOperator.partial(
             task_id="rank", cluster=cluster.output, lost_after=lost_after, **watch
         ).expand_kwargs(job.output)

@@ -14,7 +14,7 @@ at N = 64 a warm launch (~0.8 s) would leave the triggers almost no time to star
 
 "Fails at once" (figure 1c, :func:`measure_at_once`): the failing rank's first command is ``exit 1``, so it
 ends while the gang is still being started. The gang is started the way Airflow's ``job`` task starts it
-(:func:`job_task`: ``SkyJobOperator.execute``, which calls ``GangClient.launch``), and the triggers only
+(:func:`job_task`: ``SkyJobOperator.execute``, whose launch-side watcher launches it), and the triggers only
 start ``trigger_delay`` seconds after that task ended (default :data:`TRIGGER_DELAY`: the gap between the
 job task's end and the triggers' first poll under the real scheduler), so the figure shows whatever
 watches the gang in between, or that nothing does.
@@ -23,9 +23,11 @@ watches the gang in between, or that nothing does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import random
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -204,11 +206,10 @@ def job_task(handle: Any, n: int, run_id: str, sky_conn_id: str | None) -> str:
 
     ``SkyJobOperator.execute`` (``ResumableJobMixin``: ``submit_job`` → ``GangClient.launch``, then
     ``poll_until_complete`` and ``get_job_result``), with the task instance's ids and an in-memory task
-    state store, inside the task runner's guard (no "called outside of the Task Runner" warning). A
-    launch-side watcher started by the operator or by ``GangClient.launch`` is measured as is.
-    THE ONE LINE TO ADD if the watcher must be started by hand (e.g. a function of
-    ``airflow_provider_sky.bridge``): right after ``run(op.execute, ...)`` below, the way the job task
-    will call it.
+    state store, inside the task runner's guard (no "called outside of the Task Runner" warning).
+    ``submit_job`` starts the launch-side watcher (``airflow_provider_sky.bridge``, a detached process
+    that launches the gang and watches it until the triggers take over), exactly as in a worker: nothing
+    is added by hand. Its pid goes to :data:`BRIDGES`, so a run can check that it ended with the job.
     """
     import contextvars
 
@@ -224,7 +225,26 @@ def job_task(handle: Any, n: int, run_id: str, sky_conn_id: str | None) -> str:
     run = contextvars.copy_context().run  # as the task runner does
     run(ExecutorSafeguard.tracker.set, op)
     ranks = run(op.execute, context)
+    if op.bridge_pid is not None:
+        BRIDGES.append(op.bridge_pid)
     return str(ranks[0]["job_id"])
+
+
+#: pids of the bridges the job tasks of this process started (see :func:`bridge_left`)
+BRIDGES: list[int] = []
+
+
+def bridge_left(pid: int, wait: float = 10.0) -> bool:
+    """True (after SIGKILLing it) when a bridge still runs ``wait`` s after its job ended."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        st = _stat(pid)
+        if st is None or st[0] in ("Z", "X"):
+            return False
+        time.sleep(0.05)
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+    return True
 
 
 class _StateStore:
@@ -430,6 +450,10 @@ def one_run_at_once(
         tracker.stop_flag.set()
         if kill_job_processes(job_id):
             say(f"  (killed leftovers of {job_id})")
+        while BRIDGES:
+            pid = BRIDGES.pop()
+            if bridge_left(pid):
+                say(f"  (the bridge {pid} of {job_id} outlived its job: killed)")
 
 
 def measure_at_once(

@@ -227,7 +227,7 @@ class Bench:
             "1b = same start -> the last of the N rank triggers fired. Triggers use poll_interval p "
             "(0.5 s = the default) and grace 3 s (the default); goal: 1a median < 1 s at N=64, p=0.5. "
             "1c = the failing rank's first command is `exit 1`: gang started by the job task "
-            "(SkyJobOperator.execute -> GangClient.launch), the triggers started "
+            "(SkyJobOperator.execute -> its launch-side watcher, which launches and watches), the triggers started "
             f"{self.plan.trigger_delay:g} s after it ended (--trigger-delay, the job task's end -> first "
             "poll under the real scheduler); its exit -> last sibling gone; goal < 1 s at every N."
         )

@@ -28,7 +28,7 @@ os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
 os.environ["SKY_PROVIDER_HOME"] = str(_SESSION_DIR / "sky")
 
-from leaks import processes_under  # noqa: E402
+from leaks import bridges, processes_under  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -42,16 +42,16 @@ def airflow_db() -> Path:
 
 @pytest.fixture(autouse=True)
 def sky_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """Every test gets its own state dir; afterwards nothing it started may still run."""
+    """Every test gets its own state dir; afterwards nothing it started may still run (bridges included)."""
     state = tmp_path / "sky"
     state.mkdir()
     monkeypatch.setenv("SKY_PROVIDER_HOME", str(state))
     yield state
     deadline = time.time() + 5
-    left = processes_under(state)
+    left = processes_under(state) + bridges(state)
     while left and time.time() < deadline:
         time.sleep(0.1)
-        left = processes_under(state)
+        left = processes_under(state) + bridges(state)
     for pid, _ in left:
         try:
             os.killpg(pid, 9)

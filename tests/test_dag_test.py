@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from leaks import processes_under
+from leaks import bridges, processes_under
+from siblings import LastAlive, matching
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,8 +25,8 @@ def _load(name: str, folder: str = "dags_examples") -> ModuleType:
     return mod
 
 
-def _run(name: str) -> tuple[Any, dict[tuple[str, int], Any]]:
-    dag = _load(name).dag
+def _run(name: str, folder: str = "dags_examples") -> tuple[Any, dict[tuple[str, int], Any]]:
+    dag = _load(name, folder).dag
     dr = dag.test()
     tis = {(ti.task_id.split(".", 1)[1], ti.map_index): ti for ti in dr.get_task_instances()}
     return dr, tis
@@ -55,7 +56,9 @@ def test_sky_hello(sky_home: Path) -> None:
 
 
 def test_sky_fail_fast(sky_home: Path) -> None:
-    dr, tis = _run("sky_fail_fast")
+    marker = f"SKY_PROVIDER_MARK={sky_home}/"
+    with LastAlive(marker, tick=0.01) as siblings:
+        dr, tis = _run("sky_fail_fast")
     assert str(dr.state) == "failed"
     assert _states(tis, "rank") == {0: "failed", 1: "failed", 2: "failed", 3: "failed"}
     assert tis[("gang", -1)].state == "failed"
@@ -63,6 +66,53 @@ def test_sky_fail_fast(sky_home: Path) -> None:
     # fails in seconds, not after the 10000 s sleeps
     assert (dr.end_date - dr.start_date).total_seconds() < 120
     assert not [p for p in processes_under(sky_home) if "sleep" in p[1]]
+    # rank 2 fails 2 s into the run, while a rank trigger (or the bridge) watches: siblings gone < 1 s
+    end2 = float(_xcom(dr, "train.rank", "sky_rank", 2)["end"])
+    gone = (siblings.last_alive or end2) - end2
+    print(f"\ndag.test, rank 2 exits after 2 s: exit -> last sibling gone {gone:.3f}s")
+    assert gone < 1.0, f"a sibling still ran {gone:.2f}s after rank 2 exited"
+    assert not bridges(sky_home)
+
+
+def _xcom(dr: Any, task_id: str, key: str, map_index: int = -1) -> Any:
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        query = XComModel.get_many(
+            run_id=dr.run_id, key=key, task_ids=task_id, dag_ids=dr.dag_id, map_indexes=map_index
+        )
+        row = session.scalars(query).one()
+        return XComModel.deserialize_value(row)
+
+
+def test_a_rank_failing_at_once_is_cancelled_from_the_first_instant(sky_home: Path) -> None:
+    """Issue 8.1, the seed scenario as written: rank 2 exits at once, before any rank task or trigger runs.
+
+    The job task's launch-side watcher (bridge) cancels the siblings; under ``dag.test()`` the rank
+    tasks then only read the outcome.
+    """
+    marker = f"SKY_PROVIDER_MARK={sky_home}/"
+    with LastAlive(marker, tick=0.01) as siblings:
+        dr, tis = _run("sky_test_at_once", folder="tests/dags")
+    assert str(dr.state) == "failed"
+    assert _states(tis, "rank") == {0: "failed", 1: "failed", 2: "failed", 3: "failed"}
+    cause = _xcom(dr, "train.rank", "sky_rank", 2)
+    assert cause["state"] == "failed" and cause["exit_code"] == 1, cause
+    others = [_xcom(dr, "train.rank", "sky_rank", r) for r in (0, 1, 3)]
+    assert [o["state"] for o in others] == ["cancelled"] * 3, others
+    end2 = float(cause["end"])
+    gone = (siblings.last_alive or end2) - end2
+    failed = dr.end_date.timestamp() - end2
+    print(
+        f"\ndag.test, rank 2 exits at once: exit -> last sibling gone {gone:.3f}s "
+        f"({len(siblings.seen)} sibling processes seen), -> run failed {failed:.1f}s"
+    )
+    assert gone < 1.0, f"a sibling still ran {gone:.2f}s after rank 2 exited"
+    assert max(o["end"] for o in others) - end2 < 1.0, others
+    assert not matching(marker)
+    assert not bridges(sky_home), "the launch-side watcher outlived the job"
+    assert tis[("down", -1)].state == "success"
 
 
 def test_sky_segfault(sky_home: Path, capfd: pytest.CaptureFixture[str]) -> None:

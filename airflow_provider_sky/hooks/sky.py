@@ -9,7 +9,7 @@ from typing import Any
 from airflow.sdk import BaseHook
 
 from airflow_provider_sky.backends import Backend, ClusterHandle, Teardown, make_backend
-from airflow_provider_sky.jobs import GangClient, run_sync, watch
+from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, GangClient, run_sync, watch
 from airflow_provider_sky.spec import TaskSpec, check_backend
 
 log = logging.getLogger(__name__)
@@ -160,8 +160,11 @@ class SkyHook(BaseHook):
         on_log: Callable[[int, str], None],
         poll_interval: float = 0.5,
         grace: float = 3.0,
+        orphan_timeout: float = DEFAULT_ORPHAN_TIMEOUT,
     ) -> None:
         """Setup on every node at once; the first failure stops the rest and raises :class:`SetupFailed`.
+
+        ``orphan_timeout``: the nodes kill the setup when nothing polled it for that long (0: never).
 
         Every node's setup log is read to its end (in bounded chunks) before this returns or raises,
         so no line is lost and a failure quotes the real last lines of the failed nodes' logs.
@@ -189,7 +192,7 @@ class SkyHook(BaseHook):
                 tail.append(line)
 
         async def go() -> GangStatus:
-            await client.alaunch(spec, job_id, stage="setup")
+            await client.alaunch(spec, job_id, stage="setup", orphan_timeout=orphan_timeout)
             state = MonitorState()
             last = None
             async for poll in watch(client, job_id, poll_interval=poll_interval, grace=grace, state=state):

@@ -10,6 +10,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_sky.gang import job_id_for
 from airflow_provider_sky.hooks.sky import SetupFailed, SkyHook
+from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT
 from airflow_provider_sky.operators._spec import (
     SkySpecMixin,
     check_cluster_name,
@@ -39,6 +40,8 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         run's down task: while it is held, another run's teardown of the same ``cluster_name`` keeps the
         cluster. Set False when no down task of this run will release it (``sky_gang(down=False)``), so
         a later run's teardown can remove the cluster.
+    :param orphan_timeout: the nodes kill the setup when nothing polled it for that many seconds (this
+        task's worker died); 0 or None turns it off.
     """
 
     template_fields: Sequence[str] = ("task_yaml", "task_config", "spec_overrides", "cluster_name")
@@ -55,6 +58,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         grace: float = 3.0,
         down_on_failure: bool = True,
         lease: bool = True,
+        orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
@@ -68,6 +72,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         self.grace = grace
         self.down_on_failure = down_on_failure
         self.lease = lease
+        self.orphan_timeout = orphan_timeout
         self._provisioning: str | None = None
         self._holder: str = ""
 
@@ -129,6 +134,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
                     on_log=lambda rank, line: self.log.info("(setup rank %s) %s", rank, line),
                     poll_interval=self.poll_interval,
                     grace=self.grace,
+                    orphan_timeout=float(self.orphan_timeout or 0),
                 )
             except SetupFailed as exc:
                 raise AirflowFailException(str(exc)) from exc

@@ -9,10 +9,12 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.bases.resumablejobmixin import ResumableJobMixin
 from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_provider_sky.bridge import Bridge, BridgeError, BridgeRequest, log_path_for, start_bridge
 from airflow_provider_sky.gang import job_id_for
 from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.jobs import LaunchError
+from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, LaunchError, run_sync
 from airflow_provider_sky.operators._spec import SkySpecMixin, pop_spec_fields
+from airflow_provider_sky.spec import TaskSpec
 
 
 class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
@@ -23,8 +25,20 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
     also bounds the start skew. The job id is kept in ``task_state_store``: a worker that dies after
     the launch re-attaches on retry and never starts a rank twice.
 
+    Why a bridge: the rank tasks, whose triggers run the fail-fast, only start once this task ended,
+    so the launch goes through a small detached watcher (:mod:`airflow_provider_sky.bridge`) started
+    first. It watches the gang from the instant the ranks exist until the triggers' shared poll takes
+    over (and again whenever that poll lapses), then exits when the job is over.
+
     :param cluster: the cluster handle (``cluster_task.output``).
     :param task_yaml, task_config, num_nodes, run, ...: the task, as for :class:`SkyClusterOperator`.
+    :param poll_interval, grace, lost_after: how the bridge watches (as the rank tasks' triggers do).
+    :param orphan_timeout: the nodes kill the job when nothing polled it for that many seconds (a lost
+        scheduler, a killed ``dags test``); 0 or None turns it off.
+    :param bridge: start the launch-side watcher (False: launch from this task, nothing watches the
+        gang until the triggers run).
+    :param bridge_timeout: the bridge gives up after this many seconds without any other watcher
+        (default: ``orphan_timeout``, or 300 s when that is off).
     """
 
     template_fields: Sequence[str] = ("task_yaml", "task_config", "spec_overrides", "cluster")
@@ -38,6 +52,12 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         task_yaml: str | None = None,
         task_config: Mapping[str, Any] | None = None,
         sky_conn_id: str | None = SkyHook.default_conn_name,
+        poll_interval: float = 0.5,
+        grace: float = 3.0,
+        lost_after: float = 10.0,
+        orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT,
+        bridge: bool = True,
+        bridge_timeout: float | None = None,
         **kwargs: Any,
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
@@ -45,8 +65,18 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         self._init_spec(task_yaml, task_config, overrides)
         self.cluster = cluster
         self.sky_conn_id = sky_conn_id
+        self.poll_interval = poll_interval
+        self.grace = grace
+        self.lost_after = lost_after
+        self.orphan_timeout = orphan_timeout
+        self.bridge = bridge
+        self.bridge_timeout = bridge_timeout
+        self._launched_here = False
+        #: pid of the bridge this task started (None: none), for tests and benchmarks
+        self.bridge_pid: int | None = None
 
     def execute(self, context: Any) -> list[dict[str, Any]]:
+        self._launched_here = False
         result = self.execute_resumable(context)
         # on a re-attach the mixin returns poll_until_complete()'s value (None): build the ranks here
         return result if result is not None else self.get_job_result(self._job_id, context)
@@ -68,18 +98,66 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
             "Starting %s rank(s) of job %s on cluster %s", spec.num_nodes, job_id, client.handle.name
         )
         try:
-            started = client.launch(spec, job_id)
+            if self.bridge:
+                client.close()  # the bridge launches with its own connections, which it keeps
+                bridge = self._start_bridge(job_id, spec)
+                self.bridge_pid = bridge.pid
+                started = bridge.answer.get("started")
+                self.log.info(
+                    "Started: %s. The launch-side watcher (pid %s) watches the gang until the triggers "
+                    "take over, then exits when the job is over; its log: %s",
+                    started,
+                    bridge.pid,
+                    bridge.log_path,
+                )
+            else:
+                started = client.launch(spec, job_id, orphan_timeout=float(self.orphan_timeout or 0))
+                self.log.info("Started: %s", started)
         except LaunchError as exc:
             raise AirflowFailException(f"gang start failed, no rank left running: {exc}") from exc
+        except BridgeError:
+            self.log.error("The launch-side watcher gave no answer: cancelling whatever it started")
+            client.cancel(job_id, grace=1.0, reason="the gang start failed")
+            raise
         finally:
             client.close()
-        self.log.info("Started: %s", started)
+        self._launched_here = True
         return job_id
+
+    def _bridge_request(self, job_id: str, spec: TaskSpec | None) -> tuple[BridgeRequest, str | None]:
+        """What the bridge needs (the connection's config included: it travels on the bridge's stdin)."""
+        kind, config = self._hook().backend_config()
+        state_dir: str | None = None
+        if kind == "local":
+            from airflow_provider_sky.backends.local import default_state_dir
+
+            state_dir = str(config.get("state_dir") or default_state_dir())
+            config = {**config, "state_dir": state_dir}
+        orphan = float(self.orphan_timeout or 0)
+        timeout = self.bridge_timeout if self.bridge_timeout is not None else orphan or DEFAULT_ORPHAN_TIMEOUT
+        req = BridgeRequest(
+            backend=kind,
+            config=config,
+            cluster=dict(self.cluster),
+            job_id=job_id,
+            spec=spec.to_dict(include_secrets=True) if spec is not None else None,
+            orphan_timeout=orphan,
+            poll_interval=float(self.poll_interval),
+            grace=float(self.grace),
+            lost_after=float(self.lost_after),
+            bridge_timeout=float(timeout),
+        )
+        return req, state_dir
+
+    def _start_bridge(self, job_id: str, spec: TaskSpec | None) -> Bridge:
+        """Start the bridge: it launches the gang when given ``spec``, else it only watches."""
+        req, state_dir = self._bridge_request(job_id, spec)
+        return start_bridge(req, log_path=log_path_for(state_dir, job_id))
 
     def get_job_status(self, external_id: Any, context: Any) -> str:
         client = self._hook().client(self.cluster)
-        try:
-            status = client.poll(str(external_id), max_log=0).status
+        try:  # a one-off look: it must not count as a watcher on the nodes (mark=False)
+            status = run_sync(client.apoll(str(external_id), max_log=0, mark=False)).status
         finally:
             client.close()
         if status.succeeded:
@@ -95,8 +173,23 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         return status == "succeeded"
 
     def poll_until_complete(self, external_id: Any, context: Any) -> None:
-        """Nothing to wait for here: the rank tasks and the gang sensor watch the job."""
+        """Nothing to wait for here: the rank tasks and the gang sensor watch the job.
+
+        On a re-attach (a retry after the worker died) a bridge is started to watch the job until the
+        triggers take over; if the first attempt's bridge still runs, the new one leaves at once.
+        """
         self._job_id = str(external_id)
+        if self.bridge and not self._launched_here:
+            try:
+                bridge = self._start_bridge(self._job_id, None)
+            except (BridgeError, LaunchError) as exc:
+                self.log.warning("No launch-side watcher for job %s: %s", self._job_id, exc)
+            else:
+                if bridge.answer.get("watching"):
+                    self.bridge_pid = bridge.pid
+                    self.log.info("The launch-side watcher (pid %s) watches job %s", bridge.pid, self._job_id)
+                else:
+                    self.log.info("Job %s is already watched by a launch-side watcher", self._job_id)
 
     def get_job_result(self, external_id: Any, context: Any) -> list[dict[str, Any]]:
         handle = self.cluster

@@ -79,8 +79,8 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
 
     def _already_over(self) -> bool:
         client = SkyHook(self.sky_conn_id).client(self.cluster)
-        try:
-            status = client.poll(str(self.job_id), max_log=0).status
+        try:  # a one-off look, not a watcher: it leaves no mark (the bridge keeps watching)
+            status = run_sync(client.apoll(str(self.job_id), max_log=0, mark=False)).status
         finally:
             client.close()
         try:
