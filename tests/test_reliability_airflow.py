@@ -659,7 +659,7 @@ def test_rank_failing_at_once_is_cancelled_from_the_first_instant(rel: Rel, case
     It fails while the job task is still starting the gang, seconds before any trigger polls. The job
     task's launch-side watcher (bridge) must kill the siblings within a second (measured in /proc every
     10 ms from rank 2's own exit timestamp). The run's end is printed with every task's start and end:
-    the goal is < 10 s, met when Airflow notices each task's end at once (9.1 s here); Airflow 3.3's
+    the goal is < 10 s (3.4 s on an idle 2-CPU machine, 9-17 s with its CPUs saturated); Airflow 3.3's
     task supervisor sometimes notices a task process's exit only at its next 5 s heartbeat (and tasks
     start slowly on a loaded machine), which no provider code can shorten, so the run's end is only
     bounded loosely here.
