@@ -11,7 +11,7 @@ import concurrent.futures
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -27,6 +27,7 @@ from airflow_provider_sky.gang import (
     run_env,
     setup_env,
 )
+from airflow_provider_sky.logtext import READ_CHUNK
 from airflow_provider_sky.runners.base import CommandRunner, RunnerError
 from airflow_provider_sky.spec import TaskSpec
 
@@ -206,21 +207,7 @@ class GangClient:
         wanted = list(range(self.num_ranks)) if ranks is None else list(ranks)
 
         async def one(rank: int) -> list[runtime.RawRankStatus]:
-            node = self.node_of(rank)
-            off = offsets.get(rank, 0)
-            args = runtime.status_args(
-                node.root, [(job_id, rank, off, max_log)], time.time() if mark else None
-            )
-            res = await self.runner(node).arun_script(runtime.STATUS_SCRIPT, args, timeout=30)
-            if res.returncode != 0:
-                raise RunnerError(node.ip, f"status script failed: {res.error_text}")
-            try:
-                found = runtime.parse_status(res.stdout, {(job_id, rank): off})
-            except (runtime.StatusParseError, ValueError) as exc:
-                raise RunnerError(node.ip, f"unreadable status of rank {rank}: {exc}") from exc
-            if [r.rank for r in found] != [rank]:  # a rank never silently drops out of the status
-                raise RunnerError(node.ip, f"the status of rank {rank} is missing from the node's answer")
-            return found
+            return [await self._status(job_id, rank, offsets.get(rank, 0), max_log, mark=mark)]
 
         started = time.time()
         results = await self._bounded(one, wanted)
@@ -241,6 +228,29 @@ class GangClient:
                 if raw.log_chunk:
                     poll.chunks[rank] = (raw.log_offset, raw.log_chunk)
         return poll
+
+    async def _status(
+        self, job_id: str, rank: int, offset: int, max_log: int, *, mark: bool, timeout: float = 30
+    ) -> runtime.RawRankStatus:
+        """One rank's status (and up to ``max_log`` log bytes from ``offset``): one call to its node.
+
+        Raises :class:`RunnerError` when the node cannot be asked or its answer cannot be read: a
+        rank never silently drops out of the status.
+        """
+        node = self.node_of(rank)
+        args = runtime.status_args(
+            node.root, [(job_id, rank, offset, max_log)], time.time() if mark else None
+        )
+        res = await self.runner(node).arun_script(runtime.STATUS_SCRIPT, args, timeout=timeout)
+        if res.returncode != 0:
+            raise RunnerError(node.ip, f"status script failed: {res.error_text}")
+        try:
+            found = runtime.parse_status(res.stdout, {(job_id, rank): offset})
+        except ValueError as exc:
+            raise RunnerError(node.ip, f"unreadable status of rank {rank}: {exc}") from exc
+        if [r.rank for r in found] != [rank]:
+            raise RunnerError(node.ip, f"the status of rank {rank} is missing from the node's answer")
+        return found[0]
 
     async def _bounded(self, fn: Callable[[int], Awaitable[Any]], ranks: list[int]) -> list[Any]:
         """Ask every node at once, but never wait past ``status_timeout`` for one that hangs.
@@ -272,6 +282,11 @@ class GangClient:
     ) -> Poll:
         return run_sync(self.apoll(job_id, offsets, max_log))
 
+    def peek(self, job_id: str) -> GangStatus:
+        """Every rank's state now, without log bytes and without a mark: a one-off look is no watcher
+        (it must neither keep an abandoned job alive nor make the bridge step back)."""
+        return run_sync(self.apoll(job_id, max_log=0, mark=False)).status
+
     async def aread_log(self, job_id: str, rank: int, offset: int, nbytes: int) -> bytes:
         """Up to ``nbytes`` of a rank's log from ``offset``, and never more than 4 MiB: read in a loop.
 
@@ -279,17 +294,21 @@ class GangClient:
         count as a hung status call there and come back empty (the rest of a log lost). The cap
         keeps any reader's memory bounded whatever a rank printed. Raises :class:`RunnerError`.
         """
-        node = self.node_of(rank)
         n = max(0, min(int(nbytes), 16 * DEFAULT_LOG_CHUNK))
-        args = runtime.status_args(node.root, [(job_id, rank, offset, n)])
-        res = await self.runner(node).arun_script(runtime.STATUS_SCRIPT, args, timeout=60)
-        if res.returncode != 0:
-            raise RunnerError(node.ip, f"reading the log of rank {rank} failed: {res.error_text}")
-        try:
-            found = runtime.parse_status(res.stdout, {(job_id, rank): offset})
-        except ValueError as exc:
-            raise RunnerError(node.ip, f"unreadable log read of rank {rank}: {exc}") from exc
-        return next((raw.log_chunk[:n] for raw in found if raw.rank == rank), b"")
+        raw = await self._status(job_id, rank, offset, n, mark=False, timeout=60)
+        return raw.log_chunk[:n]
+
+    async def aread_range(
+        self, job_id: str, rank: int, offset: int, end: int, chunk: int = READ_CHUNK
+    ) -> AsyncIterator[bytes]:
+        """A rank's log from ``offset`` to ``end``, ``chunk`` bytes per call (bounded memory, however
+        much the rank printed); stops early if the log is shorter. Raises :class:`RunnerError`."""
+        while offset < end:
+            data = await self.aread_log(job_id, rank, offset, min(chunk, end - offset))
+            if not data:
+                return
+            yield data
+            offset += len(data)
 
     async def alog_tail(self, job_id: str, rank: int, size: int, nbytes: int = 2048) -> str:
         """The last ``nbytes`` (at most) of a rank's log of ``size`` bytes, as text."""

@@ -37,23 +37,13 @@ def tail_text(lines: Iterable[str]) -> str:
 class LineSplitter:
     """Cut a byte stream into text lines; an over-long line is cut every ``limit`` bytes, with a marker.
 
-    Cuts fall on UTF-8 character boundaries and never inside one of ``secrets``, so a piece shows
-    neither half a character nor an unmasked part of a secret. Each line goes through ``mask``.
+    Cuts fall on UTF-8 character boundaries, so a piece never shows half a character. Each line goes
+    through ``mask``. Secrets need no care here: the nodes mask them before output reaches the log.
     """
 
-    def __init__(
-        self,
-        mask: Callable[[str], str] = _unmasked,
-        secrets: Iterable[str] = (),
-        limit: int = LINE_LIMIT,
-    ) -> None:
+    def __init__(self, mask: Callable[[str], str] = _unmasked, limit: int = LINE_LIMIT) -> None:
         self.mask = mask
         self.limit = max(1, int(limit))
-        # every line of a multi-line secret counts: only single lines ever reach a piece
-        parts = {p.encode() for value in secrets for p in value.splitlines() if p}
-        self._secrets = sorted(parts, key=len, reverse=True)
-        #: bytes an unfinished line may run past ``limit``, so a cut can see a whole secret around it
-        self._margin = max((len(s) for s in self._secrets), default=0)
         self._pending = bytearray()
 
     def feed(self, data: bytes) -> Iterator[str]:
@@ -69,17 +59,15 @@ class LineSplitter:
         out: list[str] = []
         parts = data.split(b"\n")
         last = len(parts) - 1
-        mask = None if self.mask is _unmasked else self.mask
         for i, part in enumerate(parts):
             if not self._pending and len(part) <= self.limit:  # the common case, kept fast
                 if i < last:
-                    text = part.decode("utf-8", "replace")
-                    out.append(mask(text) if mask else text)
+                    out.append(self._text(part, False))
                 else:
                     self._pending += part
                 continue
             self._pending += part
-            self._cut(out, complete=i < last)
+            self._cut(out)
             if i < last:
                 out.append(self._text(bytes(self._pending), False))
                 self._pending.clear()
@@ -90,44 +78,25 @@ class LineSplitter:
         if not self._pending:
             return []
         out: list[str] = []
-        self._cut(out, complete=True)
+        self._cut(out)
         out.append(self._text(bytes(self._pending), False))
         self._pending.clear()
         return out
 
-    @property
-    def pending_bytes(self) -> int:
-        """Bytes of an unfinished line held (at most ``limit`` plus the longest secret)."""
-        return len(self._pending)
-
-    def _cut(self, out: list[str], *, complete: bool) -> None:
+    def _cut(self, out: list[str]) -> None:
         """Move whole pieces of an over-long pending line to ``out``."""
-        bound = self.limit if complete else self.limit + self._margin
         buf = self._pending
-        while len(buf) > bound:
-            cut = self._cut_at(buf)
+        while len(buf) > self.limit:
+            cut = back = self.limit
+            while back > max(0, self.limit - 3) and 0x80 <= buf[back] < 0xC0:
+                back -= 1  # a UTF-8 continuation byte: cut before its character instead
+            if back > 0 and not 0x80 <= buf[back] < 0xC0:
+                cut = back
             out.append(self._text(bytes(buf[:cut]), True))
             del buf[:cut]
 
-    def _cut_at(self, buf: bytearray) -> int:
-        cut = self.limit
-        for _ in range(len(self._secrets) + 1):
-            moved = False
-            for s in self._secrets:
-                # an occurrence found in this window straddles the cut
-                at = buf.find(s, max(0, cut - len(s) + 1), cut + len(s) - 1)
-                if at >= 0:
-                    cut, moved = (at if at > 0 else at + len(s)), True
-                    break
-            if not moved:
-                break
-        back = cut
-        while 0 < back < len(buf) and 0x80 <= buf[back] < 0xC0 and cut - back < 3:
-            back -= 1  # a UTF-8 continuation byte: cut before its character instead
-        if 0 < back < len(buf) and not (0x80 <= buf[back] < 0xC0):
-            cut = back
-        return cut if cut > 0 else self.limit
-
     def _text(self, line: bytes, continues: bool) -> str:
-        text = self.mask(line.decode("utf-8", "replace"))
+        text = line.decode("utf-8", "replace")
+        if self.mask is not _unmasked:
+            text = self.mask(text)
         return text + LINE_MARKER if continues else text

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import time
@@ -10,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.jobs import GangClient, watch
 from airflow_provider_sky.spec import task_from_args
+from gangs import local_gang, wait_done
 
 
 def _marked(prefix: str) -> list[int]:
@@ -42,22 +40,6 @@ def _alive(pids: list[int]) -> list[int]:
     return out
 
 
-def _gang(sky_home: Path, n: int, run: str, **kw: object) -> tuple[LocalBackend, GangClient, object]:
-    b = LocalBackend(sky_home)
-    spec = task_from_args(num_nodes=n, run=run, **kw)
-    return b, GangClient(b, b.provision("c", spec)), spec
-
-
-def _wait_done(client: GangClient, job_id: str = "job", timeout: float = 30.0, **kw: object):
-    async def go():
-        last = None
-        async for poll in watch(client, job_id, poll_interval=0.1, **kw):
-            last = poll
-        return last
-
-    return asyncio.run(asyncio.wait_for(go(), timeout))
-
-
 def _wait_for(cond, timeout: float = 10.0) -> bool:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -77,11 +59,11 @@ ESCAPES = (
 
 def test_fail_fast_kills_what_cancelled_ranks_started_in_other_sessions(sky_home: Path) -> None:
     run = ESCAPES + 'if [ "$SKYPILOT_NODE_RANK" = "1" ]; then sleep 1; exit 4; fi\nsleep 10000'
-    b, client, spec = _gang(sky_home, 3, run)
+    b, client, spec = local_gang(sky_home, 3, run)
     client.launch(spec, "job")
     root = client.node_of(0).root
     assert _wait_for(lambda: len(_alive(_marked(f"{root}/jobs/job/0/"))) >= 4)
-    poll = _wait_done(client, grace=1.0)
+    poll = wait_done(client, grace=1.0)
     assert [r.state for r in poll.status.ranks] == ["cancelled", "failed", "cancelled"]
     for rank in (0, 2):
         prefix = f"{client.node_of(rank).root}/jobs/job/{rank}/"
@@ -91,9 +73,9 @@ def test_fail_fast_kills_what_cancelled_ranks_started_in_other_sessions(sky_home
 
 
 def test_teardown_kills_what_a_successful_rank_left_running(sky_home: Path) -> None:
-    b, client, spec = _gang(sky_home, 2, ESCAPES + "exit 0")
+    b, client, spec = local_gang(sky_home, 2, ESCAPES + "exit 0")
     client.launch(spec, "job")
-    poll = _wait_done(client)
+    poll = wait_done(client)
     assert poll.status.succeeded
     root = client.node_of(0).root
     assert len(_alive(_marked(f"{root}/jobs/"))) >= 3  # the rank is over; its leftovers are not
@@ -102,12 +84,12 @@ def test_teardown_kills_what_a_successful_rank_left_running(sky_home: Path) -> N
 
 
 def test_a_deleted_job_directory_loses_no_process(sky_home: Path) -> None:
-    b, client, spec = _gang(sky_home, 2, ESCAPES + "sleep 10000")
+    b, client, spec = local_gang(sky_home, 2, ESCAPES + "sleep 10000")
     client.launch(spec, "job")
     root = Path(client.node_of(1).root)
     assert _wait_for(lambda: len(_alive(_marked(f"{root}/jobs/job/1/"))) >= 4)
     shutil.rmtree(root / "jobs" / "job" / "1")
-    poll = _wait_done(client, grace=1.0, lost_after=0.5)
+    poll = wait_done(client, grace=1.0, lost_after=0.5)
     assert poll.status.by_rank(1).state == "lost" and "job directory is gone" in poll.status.by_rank(1).reason
     assert poll.status.by_rank(0).state == "cancelled"
     b.terminate("c")
@@ -117,12 +99,12 @@ def test_a_deleted_job_directory_loses_no_process(sky_home: Path) -> None:
 @pytest.mark.parametrize("garbage", ["1 2 3", "garbage", ""])
 def test_an_unreadable_exit_file_fails_the_rank_with_its_text(sky_home: Path, garbage: str) -> None:
     run = 'if [ "$SKYPILOT_NODE_RANK" = "1" ]; then sleep 0.3; exit 0; fi\nsleep 10000'
-    b, client, spec = _gang(sky_home, 2, run)
+    b, client, spec = local_gang(sky_home, 2, run)
     client.launch(spec, "job")
     exit_file = Path(client.node_of(1).root) / "jobs" / "job" / "1" / "exit"
     assert _wait_for(exit_file.exists)
     exit_file.write_text(garbage + "\n")
-    poll = _wait_done(client, grace=1.0)
+    poll = wait_done(client, grace=1.0)
     bad = poll.status.by_rank(1)
     assert bad.state == "failed", "the rank silently dropped out or succeeded"
     assert repr(garbage) in bad.reason and "exit file" in bad.reason
@@ -133,7 +115,7 @@ def test_an_unreadable_exit_file_fails_the_rank_with_its_text(sky_home: Path, ga
 
 def test_the_node_kills_a_job_nobody_polls(sky_home: Path) -> None:
     """The dead-man's switch: a lost scheduler or killed ``dags test`` leaves no job running."""
-    b, client, spec = _gang(sky_home, 2, ESCAPES + "sleep 10000")
+    b, client, spec = local_gang(sky_home, 2, ESCAPES + "sleep 10000")
     client.launch(spec, "job", orphan_timeout=2)
     root = client.node_of(0).root
     assert _wait_for(lambda: len(_alive(_marked(f"{root}/jobs/job/0/"))) >= 4)
@@ -145,15 +127,15 @@ def test_the_node_kills_a_job_nobody_polls(sky_home: Path) -> None:
 
 
 def test_a_polled_job_is_not_orphaned(sky_home: Path) -> None:
-    b, client, spec = _gang(sky_home, 2, "sleep 5; echo done")
+    b, client, spec = local_gang(sky_home, 2, "sleep 5; echo done")
     client.launch(spec, "job", orphan_timeout=2)
-    poll = _wait_done(client)
+    poll = wait_done(client)
     assert poll.status.succeeded
     b.terminate("c")
 
 
 def test_orphan_timeout_zero_turns_the_switch_off(sky_home: Path) -> None:
-    b, client, spec = _gang(sky_home, 1, "sleep 10000")
+    b, client, spec = local_gang(sky_home, 1, "sleep 10000")
     client.launch(spec, "job", orphan_timeout=0)
     time.sleep(3)
     assert client.poll("job", max_log=0).status.ranks[0].state == "running"
@@ -162,7 +144,7 @@ def test_orphan_timeout_zero_turns_the_switch_off(sky_home: Path) -> None:
 
 
 def test_teardown_stops_the_keeper(sky_home: Path) -> None:
-    b, client, spec = _gang(sky_home, 2, "sleep 10000")
+    b, client, spec = local_gang(sky_home, 2, "sleep 10000")
     client.launch(spec, "job", orphan_timeout=600)
     roots = [n.root for n in client.handle.nodes]
 
@@ -186,9 +168,9 @@ def test_teardown_stops_the_keeper(sky_home: Path) -> None:
 
 def test_an_idle_cluster_goes_down_by_itself(sky_home: Path) -> None:
     """``idle_down`` (SkyPilot's autodown): a cluster kept after its run is removed once idle."""
-    b, client, spec = _gang(sky_home, 2, "setsid sleep 10000 & sleep 1")
+    b, client, spec = local_gang(sky_home, 2, "setsid sleep 10000 & sleep 1")
     client.launch(spec, "job", idle_down=2)
-    poll = _wait_done(client)
+    poll = wait_done(client)
     assert poll.status.succeeded and b.find("c") is not None
     time.sleep(1)
     assert b.find("c") is not None, "went down before idle_down"
@@ -202,7 +184,7 @@ def test_an_idle_cluster_goes_down_by_itself(sky_home: Path) -> None:
 
 
 def test_a_running_job_keeps_an_idle_down_cluster(sky_home: Path) -> None:
-    b, client, spec = _gang(sky_home, 1, "sleep 5")
+    b, client, spec = local_gang(sky_home, 1, "sleep 5")
     client.launch(spec, "job", idle_down=1, orphan_timeout=0)
     time.sleep(3.5)
     assert b.find("c") is not None

@@ -10,22 +10,8 @@ from typing import Any
 from airflow.executors.workloads import TaskInstance
 from airflow.triggers.shared_stream import SharedStreamManager
 
-from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.jobs import GangClient
-from airflow_provider_sky.spec import task_from_args
 from airflow_provider_sky.triggers.gang import SkyGangTrigger, SkyRankTrigger
-
-
-def _start(sky_home: Path, n: int, run: str) -> tuple[LocalBackend, dict[str, Any]]:
-    b = LocalBackend(sky_home)
-    spec = task_from_args(num_nodes=n, run=run)
-    handle = b.provision("c", spec)
-    GangClient(b, handle).launch(spec, "job")
-    return b, handle.to_dict()
-
-
-def _kw(handle: dict[str, Any]) -> dict[str, Any]:
-    return {"cluster": handle, "job_id": "job", "sky_conn_id": None, "poll_interval": 0.2, "grace": 1.0}
+from gangs import launched, trigger_kwargs
 
 
 async def _subscribe(manager: SharedStreamManager, i: int, trig: Any) -> dict[str, Any]:
@@ -42,12 +28,12 @@ async def _subscribe(manager: SharedStreamManager, i: int, trig: Any) -> dict[st
 
 def test_every_rank_task_tells_the_same_failure(sky_home: Path) -> None:
     """The failing rank's own message lists its siblings as cancelled, like theirs (not running / None)."""
-    b, handle = _start(
+    b, handle = launched(
         sky_home, 4, 'if [ "$SKYPILOT_NODE_RANK" = 2 ]; then sleep 0.5; exit 1; fi; sleep 10000'
     )
     ip2 = handle["nodes"][2]["ip"]
-    triggers: list[Any] = [SkyRankTrigger(rank=r, **_kw(handle)) for r in range(4)]
-    triggers.append(SkyGangTrigger(**_kw(handle)))
+    triggers: list[Any] = [SkyRankTrigger(rank=r, **trigger_kwargs(handle)) for r in range(4)]
+    triggers.append(SkyGangTrigger(**trigger_kwargs(handle)))
 
     async def run() -> list[dict[str, Any]]:
         manager = SharedStreamManager()
@@ -67,9 +53,9 @@ def test_every_rank_task_tells_the_same_failure(sky_home: Path) -> None:
 
 def _marked(sky_home: Path, ti: TaskInstance | None) -> list[dict[str, Any]]:
     """Three ranks run; a user acts on rank 1's deferred task: its trigger's on_kill, then it is removed."""
-    b, handle = _start(sky_home, 3, "sleep 10000")
-    triggers: list[Any] = [SkyRankTrigger(rank=r, **_kw(handle)) for r in range(3)]
-    triggers.append(SkyGangTrigger(**_kw(handle)))
+    b, handle = launched(sky_home, 3, "sleep 10000")
+    triggers: list[Any] = [SkyRankTrigger(rank=r, **trigger_kwargs(handle)) for r in range(3)]
+    triggers.append(SkyGangTrigger(**trigger_kwargs(handle)))
     if ti is not None:
         triggers[1].task_instance = ti  # what the triggerer sets on a trigger it runs for a task
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import time
@@ -11,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.jobs import GangClient, watch
+from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
+from gangs import wait_done
 from leaks import processes_under
 
 
@@ -25,16 +25,6 @@ def _gang(backend: LocalBackend, name: str, n: int, run: str, **kw: object) -> t
     spec = task_from_args(num_nodes=n, run=run, **kw)
     handle = backend.provision(name, spec)
     return GangClient(backend, handle), spec
-
-
-def _wait_done(client: GangClient, job_id: str, timeout: float = 20.0, **kw: object):
-    async def go():
-        last = None
-        async for poll in watch(client, job_id, poll_interval=0.1, **kw):
-            last = poll
-        return last
-
-    return asyncio.run(asyncio.wait_for(go(), timeout))
 
 
 @pytest.mark.parametrize(
@@ -51,7 +41,7 @@ def _wait_done(client: GangClient, job_id: str, timeout: float = 20.0, **kw: obj
 def test_exit_code_is_recorded_whatever_the_command_does(backend: LocalBackend, run: str, code: int) -> None:
     client, spec = _gang(backend, "c", 1, run)
     client.launch(spec, "job")
-    poll = _wait_done(client, "job")
+    poll = wait_done(client, "job")
     assert poll.status.ranks[0].exit_code == code
     backend.terminate("c")
 
@@ -61,7 +51,7 @@ def test_log_by_offset_and_rank_env(backend: LocalBackend) -> None:
         backend, "c", 2, 'echo "r=$SKYPILOT_NODE_RANK"; echo err >&2; printf "x%.0s" $(seq 1 5000)'
     )
     client.launch(spec, "job")
-    _wait_done(client, "job")
+    wait_done(client, "job")
     whole = client.poll("job", max_log=1 << 20).chunks[1][1]
     assert whole.startswith(b"r=1\nerr\n") and whole.count(b"x") == 5000
     part = client.poll("job", {1: 4}, max_log=4).chunks[1]
@@ -74,7 +64,7 @@ def test_env_values_arrive_verbatim_and_nothing_extra_runs(backend: LocalBackend
     nasty = f"a'b\"c $(touch {canary}) `touch {canary}`; touch {canary} && echo x\nline2 \u00e9\u6f22"
     client, spec = _gang(backend, "c", 1, 'printf %s "$NASTY"', envs={"NASTY": nasty})
     client.launch(spec, "job")
-    _wait_done(client, "job")
+    wait_done(client, "job")
     assert client.poll("job").chunks[0][1].decode() == nasty
     assert not canary.exists()
     backend.terminate("c")
@@ -92,7 +82,7 @@ def test_secrets_not_on_command_lines_nor_left_on_disk(backend: LocalBackend) ->
     jobs = Path(client.handle.nodes[0].root) / "jobs" / "job" / "0"
     assert not (jobs / "secrets").exists()  # sourced once by the child shell, then removed
     assert oct((jobs / "env").stat().st_mode & 0o777) == "0o600"
-    poll = _wait_done(client, "job")
+    poll = wait_done(client, "job")
     assert [r.state for r in poll.status.ranks] == ["succeeded", "succeeded"]
     backend.terminate("c")
 
@@ -104,7 +94,7 @@ def test_fail_fast_kills_whole_process_trees(backend: LocalBackend, sky_home: Pa
     )
     client, spec = _gang(backend, "c", 4, run)
     client.launch(spec, "job")
-    poll = _wait_done(client, "job", grace=2.0)
+    poll = wait_done(client, "job", grace=2.0)
     states = {r.rank: r.state for r in poll.status.ranks}
     assert states == {0: "cancelled", 1: "cancelled", 2: "failed", 3: "cancelled"}
     assert "rank 2" in poll.status.failure_message()
@@ -117,7 +107,7 @@ def test_term_ignoring_rank_is_killed_after_grace(backend: LocalBackend, sky_hom
     client, spec = _gang(backend, "c", 2, run)
     client.launch(spec, "job")
     t = time.time()
-    poll = _wait_done(client, "job", grace=1.0)
+    poll = wait_done(client, "job", grace=1.0)
     assert poll.status.by_rank(0).state == "cancelled"
     assert time.time() - t < 10
     assert not [p for p in processes_under(sky_home) if "sleep" in p[1]]
@@ -129,7 +119,7 @@ def test_relaunching_the_same_job_id_never_starts_a_rank_twice(backend: LocalBac
     client, spec = _gang(backend, "c", 2, f"echo x >> {counter}-$SKYPILOT_NODE_RANK")
     assert set(client.launch(spec, "job").values()) == {"STARTED"}
     assert set(client.launch(spec, "job").values()) == {"EXISTS"}
-    _wait_done(client, "job")
+    wait_done(client, "job")
     assert (tmp_path / "count-0").read_text() == "x\n"
     backend.terminate("c")
 
@@ -139,9 +129,9 @@ def test_concurrent_jobs_on_the_same_nodes_are_isolated(backend: LocalBackend) -
     bad = task_from_args(num_nodes=2, run="exit 1")
     client.launch(spec, "good")
     client.launch(bad, "bad")
-    bad_poll = _wait_done(client, "bad")
+    bad_poll = wait_done(client, "bad")
     assert bad_poll.status.failed
-    good_poll = _wait_done(client, "good")
+    good_poll = wait_done(client, "good")
     assert [r.state for r in good_poll.status.ranks] == ["succeeded", "succeeded"]
     backend.terminate("c")
 
@@ -153,7 +143,7 @@ def test_vanished_rank_is_reported_lost(backend: LocalBackend) -> None:
     pgid = int((Path(client.handle.nodes[1].root) / "jobs" / "job" / "1" / "pgid").read_text())
     os.kill(pid, 9)
     os.killpg(pgid, 9)
-    poll = _wait_done(client, "job")
+    poll = wait_done(client, "job")
     assert poll.status.by_rank(1).state == "lost"
     assert poll.status.by_rank(0).state == "cancelled"
     assert "lost" in poll.status.failure_message()
@@ -173,7 +163,7 @@ def test_teardown_kills_everything_and_is_idempotent(backend: LocalBackend, sky_
 def test_teardown_never_kills_a_process_that_reused_a_rank_pid(backend: LocalBackend, tmp_path: Path) -> None:
     client, spec = _gang(backend, "c", 2, "true")
     client.launch(spec, "job")
-    _wait_done(client, "job")
+    wait_done(client, "job")
     bystander = subprocess.Popen(["sleep", "30"], cwd=tmp_path)
     try:
         for rank in (0, 1):

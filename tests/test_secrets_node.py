@@ -2,33 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 
 from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.jobs import GangClient, watch
-from airflow_provider_sky.spec import task_from_args
+from airflow_provider_sky.jobs import GangClient
+from gangs import local_gang, wait_done
 
 PEM = "-----BEGIN KEY-----\nMIIEvQIBADANBgkqhkiG9w0\nQEFAASCBKcwggSjAgEAAoIB\n-----END KEY-----"
 
 
 def _run(sky_home: Path, run: str, **kw: object) -> tuple[LocalBackend, GangClient, object]:
-    b = LocalBackend(sky_home)
-    spec = task_from_args(num_nodes=1, run=run, **kw)
-    client = GangClient(b, b.provision("c", spec))
+    b, client, spec = local_gang(sky_home, 1, run, **kw)
     client.launch(spec, "job")
     return b, client, spec
-
-
-def _done(client: GangClient):
-    async def go():
-        last = None
-        async for poll in watch(client, "job", poll_interval=0.1):
-            last = poll
-        return last
-
-    return asyncio.run(asyncio.wait_for(go(), 30))
 
 
 def _log(client: GangClient) -> bytes:
@@ -42,7 +29,7 @@ def _on_disk(root: Path, needle: bytes) -> list[Path]:
 def test_each_line_of_a_multi_line_secret_is_masked(sky_home: Path) -> None:
     run = 'echo "$KEY"; echo "$KEY" | sed -n 2p; echo "x$(echo "$KEY" | sed -n 3p)y"; echo fine'
     b, client, _ = _run(sky_home, run, secrets={"KEY": PEM})
-    assert _done(client).status.succeeded
+    assert wait_done(client).status.succeeded
     log = _log(client)
     for line in PEM.splitlines():
         assert line.encode() not in log, line
@@ -80,14 +67,14 @@ def test_no_secret_stays_on_disk_while_or_after_the_rank_runs(sky_home: Path) ->
     time.sleep(0.5)
     assert not _on_disk(sky_home, b"very-secret-value-42"), "a secret is on disk while the rank runs"
     assert {"secrets", "mask", "redact"}.isdisjoint(p.name for p in rank_dir.iterdir())
-    _done(client)
+    wait_done(client)
     assert not _on_disk(sky_home, b"very-secret-value-42")
     b.terminate("c")
 
 
 def test_a_rank_that_fails_at_once_leaves_no_secret(sky_home: Path) -> None:
     b, client, _ = _run(sky_home, "exit 7", secrets={"TOK": "very-secret-value-43"})
-    poll = _done(client)
+    poll = wait_done(client)
     assert poll.status.ranks[0].exit_code == 7
     assert not _on_disk(sky_home, b"very-secret-value-43")
     b.terminate("c")
@@ -97,7 +84,7 @@ def test_a_200_kb_env_value_and_secret_work(sky_home: Path) -> None:
     big, secret = "x" * 200_000, "y" * 200_000
     run = 'echo "env=${#BIG} secret=${#HUGE}"; python3 -c "print(42)"'
     b, client, _ = _run(sky_home, run, envs={"BIG": big}, secrets={"HUGE": secret})
-    poll = _done(client)
+    poll = wait_done(client)
     log = _log(client).decode()
     assert poll.status.succeeded, log[:2000]
     assert "env=200000 secret=200000" in log and "42" in log

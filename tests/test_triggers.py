@@ -10,31 +10,11 @@ from typing import Any
 import pytest
 from airflow.triggers.shared_stream import SharedStreamManager
 
-from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners.base import CALLS
-from airflow_provider_sky.spec import task_from_args
 from airflow_provider_sky.triggers.gang import SkyGangTrigger, SkyRankTrigger
+from gangs import launched, trigger_kwargs
 from leaks import processes_under
-
-
-def _start(sky_home: Path, n: int, run: str) -> tuple[LocalBackend, dict[str, Any]]:
-    b = LocalBackend(sky_home)
-    spec = task_from_args(num_nodes=n, run=run)
-    handle = b.provision("c", spec)
-    GangClient(b, handle).launch(spec, "job")
-    return b, handle.to_dict()
-
-
-def _kw(handle: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {
-        "cluster": handle,
-        "job_id": "job",
-        "sky_conn_id": None,
-        "poll_interval": 0.2,
-        "grace": 1.0,
-        **extra,
-    }
 
 
 async def _shared(triggers: list[Any]) -> list[Any]:
@@ -55,9 +35,9 @@ async def _shared(triggers: list[Any]) -> list[Any]:
 
 @pytest.mark.parametrize("n", [4, 16])
 def test_watching_n_ranks_costs_n_calls_per_poll(sky_home: Path, n: int) -> None:
-    b, handle = _start(sky_home, n, "sleep 2")
-    triggers: list[Any] = [SkyRankTrigger(rank=r, **_kw(handle)) for r in range(n)]
-    triggers.append(SkyGangTrigger(**_kw(handle)))
+    b, handle = launched(sky_home, n, "sleep 2")
+    triggers: list[Any] = [SkyRankTrigger(rank=r, **trigger_kwargs(handle)) for r in range(n)]
+    triggers.append(SkyGangTrigger(**trigger_kwargs(handle)))
     keys = {t.shared_stream_key() for t in triggers}
     assert len(keys) == 1  # every trigger of the gang joins the same poll
     CALLS.reset()
@@ -78,9 +58,9 @@ def test_rank_trigger_streams_the_log_and_reports_root_cause(
     sky_home: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     run = 'echo "hello from $SKYPILOT_NODE_RANK"; if [ "$SKYPILOT_NODE_RANK" = 1 ]; then sleep 0.5; exit 139; fi; sleep 10000'
-    b, handle = _start(sky_home, 3, run)
-    triggers: list[Any] = [SkyRankTrigger(rank=r, **_kw(handle)) for r in range(3)] + [
-        SkyGangTrigger(**_kw(handle))
+    b, handle = launched(sky_home, 3, run)
+    triggers: list[Any] = [SkyRankTrigger(rank=r, **trigger_kwargs(handle)) for r in range(3)] + [
+        SkyGangTrigger(**trigger_kwargs(handle))
     ]
     events = asyncio.run(_shared(triggers))
     text = "".join(capfd.readouterr())
@@ -96,15 +76,15 @@ def test_rank_trigger_streams_the_log_and_reports_root_cause(
 
 
 def test_standalone_run_is_the_dag_test_path(sky_home: Path) -> None:
-    b, handle = _start(sky_home, 2, 'echo "r$SKYPILOT_NODE_RANK"; exit $SKYPILOT_NODE_RANK')
+    b, handle = launched(sky_home, 2, 'echo "r$SKYPILOT_NODE_RANK"; exit $SKYPILOT_NODE_RANK')
 
     async def first(trig: Any) -> Any:
         async for ev in trig.run():
             return ev.payload
 
-    ev0 = asyncio.run(first(SkyRankTrigger(rank=0, **_kw(handle))))
-    ev1 = asyncio.run(first(SkyRankTrigger(rank=1, **_kw(handle))))
-    gang = asyncio.run(first(SkyGangTrigger(**_kw(handle))))
+    ev0 = asyncio.run(first(SkyRankTrigger(rank=0, **trigger_kwargs(handle))))
+    ev1 = asyncio.run(first(SkyRankTrigger(rank=1, **trigger_kwargs(handle))))
+    gang = asyncio.run(first(SkyGangTrigger(**trigger_kwargs(handle))))
     assert ev1["state"] == "failed" and ev1["exit_code"] == 1
     assert ev0["state"] in ("succeeded", "cancelled")
     assert gang["state"] == "failed"
@@ -112,8 +92,8 @@ def test_standalone_run_is_the_dag_test_path(sky_home: Path) -> None:
 
 
 def test_on_kill_cancels_the_gang(sky_home: Path) -> None:
-    b, handle = _start(sky_home, 3, "sleep 10000")
-    trig = SkyRankTrigger(rank=0, **_kw(handle))
+    b, handle = launched(sky_home, 3, "sleep 10000")
+    trig = SkyRankTrigger(rank=0, **trigger_kwargs(handle))
     asyncio.run(trig.on_kill())
     poll = GangClient(b, b.find("c")).poll("job")  # type: ignore[arg-type]
     assert [r.state for r in poll.status.ranks] == ["cancelled"] * 3
@@ -122,8 +102,8 @@ def test_on_kill_cancels_the_gang(sky_home: Path) -> None:
 
 
 def test_triggers_serialize_round_trip(sky_home: Path) -> None:
-    b, handle = _start(sky_home, 1, "true")
-    for trig in (SkyRankTrigger(rank=0, **_kw(handle)), SkyGangTrigger(**_kw(handle))):
+    b, handle = launched(sky_home, 1, "true")
+    for trig in (SkyRankTrigger(rank=0, **trigger_kwargs(handle)), SkyGangTrigger(**trigger_kwargs(handle))):
         path, kwargs = trig.serialize()
         module, name = path.rsplit(".", 1)
         cls = getattr(__import__(module, fromlist=[name]), name)
@@ -136,10 +116,12 @@ def test_triggers_serialize_round_trip(sky_home: Path) -> None:
 def test_a_held_event_waits_for_fire_after_but_the_fail_fast_cancel_does_not(sky_home: Path) -> None:
     """``fire_after`` (the Airflow 3.3 defer race workaround) delays the events, never the cancel."""
     run = 'if [ "$SKYPILOT_NODE_RANK" = "1" ]; then exit 3; fi; sleep 10000'
-    b, handle = _start(sky_home, 3, run)
+    b, handle = launched(sky_home, 3, run)
     fire_after = time.time() + 3.0
-    triggers: list[Any] = [SkyRankTrigger(rank=r, **_kw(handle, fire_after=fire_after)) for r in range(3)]
-    triggers.append(SkyGangTrigger(**_kw(handle, fire_after=fire_after)))
+    triggers: list[Any] = [
+        SkyRankTrigger(rank=r, **trigger_kwargs(handle, fire_after=fire_after)) for r in range(3)
+    ]
+    triggers.append(SkyGangTrigger(**trigger_kwargs(handle, fire_after=fire_after)))
     assert triggers[0].serialize()[1]["fire_after"] == fire_after  # survives a triggerer restart
     started = time.time()
 

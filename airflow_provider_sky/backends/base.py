@@ -19,12 +19,14 @@ from __future__ import annotations
 import copy
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from airflow_provider_sky.runners.base import CommandRunner
 from airflow_provider_sky.spec import BackendCapabilities, TaskSpec
+
+_T = TypeVar("_T")
 
 
 class BackendError(Exception):
@@ -139,6 +141,21 @@ class Backend(ABC):
         leases remain nothing is killed and their holders are returned in ``kept_for``. Nodes that do not
         answer within the connect timeout are returned in ``unclean`` and kept in the record.
         """
+
+    def _wait_out_teardown(self, attempt: Callable[[], _T], pause: float) -> _T:
+        """Run ``attempt`` until no teardown of the same cluster name is in its way (``ClusterBusy``),
+        for at most ``busy_wait`` seconds."""
+        deadline = time.monotonic() + self.busy_wait
+        while True:
+            try:
+                return attempt()
+            except ClusterBusy as busy:
+                if time.monotonic() > deadline:
+                    raise ClusterBusy(
+                        f"{busy}; waited {self.busy_wait:g}s for it. If that teardown was interrupted, "
+                        "tear the cluster down again, then retry"
+                    ) from None
+            time.sleep(pause)
 
     def sync_files(self, handle: ClusterHandle, spec: TaskSpec) -> None:  # noqa: B027 - optional
         """Copy ``workdir`` and local ``file_mounts`` to every node before setup."""

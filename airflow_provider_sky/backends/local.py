@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import shutil
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,6 @@ from airflow_provider_sky import runtime
 from airflow_provider_sky.backends.base import (
     Backend,
     BackendError,
-    ClusterBusy,
     ClusterHandle,
     Node,
     Teardown,
@@ -58,6 +56,7 @@ class LocalBackend(Backend):
     """Processes on this machine stand in for nodes; nothing to install."""
 
     kind = "local"
+    shared_machine = True
     capabilities = BackendCapabilities(
         name="local",
         max_nodes=LOCAL_MAX_NODES,
@@ -125,18 +124,12 @@ class LocalBackend(Backend):
                     f"file_mounts.{key}",
                     "the local backend puts file mounts in each node's own home; use a '~/...' destination",
                 )
-        deadline = time.monotonic() + self.busy_wait
-        while True:
-            try:
-                with self._lock():
-                    return self._provision_locked(name, spec, holder)
-            except ClusterBusy as busy:
-                if time.monotonic() > deadline:
-                    raise ClusterBusy(
-                        f"{busy}; waited {self.busy_wait:g}s for it. If that teardown was interrupted, "
-                        "tear the cluster down again, then retry"
-                    ) from None
-            time.sleep(0.2)
+
+        def attempt() -> ClusterHandle:
+            with self._lock():
+                return self._provision_locked(name, spec, holder)
+
+        return self._wait_out_teardown(attempt, 0.2)
 
     def _provision_locked(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
         existing = self._load(name)
@@ -163,8 +156,6 @@ class LocalBackend(Backend):
         )
         self._store(name, new_record(handle, holder))
         return handle
-
-    shared_machine = True
 
     def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
         """The cluster's directory and record (the keeper of this machine removes them)."""

@@ -27,7 +27,6 @@ from airflow_provider_sky import runtime
 from airflow_provider_sky.backends.base import (
     Backend,
     BackendError,
-    ClusterBusy,
     ClusterHandle,
     Node,
     Teardown,
@@ -376,17 +375,7 @@ class SSHBackend(Backend):
                 f"num_nodes: the task asks for {spec.num_nodes} nodes but the SSH connection has "
                 f"{len(self.endpoints)} hosts; add hosts or lower num_nodes"
             )
-        deadline = time.monotonic() + self.busy_wait
-        while True:
-            try:
-                return self._provision_once(name, spec, holder)
-            except ClusterBusy as busy:
-                if time.monotonic() > deadline:
-                    raise ClusterBusy(
-                        f"{busy}; waited {self.busy_wait:g}s for it. If that teardown was interrupted, "
-                        "tear the cluster down again, then retry"
-                    ) from None
-            time.sleep(0.5)
+        return self._wait_out_teardown(lambda: self._provision_once(name, spec, holder), 0.5)
 
     def _provision_once(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
         text = self._read_record(name)

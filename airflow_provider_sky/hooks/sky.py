@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from airflow.sdk import BaseHook
 
 from airflow_provider_sky.backends import Backend, ClusterHandle, Teardown, make_backend
-from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, GangClient, run_sync, watch
+from airflow_provider_sky.gang import BAD, CANCELLED, GangStatus
+from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, GangClient, MonitorState, run_sync, watch
+from airflow_provider_sky.logtext import TAIL_LINES, LineSplitter, tail_text
+from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.spec import TaskSpec, check_backend
 
 log = logging.getLogger(__name__)
@@ -169,23 +173,15 @@ class SkyHook(BaseHook):
         Every node's setup log is read to its end (in bounded chunks) before this returns or raises,
         so no line is lost and a failure quotes the real last lines of the failed nodes' logs.
         """
-        from collections import deque
-
-        from airflow_provider_sky.gang import BAD, CANCELLED, GangStatus
-        from airflow_provider_sky.jobs import MonitorState
-        from airflow_provider_sky.logtext import READ_CHUNK, TAIL_LINES, LineSplitter, tail_text
-        from airflow_provider_sky.runners.base import RunnerError
-
         if not spec.setup:
             return
         client = self.client(handle)
-        secrets = [v for v in spec.secrets.values() if v]
         splitters: dict[int, LineSplitter] = {}
         tails: dict[int, deque[str]] = {}
 
         def show(rank: int, data: bytes | None) -> None:
             """Log ``data``'s complete lines (a line split across reads is joined); None: the log ended."""
-            lines = splitters.setdefault(rank, LineSplitter(mask=spec.redacted, secrets=secrets))
+            lines = splitters.setdefault(rank, LineSplitter(mask=spec.redacted))
             tail = tails.setdefault(rank, deque(maxlen=TAIL_LINES))
             for line in lines.flush() if data is None else lines.feed(data):
                 on_log(rank, line)
@@ -202,19 +198,13 @@ class SkyHook(BaseHook):
             assert last is not None
             # a poll reads at most one chunk per node: what the nodes printed since is still unread
             for st in last.status.ranks:
-                offset = state.offsets.get(st.rank, 0)
-                while offset < st.log_size:
-                    try:
-                        data = await client.aread_log(
-                            job_id, st.rank, offset, min(READ_CHUNK, st.log_size - offset)
-                        )
-                    except RunnerError as exc:
-                        on_log(st.rank, f"(the rest of this setup log could not be read: {exc})")
-                        break
-                    if not data:
-                        break
-                    show(st.rank, data)
-                    offset += len(data)
+                try:
+                    async for data in client.aread_range(
+                        job_id, st.rank, state.offsets.get(st.rank, 0), st.log_size
+                    ):
+                        show(st.rank, data)
+                except RunnerError as exc:
+                    on_log(st.rank, f"(the rest of this setup log could not be read: {exc})")
                 show(st.rank, None)
             return last.status
 

@@ -6,6 +6,11 @@ import time
 from typing import Any
 
 from airflow.configuration import conf
+from airflow.triggers.base import BaseTrigger
+
+from airflow_provider_sky.gang import GangStatus
+from airflow_provider_sky.hooks.sky import SkyHook
+from airflow_provider_sky.jobs import run_sync
 
 
 def resume_hold() -> float:
@@ -46,6 +51,24 @@ class GangWatchMixin:
         self.poll_interval = poll_interval
         self.grace = grace
         self.lost_after = lost_after
+
+    def _peek(self, job_id: Any) -> GangStatus:
+        """The job's state now (one call per node, no mark left on the nodes)."""
+        client = SkyHook(self.sky_conn_id).client(self.cluster)
+        try:
+            return client.peek(str(job_id))
+        finally:
+            client.close()
+
+    def _first_event(self, trigger: BaseTrigger) -> dict[str, Any]:
+        """Run ``trigger`` here until its event: for a job already over, no deferral is needed."""
+
+        async def first() -> dict[str, Any]:
+            async for event in trigger.run():
+                return dict(event.payload)
+            raise RuntimeError(f"{type(trigger).__name__} ended without an event")
+
+        return run_sync(first())
 
     def _watch_kwargs(self, job_id: Any, *, deferring: bool = True) -> dict[str, Any]:
         """The trigger keyword arguments common to SkyRankTrigger and SkyGangTrigger."""

@@ -12,7 +12,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_provider_sky.bridge import Bridge, BridgeError, BridgeRequest, log_path_for, start_bridge
 from airflow_provider_sky.gang import job_id_for
 from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, LaunchError, run_sync
+from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, LaunchError
 from airflow_provider_sky.operators._spec import SkySpecMixin, pop_spec_fields
 from airflow_provider_sky.spec import TaskSpec
 
@@ -156,8 +156,8 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
 
     def get_job_status(self, external_id: Any, context: Any) -> str:
         client = self._hook().client(self.cluster)
-        try:  # a one-off look: it must not count as a watcher on the nodes (mark=False)
-            status = run_sync(client.apoll(str(external_id), max_log=0, mark=False)).status
+        try:
+            status = client.peek(str(external_id))
         finally:
             client.close()
         if status.succeeded:

@@ -9,17 +9,10 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.jobs import run_sync
 from airflow_provider_sky.operators._watch import GangWatchMixin
 from airflow_provider_sky.triggers.gang import SkyRankTrigger
 
 RANK_LABEL = "rank {{ task.rank }}"
-
-
-async def _first_event(trigger: SkyRankTrigger) -> dict[str, Any]:
-    async for event in trigger.run():
-        return dict(event.payload)
-    raise RuntimeError("the rank trigger ended without an event")
 
 
 class SkyRankOperator(GangWatchMixin, BaseOperator):
@@ -73,18 +66,13 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
         if self._already_over():
             # A rank that ended before its task started needs no deferral (nor the triggerer round trip).
             self.log.info("Rank %s has already ended; reading its outcome now", self.rank)
-            return self.execute_complete(context, run_sync(_first_event(self._trigger(deferring=False))))
+            return self.execute_complete(context, self._first_event(self._trigger(deferring=False)))
         self.defer(trigger=self._trigger(), method_name="execute_complete")
         return None
 
     def _already_over(self) -> bool:
-        client = SkyHook(self.sky_conn_id).client(self.cluster)
-        try:  # a one-off look, not a watcher: it leaves no mark (the bridge keeps watching)
-            status = run_sync(client.apoll(str(self.job_id), max_log=0, mark=False)).status
-        finally:
-            client.close()
         try:
-            return status.by_rank(int(self.rank)).terminal
+            return self._peek(self.job_id).by_rank(int(self.rank)).terminal
         except KeyError:
             return False
 

@@ -9,15 +9,8 @@ from airflow.sdk import BaseSensorOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.jobs import run_sync
 from airflow_provider_sky.operators._watch import GangWatchMixin
 from airflow_provider_sky.triggers.gang import SkyGangTrigger
-
-
-async def _first_event(trigger: SkyGangTrigger) -> dict[str, Any]:
-    async for event in trigger.run():
-        return dict(event.payload)
-    raise RuntimeError("the gang trigger ended without an event")
 
 
 class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
@@ -53,15 +46,11 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
             # e.g. a rank failed at once and the job task's watcher cancelled the gang: no deferral,
             # so no triggerer round trip and no resume hold before the run can fail
             self.log.info("Job %s has already ended; reading its outcome now", self.ranks[0]["job_id"])
-            return self.execute_complete(context, run_sync(_first_event(self._trigger(deferring=False))))
+            return self.execute_complete(context, self._first_event(self._trigger(deferring=False)))
         self.defer(trigger=self._trigger(), method_name="execute_complete")
 
     def _already_over(self) -> bool:
-        client = SkyHook(self.sky_conn_id).client(self.cluster)
-        try:  # a one-off look, not a watcher: it leaves no mark
-            return run_sync(client.apoll(self.ranks[0]["job_id"], max_log=0, mark=False)).status.done
-        finally:
-            client.close()
+        return self._peek(self.ranks[0]["job_id"]).done
 
     def poke(self, context: Any) -> bool:  # only used if deferrable=False
         client = SkyHook(self.sky_conn_id).client(self.cluster)

@@ -19,7 +19,7 @@ from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 from airflow_provider_sky.gang import BAD, CANCELLED, SUCCEEDED, GangStatus
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import GangClient, Poll, watch
-from airflow_provider_sky.logtext import READ_CHUNK, LineSplitter
+from airflow_provider_sky.logtext import LineSplitter
 from airflow_provider_sky.runners.base import RunnerError
 
 #: log lines written between two yields to the event loop
@@ -211,21 +211,17 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 await asyncio.sleep(0)
 
     async def _catch_up(self, client: GangClient, lines: LineSplitter, offset: int, end: int) -> int:
-        """Log the rank's output from ``offset`` to ``end``, ``READ_CHUNK`` bytes per call.
+        """Log the rank's output from ``offset`` to ``end`` in bounded reads; returns where it got to.
 
         One call for the whole rest would hold all of it at once (a rank printing 200 MB drove the
-        watcher past 1 GB); chunks keep the memory bounded whatever the rank printed.
+        watcher past 1 GB).
         """
-        while offset < end:
-            try:
-                data = await client.aread_log(self.job_id, self.rank, offset, min(READ_CHUNK, end - offset))
-            except RunnerError as exc:
-                self.log.warning("Could not read rank %s's output past byte %s: %s", self.rank, offset, exc)
-                break
-            if not data:
-                break
-            await self._log_lines(lines.feed(data))
-            offset += len(data)
+        try:
+            async for data in client.aread_range(self.job_id, self.rank, offset, end):
+                await self._log_lines(lines.feed(data))
+                offset += len(data)
+        except RunnerError as exc:
+            self.log.warning("Could not read rank %s's output past byte %s: %s", self.rank, offset, exc)
         return offset
 
     async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
