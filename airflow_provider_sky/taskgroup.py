@@ -28,6 +28,7 @@ def sky_gang(
     lost_after: float = 10.0,
     down: bool = True,
     orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT,
+    idle_down: float | None = None,
     **spec_fields: Any,
 ) -> TaskGroup:
     """Build the whole gang pattern in a TaskGroup from a SkyPilot YAML, a dict, or the fields.
@@ -37,7 +38,9 @@ def sky_gang(
     lease on it, so the next run's teardown removes it. With ``down=True`` runs sharing a
     ``cluster_name`` each hold a lease: the last one's teardown removes the cluster.
     ``orphan_timeout``: the nodes kill a setup or job nothing polled for that many seconds (a lost
-    scheduler, a killed ``dags test``); 0 or None turns it off.
+    scheduler, a killed ``dags test``); 0 or None turns it off. ``idle_down``: the nodes tear the
+    cluster down once nothing has run on it for that many seconds (SkyPilot's autodown, for
+    ``down=False``); None: never.
     """
     spec_args: dict[str, Any] = {"task_yaml": task_yaml, "task_config": task_config, **spec_fields}
     watch: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
@@ -48,6 +51,7 @@ def sky_gang(
             down_on_failure=down,
             lease=down,  # without a down task nothing would release it
             orphan_timeout=orphan_timeout,
+            idle_down=idle_down,
             **spec_args,
             **watch,
         )
@@ -56,6 +60,7 @@ def sky_gang(
             cluster=cluster.output,
             lost_after=lost_after,
             orphan_timeout=orphan_timeout,
+            idle_down=idle_down,
             **spec_args,
             **watch,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -174,3 +175,20 @@ def test_provider_is_registered() -> None:
         [sys.executable, "-m", "airflow", "providers", "list", "-o", "plain"], capture_output=True, text=True
     )
     assert "airflow-provider-sky" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_kept_cluster_goes_down_after_idle_down(sky_home: Path) -> None:
+    """``sky_gang(down=False, idle_down=3)``: the run leaves the cluster; the nodes remove it once idle."""
+    from airflow_provider_sky.backends.local import LocalBackend
+
+    dr, tis = _run("sky_test_idle_down", folder="tests/dags")
+    assert str(dr.state) == "success"
+    assert ("down", -1) not in tis
+    backend = LocalBackend(sky_home)
+    assert backend.find("sky-idle-kept") is not None, "kept after the run"
+    deadline = time.time() + 30
+    while backend.find("sky-idle-kept") is not None and time.time() < deadline:
+        time.sleep(0.2)
+    assert backend.find("sky-idle-kept") is None, "the idle cluster is still there"
+    assert not (sky_home / "local" / "sky-idle-kept").exists()
+    assert not processes_under(sky_home), "the rank's background sleep outlived the idle cluster"

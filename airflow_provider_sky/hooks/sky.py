@@ -165,10 +165,12 @@ class SkyHook(BaseHook):
         poll_interval: float = 0.5,
         grace: float = 3.0,
         orphan_timeout: float = DEFAULT_ORPHAN_TIMEOUT,
+        idle_down: float = 0,
     ) -> None:
         """Setup on every node at once; the first failure stops the rest and raises :class:`SetupFailed`.
 
         ``orphan_timeout``: the nodes kill the setup when nothing polled it for that long (0: never).
+        ``idle_down``: the nodes tear the cluster down once nothing ran on it for that long (0: never).
 
         Every node's setup log is read to its end (in bounded chunks) before this returns or raises,
         so no line is lost and a failure quotes the real last lines of the failed nodes' logs.
@@ -188,7 +190,9 @@ class SkyHook(BaseHook):
                 tail.append(line)
 
         async def go() -> GangStatus:
-            await client.alaunch(spec, job_id, stage="setup", orphan_timeout=orphan_timeout)
+            await client.alaunch(
+                spec, job_id, stage="setup", orphan_timeout=orphan_timeout, idle_down=idle_down
+            )
             state = MonitorState()
             last = None
             async for poll in watch(client, job_id, poll_interval=poll_interval, grace=grace, state=state):

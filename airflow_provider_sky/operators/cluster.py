@@ -42,6 +42,8 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         a later run's teardown can remove the cluster.
     :param orphan_timeout: the nodes kill the setup when nothing polled it for that many seconds (this
         task's worker died); 0 or None turns it off.
+    :param idle_down: tear the cluster down on its nodes once nothing has run on it for that many
+        seconds (SkyPilot's autodown, for a cluster kept with ``down=False``); None: never.
     """
 
     template_fields: Sequence[str] = ("task_yaml", "task_config", "spec_overrides", "cluster_name")
@@ -59,6 +61,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         down_on_failure: bool = True,
         lease: bool = True,
         orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT,
+        idle_down: float | None = None,
         **kwargs: Any,
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
@@ -73,6 +76,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         self.down_on_failure = down_on_failure
         self.lease = lease
         self.orphan_timeout = orphan_timeout
+        self.idle_down = idle_down
         self._provisioning: str | None = None
         self._holder: str = ""
 
@@ -135,6 +139,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
                     poll_interval=self.poll_interval,
                     grace=self.grace,
                     orphan_timeout=float(self.orphan_timeout or 0),
+                    idle_down=float(self.idle_down or 0),
                 )
             except SetupFailed as exc:
                 raise AirflowFailException(str(exc)) from exc

@@ -39,6 +39,8 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         gang until the triggers run).
     :param bridge_timeout: the bridge gives up after this many seconds without any other watcher
         (default: ``orphan_timeout``, or 300 s when that is off).
+    :param idle_down: tear the cluster down on its nodes once nothing has run on it for that many
+        seconds (SkyPilot's autodown, for a cluster kept with ``down=False``); None: never.
     """
 
     template_fields: Sequence[str] = ("task_yaml", "task_config", "spec_overrides", "cluster")
@@ -56,6 +58,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         grace: float = 3.0,
         lost_after: float = 10.0,
         orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT,
+        idle_down: float | None = None,
         bridge: bool = True,
         bridge_timeout: float | None = None,
         **kwargs: Any,
@@ -69,6 +72,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         self.grace = grace
         self.lost_after = lost_after
         self.orphan_timeout = orphan_timeout
+        self.idle_down = idle_down
         self.bridge = bridge
         self.bridge_timeout = bridge_timeout
         self._launched_here = False
@@ -111,7 +115,12 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
                     bridge.log_path,
                 )
             else:
-                started = client.launch(spec, job_id, orphan_timeout=float(self.orphan_timeout or 0))
+                started = client.launch(
+                    spec,
+                    job_id,
+                    orphan_timeout=float(self.orphan_timeout or 0),
+                    idle_down=float(self.idle_down or 0),
+                )
                 self.log.info("Started: %s", started)
         except LaunchError as exc:
             raise AirflowFailException(f"gang start failed, no rank left running: {exc}") from exc
@@ -142,6 +151,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
             job_id=job_id,
             spec=spec.to_dict(include_secrets=True) if spec is not None else None,
             orphan_timeout=orphan,
+            idle_down=float(self.idle_down or 0),
             poll_interval=float(self.poll_interval),
             grace=float(self.grace),
             lost_after=float(self.lost_after),
