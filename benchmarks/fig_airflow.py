@@ -89,6 +89,12 @@ def _why(stack: Any, dag_id: str, run_id: str) -> str:
     return "\n".join(out)
 
 
+def _last_sibling_end(stack: Any, dag_id: str, run_id: str, failing: int) -> float | None:
+    """When the last cancelled sibling's process ended (its wrapper's own ``end`` timestamp)."""
+    ends = [_rank_end(stack, dag_id, run_id, r) for r in range(RANKS) if r != failing]
+    return None if None in ends else max(e for e in ends if e is not None)
+
+
 def _rank_end(stack: Any, dag_id: str, run_id: str, rank: int) -> float | None:
     """The failing rank's own end timestamp (the ``sky_rank`` XCom its task pushes)."""
     with contextlib.suppress(Exception):
@@ -156,12 +162,15 @@ def run(
     ssh_true: list[float] = []
     sky_fail: list[float] = []
     sky_fail_latency: list[float] = []
+    once_failed: list[float] = []
+    once_siblings: list[float] = []
     timelines: dict[str, Any] = {}
     for i in range(plan.e2e_reps):
         for dag_id, want, into in (
             ("bench_sky_true", "success", sky_true),
             ("bench_ssh_true", "success", ssh_true),
             ("bench_sky_fail_fast", "failed", sky_fail),
+            ("bench_sky_at_once", "failed", []),
         ):
             rid, state, s, e = _run(stack, dag_id)
             if state != want:
@@ -170,13 +179,23 @@ def run(
                 )
             into.append(e - s)
             timelines.setdefault(dag_id, []).append(timeline(stack, dag_id, rid, s))
-        rank_end = _rank_end(stack, "bench_sky_fail_fast", rid, 2)
-        if rank_end is not None:
-            sky_fail_latency.append(e - rank_end)
+            rank_end = _rank_end(stack, dag_id, rid, 2)
+            if dag_id == "bench_sky_fail_fast" and rank_end is not None:
+                sky_fail_latency.append(e - rank_end)
+            if dag_id == "bench_sky_at_once" and rank_end is not None:
+                once_failed.append(e - rank_end)
+                last = _last_sibling_end(stack, dag_id, rid, 2)
+                if last is not None:
+                    once_siblings.append(last - rank_end)
         log(
             f"  fig4 #{i + 1}: sky true {sky_true[-1]:.1f} s, ssh true {ssh_true[-1]:.1f} s, "
             f"sky fail-fast {sky_fail[-1]:.1f} s"
-            + (f" (rank 2 exit -> run failed {sky_fail_latency[-1]:.1f} s)" if rank_end else "")
+            + (f" (rank 2 exit -> run failed {sky_fail_latency[-1]:.1f} s)" if sky_fail_latency else "")
+            + (
+                f"; fails at once: siblings gone {once_siblings[-1]:.2f} s, run failed {once_failed[-1]:.1f} s"
+                if once_siblings and once_failed
+                else ""
+            )
         )
     cap = plan.e2e_cap
     capped = _capped_run(stack, hosts, "bench_ssh_fail_fast", cap, log)
@@ -203,6 +222,14 @@ def run(
             extra={"tasks": timelines["bench_sky_fail_fast"]},
         ),
         Row("4 fail-fast: sky rank 2 exit -> run failed", RANKS, sky_fail_latency),
+        Row(
+            "4 fails at once: rank 2 exit -> last sibling gone",
+            RANKS,
+            once_siblings,
+            note="goal < 1 s; from the ranks' own end timestamps",
+            extra={"tasks": timelines["bench_sky_at_once"]},
+        ),
+        Row("4 fails at once: rank 2 exit -> run failed", RANKS, once_failed, note="goal < 10 s"),
     ]
     if capped["capped"]:
         rows.append(

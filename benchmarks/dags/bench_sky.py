@@ -2,6 +2,8 @@
 
 ``bench_sky_true``: every rank runs ``true``. ``bench_sky_fail_fast``: rank 2 exits 1 after 2 s, the
 others ``sleep 10000`` (the run fails as soon as the gang fails; siblings are cancelled).
+``bench_sky_at_once``: the same with rank 2 exiting at once (the seed scenario as written), long
+before any rank task runs: only the job task's launch-side watcher can cancel the siblings then.
 The connection comes from ``AIRFLOW_CONN_SKY_BENCH``, set by ``benchmarks.run``.
 """
 
@@ -21,7 +23,13 @@ fi
 sleep 10000
 """
 
-for dag_id, run in (("bench_sky_true", "true"), ("bench_sky_fail_fast", FAIL)):
+AT_ONCE = FAIL.replace("    sleep 2\n", "")
+
+for dag_id, run in (
+    ("bench_sky_true", "true"),
+    ("bench_sky_fail_fast", FAIL),
+    ("bench_sky_at_once", AT_ONCE),
+):
     with DAG(
         dag_id,
         schedule=None,
