@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from airflow_provider_sky import runtime
 from airflow_provider_sky.backends.base import Backend, ClusterHandle, Node
 from airflow_provider_sky.gang import (
+    BAD,
     LOST,
     GangStatus,
     RankStatus,
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 FANOUT_LIMIT = 64
 DEFAULT_LOG_CHUNK = 256 * 1024
+#: how often a gang start looks at the ranks it already started (a failure there stops the start)
+LAUNCH_WATCH_INTERVAL = 0.2
 #: seconds without any poll after which the nodes kill a job (a lost scheduler, a killed ``dags test``)
 DEFAULT_ORPHAN_TIMEOUT = 300.0
 
@@ -156,17 +159,32 @@ class GangClient:
         *,
         orphan_timeout: float = DEFAULT_ORPHAN_TIMEOUT,
         idle_down: float = 0,
+        grace: float = 3.0,
     ) -> dict[int, str]:
-        """Start every rank at once. Returns rank → ``STARTED``/``EXISTS``; on any failure cancels all.
+        """Start every rank at once. Returns rank → ``STARTED``/``EXISTS``/``CANCELLED``.
 
-        ``orphan_timeout``: the nodes kill the job when nothing polled it for that long (0: never).
-        ``idle_down``: the nodes tear the cluster down once nothing ran on it for that long (0: never).
+        A gang start over many nodes takes a while (seconds at 64 SSH hosts), so it is watched while
+        it runs: once a started rank has failed, the started ones are cancelled (SIGKILL after
+        ``grace``) and the rest are not started but recorded ``CANCELLED``; the job then reads as
+        failed, root cause included. A launch that fails cancels every rank and raises
+        :class:`LaunchError`. ``orphan_timeout``: the nodes kill the job when nothing polled it for
+        that long (0: never). ``idle_down``: the nodes tear the cluster down once nothing ran on it
+        for that long (0: never).
         """
         runtime.check_job_id(job_id)
         launches = self.rank_launches(spec, job_id, stage)
+        started: list[int] = []
+        failed: list[str] = []  # the cancel reason, once a started rank has failed
 
         async def one(rl: runtime.RankLaunch) -> str:
             node = self.node_of(rl.rank)
+            await self.runner(node).aconnect()  # the handshake first: start or skip decided after it
+            if failed:
+                args = [node.root, job_id, str(rl.rank), failed[0]]
+                res = await self.runner(node).arun_script(runtime.NEVER_STARTED_SCRIPT, args, timeout=60)
+                if res.returncode != 0:
+                    raise LaunchError(f"rank {rl.rank} ({node.ip}): could not record it: {res.error_text}")
+                return res.text.strip() or "CANCELLED"
             guard = self.guard(rl.rank, orphan_timeout, idle_down)
             script = runtime.launch_script(node.root, job_id, [rl], guard=guard)
             res = await self.runner(node).arun_script(script, timeout=60)
@@ -175,13 +193,40 @@ class GangClient:
                 raise LaunchError(f"rank {rl.rank} ({node.ip}): launch failed: {res.error_text}")
             if "NOSTART" in words:
                 raise LaunchError(f"rank {rl.rank} ({node.ip}): the rank wrapper did not start")
+            started.append(rl.rank)
+            if failed:  # it was on its way when a sibling failed: cancel it at once
+                await self.acancel(job_id, [rl.rank], grace, wait=False, reason=failed[0])
             return "EXISTS" if "EXISTS" in words else "STARTED"
 
-        results = await fan_out(one, launches)
+        async def watch_start() -> list[int]:
+            """Poll the started ranks until one failed; cancel those; return the ranks cancelled."""
+            while True:
+                await asyncio.sleep(LAUNCH_WATCH_INTERVAL)
+                if not started:
+                    continue
+                status = (await self.apoll(job_id, max_log=0, ranks=list(started), mark=False)).status
+                if any(r.state in BAD for r in status.ranks):
+                    failed.append(cancel_reason(status))
+                    pending = [r.rank for r in status.ranks if not r.terminal]
+                    await self.acancel(job_id, pending, grace, wait=False, reason=failed[0])
+                    return pending
+
+        watcher = asyncio.ensure_future(watch_start()) if len(launches) > 1 else None
+        try:
+            results = await fan_out(one, launches)
+        finally:
+            if watcher is not None and not watcher.done():
+                watcher.cancel()
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self.acancel(job_id, grace=1.0, reason="the gang start failed")
             raise LaunchError("; ".join(str(e) for e in errors))
+        if failed and watcher is not None and not watcher.cancelled() and watcher.exception() is None:
+            # ranks started after the failing poll's snapshot that did not see the failure yet
+            late = sorted(set(started) - set(watcher.result()))
+            if late:
+                await self.acancel(job_id, late, grace, wait=False, reason=failed[0])
+            log.info("A rank of job %s failed during the gang start: %s", job_id, failed[0])
         return {rl.rank: str(r) for rl, r in zip(launches, results, strict=False)}
 
     def launch(self, spec: TaskSpec, job_id: str, stage: str = "run", **guards: float) -> dict[int, str]:
@@ -351,6 +396,12 @@ class GangClient:
         run_sync(self.acancel(job_id, ranks, grace, reason=reason))
 
 
+def cancel_reason(status: GangStatus) -> str:
+    """What the siblings of a failed rank read as the reason of their cancel."""
+    cause = status.root_cause()
+    return f"rank {cause.rank} failed first" if cause else "a rank failed"
+
+
 @dataclass
 class MonitorState:
     """What a watcher carries between polls: log offsets and when a node first stopped answering."""
@@ -400,9 +451,7 @@ async def watch(
             pending = [r.rank for r in poll.status.ranks if not r.terminal]
             if pending:
                 log.info("Rank failed; cancelling ranks %s of job %s", pending, job_id)
-                cause = poll.status.root_cause()
-                why = f"rank {cause.rank} failed first" if cause else "a rank failed"
-                await client.acancel(job_id, pending, grace, wait=False, reason=why)
+                await client.acancel(job_id, pending, grace, wait=False, reason=cancel_reason(poll.status))
             poll.status.cancel_requested = True
         yield poll
         if poll.status.done:

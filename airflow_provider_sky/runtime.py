@@ -252,6 +252,21 @@ exit 0
 """.replace("__KILLER__", KILLER)
 )
 
+#: A rank the gang start skips because a sibling already failed: its record says cancelled (exit 143,
+#: the reason in ``cancel``) without anything having run. ``root job rank reason``; an existing rank
+#: directory is left alone (``EXISTS``).
+NEVER_STARTED_SCRIPT = r"""
+root=$1; d="$root/jobs/$2/$3"; reason=$4
+if [ -e "$d" ]; then echo "EXISTS"; exit 0; fi
+umask 077
+mkdir -p "$d"
+printf '%s\n' "$reason" > "$d/cancel"
+t=$(date +%s.%N 2>/dev/null); case "$t" in *N*|'') t=$(date +%s);; esac
+printf '%s\n' "$t" > "$d/start"; printf '%s\n' "$t" > "$d/end"
+echo 143 > "$d/exit.tmp" && mv "$d/exit.tmp" "$d/exit"
+echo "CANCELLED"
+"""
+
 #: Kill everything any job under ``root`` started (found by the mark, so a lost job directory or
 #: exit file loses nothing), stop the node's keeper, then remove ``root`` (teardown of one node).
 TEARDOWN_SCRIPT = r"""

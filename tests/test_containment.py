@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import time
@@ -9,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from airflow_provider_sky.backends.base import Node
+from airflow_provider_sky.backends.local import LocalBackend
+from airflow_provider_sky.jobs import GangClient
+from airflow_provider_sky.runners.local import LocalRunner
 from airflow_provider_sky.spec import task_from_args
 from gangs import local_gang, wait_done
 
@@ -190,3 +195,45 @@ def test_a_running_job_keeps_an_idle_down_cluster(sky_home: Path) -> None:
     assert b.find("c") is not None
     assert client.poll("job", max_log=0).status.ranks[0].state == "running"
     b.terminate("c")
+
+
+class _SlowHandshakeRunner(LocalRunner):
+    """A local node whose connection takes ``delay`` seconds to open, like a far SSH host."""
+
+    def __init__(self, host: str, home: str, delay: float) -> None:
+        super().__init__(host, home)
+        self.delay = delay
+
+    async def aconnect(self) -> None:
+        await asyncio.sleep(self.delay)
+
+
+class _SlowStartBackend(LocalBackend):
+    """Nodes 4 and up answer 1.5 s late: the gang start is still running when rank 1 fails."""
+
+    def runner(self, node: Node) -> LocalRunner:
+        rank = int(node.node_id.split("-")[1])
+        return _SlowHandshakeRunner(node.ip, node.home, 1.5 if rank >= 4 else 0.0)
+
+
+def test_a_rank_failing_during_the_gang_start_stops_it(sky_home: Path) -> None:
+    b = _SlowStartBackend(sky_home)
+    run = 'touch "$HOME/ran"; if [ "$SKYPILOT_NODE_RANK" = 1 ]; then exit 1; fi; sleep 10000'
+    spec = task_from_args(num_nodes=8, run=run)
+    client = GangClient(b, b.provision("c", spec))
+    started = client.launch(spec, "job", grace=1.0)
+    assert started == {**dict.fromkeys(range(4), "STARTED"), **dict.fromkeys(range(4, 8), "CANCELLED")}
+    status = client.peek("job")
+    assert status.root_cause() is not None and status.root_cause().rank == 1
+    fail_end = status.by_rank(1).end
+    for r in status.ranks:
+        if r.rank == 1:
+            continue
+        assert r.state == "cancelled" and r.reason == "cancelled: rank 1 failed first", r
+    for rank in range(8):
+        assert (Path(client.node_of(rank).home) / "ran").exists() == (rank < 4), f"rank {rank}"
+    assert _wait_for(lambda: all(r.terminal for r in client.peek("job").ranks), 5)
+    ends = [r.end for r in client.peek("job").ranks if r.rank in (0, 2, 3)]
+    assert fail_end is not None and max(e for e in ends if e) - fail_end < 1.0
+    b.terminate("c")
+    assert not _alive(_marked(str(sky_home)))

@@ -79,5 +79,9 @@ class CommandRunner(ABC):
     ) -> RunResult:
         """Same as :meth:`run_script` without blocking the event loop."""
 
+    async def aconnect(self) -> None:  # noqa: B027 - optional hook, most runners hold nothing
+        """Open the connection ahead of a call, so the call itself goes out at once (a gang start
+        decides at the last moment whether a rank still starts)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook, most runners hold nothing
         """Release connections; the runner may be used again afterwards (it reconnects)."""

@@ -903,6 +903,12 @@ class SSHRunner(CommandRunner):
             pass
         return b"".join(out), b"".join(err)
 
+    async def aconnect(self) -> None:
+        """Establish (or reuse) the pooled transport; errors are left for the call that follows."""
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(Exception):
+            await loop.run_in_executor(_executor(), self._transport)
+
     async def arun_script(
         self, script: str, args: list[str] | None = None, timeout: float | None = None
     ) -> RunResult:
