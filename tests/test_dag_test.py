@@ -121,7 +121,7 @@ def test_sky_segfault(sky_home: Path, capfd: pytest.CaptureFixture[str]) -> None
     text = _out(capfd)
     assert str(dr.state) == "failed"
     assert "segmentation fault (SIGSEGV)" in text
-    assert "rank 1 (127.0.1.2) exited with code 139: segmentation fault (SIGSEGV)" in text
+    assert "rank 1 (127.1.0.2) exited with code 139: segmentation fault (SIGSEGV)" in text
     assert tis[("down", -1)].state == "success"
 
 
@@ -130,7 +130,7 @@ def test_sky_failed_setup(sky_home: Path, capfd: pytest.CaptureFixture[str]) -> 
     text = _out(capfd)
     assert str(dr.state) == "failed"
     assert tis[("cluster", -1)].state == "failed"
-    assert "FAILED_SETUP" in text and "rank 1 (127.0.1.2) exit code 1" in text
+    assert "FAILED_SETUP" in text and "rank 1 (127.1.0.2) exit code 1" in text
     assert "pip install failed: no matching distribution" in text  # the tail of its setup log
     assert "Setup stopped on ranks [0, 2]" in text
     assert tis[("job", -1)].state == "upstream_failed"
@@ -143,7 +143,7 @@ def test_sky_yaml(sky_home: Path, capfd: pytest.CaptureFixture[str]) -> None:
     dr, tis = _run("sky_yaml")
     text = _out(capfd)
     assert str(dr.state) == "success"
-    assert "hello from a SkyPilot YAML: rank 1/2, master 127.0.1.1:29511" in text
+    assert "hello from a SkyPilot YAML: rank 1/2, master 127.1.0.1:29511" in text
     assert "training step on rank 0" in text
     assert _states(tis, "rank") == {0: "success", 1: "success"}
 

@@ -14,12 +14,23 @@ from airflow_provider_sky.spec import SpecError, check_backend, task_from_args
 def test_nodes_get_their_own_loopback_ip_and_home(sky_home: Path) -> None:
     b = LocalBackend(sky_home)
     h = b.provision("a", task_from_args(num_nodes=3, run="true"))
-    assert h.ips == ["127.0.1.1", "127.0.1.2", "127.0.1.3"]
+    assert h.ips == ["127.1.0.1", "127.1.0.2", "127.1.0.3"]
     assert len({n.home for n in h.nodes}) == 3
     other = b.provision("b", task_from_args(num_nodes=2, run="true"))
     assert not set(other.ips) & set(h.ips)
     b.terminate("a")
     b.terminate("b")
+
+
+def test_a_1024_node_cluster_gets_distinct_addresses_in_rank_order(sky_home: Path) -> None:
+    """The old plan (``127.0.<block>.<i+1>``) stopped at 128 nodes; users try 1,024."""
+    b = LocalBackend(sky_home)
+    h = b.provision("big", task_from_args(num_nodes=1024, run="true"))
+    assert len(set(h.ips)) == 1024
+    assert h.ips[:2] == ["127.1.0.1", "127.1.0.2"] and h.ips[254] == "127.1.1.1" and h.ips[-1] == "127.1.4.8"
+    small = b.provision("small", task_from_args(num_nodes=2, run="true"))
+    assert not set(small.ips) & set(h.ips)
+    assert b.terminate("big").removed and b.terminate("small").removed
 
 
 def test_reuse_keeps_rank_order_and_mismatch_is_clear(sky_home: Path) -> None:
@@ -35,7 +46,7 @@ def test_reuse_keeps_rank_order_and_mismatch_is_clear(sky_home: Path) -> None:
 def test_backend_limits_are_checked_before_provisioning(sky_home: Path) -> None:
     b = LocalBackend(sky_home)
     with pytest.raises(SpecError, match="num_nodes"):
-        check_backend(task_from_args(num_nodes=500, run="true"), b.capabilities)
+        check_backend(task_from_args(num_nodes=5000, run="true"), b.capabilities)
     with pytest.raises(SpecError, match="accelerators"):
         check_backend(
             task_from_args(num_nodes=1, run="true", resources={"accelerators": "V100:1"}), b.capabilities

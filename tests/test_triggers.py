@@ -67,7 +67,7 @@ def test_rank_trigger_streams_the_log_and_reports_root_cause(
     assert [e["state"] for e in events[:3]] == ["cancelled", "failed", "cancelled"]
     assert events[1]["reason"] == "segmentation fault (SIGSEGV)"
     for e in (events[0], events[2], events[3]):
-        assert "rank 1 (127.0.1.2) exited with code 139: segmentation fault (SIGSEGV)" in e["message"]
+        assert "rank 1 (127.1.0.2) exited with code 139: segmentation fault (SIGSEGV)" in e["message"]
     assert events[3]["state"] == "failed"
     for r in range(3):
         assert f"hello from {r}" in text

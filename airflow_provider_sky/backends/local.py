@@ -1,7 +1,8 @@
 """The embedded default: N "nodes" on this machine, each with its own loopback IP and home.
 
-Node i of a cluster gets ``127.0.<block>.<i+1>`` (Linux routes all of 127/8 to ``lo``, so a rank can
-bind its own address) and the directory ``<state>/local/<cluster>/node-<i>`` as its home. Cluster
+Node i of a cluster gets ``127.<block>.<i // 254>.<i % 254 + 1>`` (Linux routes all of 127/8 to ``lo``,
+so a rank can bind its own address; 254 clusters of up to 4,096 nodes, clear of the ``127.0.x.x`` the
+SSH test hosts use) and the directory ``<state>/local/<cluster>/node-<i>`` as its home. Cluster
 records (with the rank order and the leases, see ``backends.base``) live in
 ``<state>/local/clusters/<name>.json`` and change only under an ``fcntl`` lock.
 """
@@ -40,7 +41,12 @@ from airflow_provider_sky.spec import BackendCapabilities, SpecError, TaskSpec
 
 log = logging.getLogger(__name__)
 
-LOCAL_MAX_NODES = 128
+LOCAL_MAX_NODES = 4096
+
+
+def node_ip(block: int, i: int) -> str:
+    """The loopback address of node ``i`` of the cluster holding address block ``block``."""
+    return f"127.{block}.{i // 254}.{i % 254 + 1}"
 
 
 def default_state_dir() -> Path:
@@ -115,7 +121,7 @@ class LocalBackend(Backend):
         for block in range(1, 255):
             if block not in used:
                 return block
-        raise BackendError("local backend: all 254 address blocks (127.0.1-254.x) are in use; down a cluster")
+        raise BackendError("local backend: all 254 address blocks (127.1-254.x.x) are in use; down a cluster")
 
     def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
         for key, _path in spec.file_mounts.items():
@@ -141,7 +147,7 @@ class LocalBackend(Backend):
             return ClusterHandle.from_dict(record)
         block = self._free_block()
         cluster_dir = self.base / name
-        ips = [f"127.0.{block}.{i + 1}" for i in range(spec.num_nodes)]
+        ips = [node_ip(block, i) for i in range(spec.num_nodes)]
         nodes = []
         for i, ip in enumerate(rank_order(ips, head=ips[0])):
             home = cluster_dir / f"node-{i}"
