@@ -48,13 +48,77 @@ class LaunchError(Exception):
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine from sync code, also when the caller already runs an event loop."""
+    """Run a coroutine from sync code, also when the caller already runs an event loop.
+
+    The coroutine runs on a loop of our own whose shutdown is bounded (:func:`_run_owned`):
+    ``asyncio.run`` waits without limit for leftover tasks to end, and a status call that never
+    answered once hung a rank task there for good. From inside a running loop it runs in a
+    thread of its own, which is not joined beyond that same bound.
+    """
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
+        return _run_owned(coro)
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sky-run-sync")
+    try:
+        return pool.submit(_run_owned, coro).result()
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _run_owned(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on a new loop, then cancel what it left running and close the loop, bounded.
+
+    Leftover tasks get :data:`CLEANUP_TIMEOUT` to end after their cancel (ours kill and reap their
+    processes well within it); one that does not is logged and dropped. The loop's default executor
+    is ours too, shut down without joining a thread that may be stuck.
+    """
+    loop = asyncio.new_event_loop()
+    executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="sky-run-sync-io")
+    loop.set_default_executor(executor)
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            _cancel_leftovers(loop)
+            loop.run_until_complete(_bounded_wait(loop.shutdown_asyncgens(), "async generators"))
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+#: seconds ``run_sync`` gives leftover tasks (and async generators) to end once cancelled
+CLEANUP_TIMEOUT = 5.0
+
+
+async def _bounded_wait(aw: Awaitable[Any], what: str) -> None:
+    try:
+        await asyncio.wait_for(aw, CLEANUP_TIMEOUT)
+    except asyncio.TimeoutError:
+        log.warning("Closing %s took over %ss; left behind", what, CLEANUP_TIMEOUT)
+
+
+def _cancel_leftovers(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel the tasks ``loop`` still has and wait for them, at most :data:`CLEANUP_TIMEOUT`."""
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    if not tasks:
+        return
+    for task in tasks:
+        task.cancel()
+    loop.run_until_complete(asyncio.wait(tasks, timeout=CLEANUP_TIMEOUT))
+    stuck = [t for t in tasks if not t.done()]
+    if stuck:
+        log.warning(
+            "%d task(s) did not end within %ss of their cancel; left behind: %s",
+            len(stuck),
+            CLEANUP_TIMEOUT,
+            stuck,
+        )
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            log.debug("A leftover task failed: %r", task.exception())
 
 
 async def fan_out(
@@ -68,6 +132,22 @@ async def fan_out(
             return await fn(item)
 
     return await asyncio.gather(*(one(i) for i in items), return_exceptions=True)
+
+
+#: seconds to wait for an abandoned call to end once cancelled (runners kill their script within it)
+CANCEL_WAIT = 1.0
+
+
+async def _cancel_bounded(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel the unfinished ``tasks`` and wait for them, at most :data:`CANCEL_WAIT`; log the rest."""
+    left = [t for t in tasks if not t.done()]
+    for task in left:
+        task.cancel()
+    if not left:
+        return
+    _, stuck = await asyncio.wait(left, timeout=CANCEL_WAIT)
+    if stuck:
+        log.warning("%d call(s) still ending %ss after their cancel", len(stuck), CANCEL_WAIT)
 
 
 @dataclass
@@ -91,7 +171,6 @@ class GangClient:
         self.secret_values: list[str] = []
         #: how long one poll waits for a node before counting it unreachable for that round
         self.status_timeout = 5.0
-        self._pending: dict[int, asyncio.Task[Any]] = {}
 
     def runner(self, node: Node) -> CommandRunner:
         if node.node_id not in self._runners:
@@ -215,8 +294,8 @@ class GangClient:
         try:
             results = await fan_out(one, launches)
         finally:
-            if watcher is not None and not watcher.done():
-                watcher.cancel()
+            if watcher is not None:
+                await _cancel_bounded([watcher])
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self.acancel(job_id, grace=1.0, reason="the gang start failed")
@@ -301,25 +380,24 @@ class GangClient:
         """Ask every node at once, but never wait past ``status_timeout`` for one that hangs.
 
         A dead or black-holed host would otherwise stall every poll of the gang for its connect
-        retries. Its call keeps running in the background; while it does, that node is not asked
-        again (so calls don't pile up) and counts as unreachable for the round.
+        retries. A call without an answer in time is cancelled (its runner kills the script and
+        reaps it) and that node counts as unreachable for the round; nothing is left running in
+        the background, so the next round asks it afresh and calls never pile up.
         """
-        out: list[Any] = [None] * len(ranks)
-        tasks: dict[int, asyncio.Task[Any]] = {}
-        for i, rank in enumerate(ranks):
-            pending = self._pending.get(rank)
-            if pending is not None and not pending.done():
-                out[i] = RunnerError(self.node_of(rank).ip, "the previous status call is still unanswered")
-                continue
-            tasks[i] = self._pending[rank] = asyncio.ensure_future(fn(rank))
-        if tasks:
-            await asyncio.wait(tasks.values(), timeout=self.status_timeout)
-        for i, task in tasks.items():
-            if task.done():
-                self._pending.pop(ranks[i], None)
-                out[i] = task.exception() or task.result()
-            else:
-                out[i] = RunnerError(self.node_of(ranks[i]).ip, f"no answer within {self.status_timeout:g}s")
+        tasks = [asyncio.ensure_future(fn(rank)) for rank in ranks]
+        try:
+            if tasks:
+                await asyncio.wait(tasks, timeout=self.status_timeout)
+        finally:
+            await _cancel_bounded(tasks)
+        out: list[Any] = []
+        for rank, task in zip(ranks, tasks, strict=True):
+            if task.cancelled():
+                out.append(RunnerError(self.node_of(rank).ip, f"no answer within {self.status_timeout:g}s"))
+            elif task.done():
+                out.append(task.exception() or task.result())
+            else:  # its cancel did not finish in time: reported the same, ends on its own
+                out.append(RunnerError(self.node_of(rank).ip, f"no answer within {self.status_timeout:g}s"))
         return out
 
     def poll(

@@ -107,6 +107,10 @@ class CommandTimeout(RunnerError):
     """The script did not finish within ``timeout``; its channel was closed."""
 
 
+class CallAbandoned(RunnerError):
+    """The caller of :meth:`SSHRunner.arun_script` was cancelled; the script was stopped."""
+
+
 # --------------------------------------------------------------------------------------------- config
 
 
@@ -718,6 +722,39 @@ class _Wakeup(threading.Event):
 
 #: after a timeout, seconds between SIGTERM and SIGKILL of the script's process group
 KILL_GRACE = 1.0
+#: how long a cancelled :meth:`SSHRunner.arun_script` waits for its thread to stop the script
+ABANDON_WAIT = 2 * KILL_GRACE + 0.5
+
+
+class _Abandon:
+    """Set from the event loop when the caller of a call gave up; the thread running it stops.
+
+    A cancelled ``run_in_executor`` future does not stop its thread: without this, the thread kept
+    pumping a hung channel (and the remote script kept running) long after the poll moved on.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self._wake: threading.Event | None = None
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            wake = self._wake
+        if wake is not None:
+            wake.set()
+
+    def wake_on_set(self, wake: threading.Event) -> None:
+        """Have :meth:`set` wake ``wake`` (the channel loop's event)."""
+        with self._lock:
+            self._wake = wake
+            if self._set:
+                wake.set()
+
+    def check(self, host: str) -> None:
+        if self._set:
+            raise CallAbandoned(host, "the caller gave up on this call; the script was stopped")
 
 
 def _signal_channel(chan: Channel, name: str) -> None:
@@ -738,6 +775,26 @@ def _stop_remote(chan: Channel) -> None:
         if not chan.status_event.wait(KILL_GRACE):
             _signal_channel(chan, "KILL")
             chan.status_event.wait(KILL_GRACE)
+
+
+def _consume(fut: asyncio.Future[Any]) -> None:
+    """Retrieve the outcome of a call nobody awaits any more (no "exception never retrieved")."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+@contextlib.contextmanager
+def _slot(sessions: threading.BoundedSemaphore, host: str, abandon: _Abandon | None) -> Iterator[None]:
+    """Hold one of a connection's session slots; a call given up on stops waiting for one."""
+    if abandon is None:
+        sessions.acquire()
+    else:
+        while not sessions.acquire(timeout=0.1):
+            abandon.check(host)
+    try:
+        yield
+    finally:
+        sessions.release()
 
 
 class SSHRunner(CommandRunner):
@@ -790,10 +847,15 @@ class SSHRunner(CommandRunner):
         return entry, t
 
     @contextlib.contextmanager
-    def _session(self, open_fn: Callable[[paramiko.Transport], Any]) -> Iterator[Any]:
-        """Yield ``open_fn(transport)``; a stale transport is replaced once (opening a channel runs nothing)."""
+    def _session(
+        self, open_fn: Callable[[paramiko.Transport], Any], abandon: _Abandon | None = None
+    ) -> Iterator[Any]:
+        """Yield ``open_fn(transport)``; a stale transport is replaced once (opening a channel runs nothing).
+
+        ``abandon``: a call given up on while it waits for a free session slot leaves the queue.
+        """
         entry, t = self._transport()
-        with entry.sessions:
+        with _slot(entry.sessions, self.host, abandon):
             try:
                 chan = open_fn(t)
             except paramiko.ChannelException as e:
@@ -829,20 +891,31 @@ class SSHRunner(CommandRunner):
     # -- commands
 
     def run_script(
-        self, script: str, args: list[str] | None = None, timeout: float | None = None
+        self,
+        script: str,
+        args: list[str] | None = None,
+        timeout: float | None = None,
+        *,
+        abandon: _Abandon | None = None,
     ) -> RunResult:
+        """Run the script, blocking; ``abandon`` (set by :meth:`arun_script` when it is cancelled)
+        stops it early: the remote script is signalled and the channel closed."""
+        if abandon is not None:
+            abandon.check(self.host)  # given up on while it queued for a thread
         CALLS.add(self.host)
         command = " ".join(["sh", "-s", "--", *(shlex.quote(a) for a in args or [])])
         cfg = self.config
-        with self._session(lambda t: t.open_session(timeout=cfg.connect_timeout)) as chan:
+        with self._session(lambda t: t.open_session(timeout=cfg.connect_timeout), abandon) as chan:
+            if abandon is not None:
+                abandon.check(self.host)  # given up on while connecting: nothing started
             try:
                 chan.exec_command(command)
             except (paramiko.SSHException, EOFError, OSError) as e:
                 raise RunnerError(self.host, f"cannot start the script on {cfg.address}: {e}") from e
             deadline = None if timeout is None else time.monotonic() + timeout
             try:
-                stdout, stderr = self._pump(chan, script.encode(), deadline, timeout)
-            except CommandTimeout:
+                stdout, stderr = self._pump(chan, script.encode(), deadline, timeout, abandon)
+            except (CommandTimeout, CallAbandoned):
                 _stop_remote(chan)
                 raise
             status = chan.exit_status
@@ -853,12 +926,22 @@ class SSHRunner(CommandRunner):
             return RunResult(status, stdout, stderr)
 
     def _pump(
-        self, chan: Channel, stdin: bytes, deadline: float | None, timeout: float | None
+        self,
+        chan: Channel,
+        stdin: bytes,
+        deadline: float | None,
+        timeout: float | None,
+        abandon: _Abandon | None = None,
     ) -> tuple[bytes, bytes]:
-        """Feed stdin and drain stdout and stderr together, so neither side's flow-control window can wedge."""
+        """Feed stdin and drain stdout and stderr together, so neither side's flow-control window can wedge.
+
+        Raises :class:`CallAbandoned` as soon as ``abandon`` is set (the caller stops the script).
+        """
         wake = _Wakeup()
         chan.in_buffer.set_event(wake)
         chan.in_stderr_buffer.set_event(wake)
+        if abandon is not None:
+            abandon.wake_on_set(wake)
         out: list[bytes] = []
         err: list[bytes] = []
         sent = 0
@@ -895,12 +978,15 @@ class SSHRunner(CommandRunner):
                 err.append(chan.recv_stderr(_CHUNK))
             if finished:
                 break
+            if abandon is not None:
+                abandon.check(self.host)
             left = remaining()
             if stdin_open:  # window adjustments do not wake us; poll while stdin is waiting for window
                 left = 0.05 if left is None else min(left, 0.05)
             wake.wait(left)
         while not chan.status_event.wait(min(remaining() or 1.0, 1.0)):
-            pass
+            if abandon is not None:
+                abandon.check(self.host)
         return b"".join(out), b"".join(err)
 
     async def aconnect(self) -> None:
@@ -912,10 +998,24 @@ class SSHRunner(CommandRunner):
     async def arun_script(
         self, script: str, args: list[str] | None = None, timeout: float | None = None
     ) -> RunResult:
+        """:meth:`run_script` in the runner's thread pool, ``timeout`` as there.
+
+        Cancelling it stops the call: its thread signals the remote script (TERM, then KILL after
+        :data:`KILL_GRACE`) and closes the channel; the cancel waits for that, at most
+        :data:`ABANDON_WAIT`, so a poll that gave up on a node leaves no thread pumping its channel.
+        """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            _executor(), functools.partial(self.run_script, script, args, timeout)
+        abandon = _Abandon()
+        fut = loop.run_in_executor(
+            _executor(), functools.partial(self.run_script, script, args, timeout, abandon=abandon)
         )
+        fut.add_done_callback(_consume)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            abandon.set()
+            await asyncio.wait([fut], timeout=ABANDON_WAIT)
+            raise
 
     # -- files
 
