@@ -64,11 +64,21 @@ def sky_gang(
             **spec_args,
             **watch,
         )
-        ranks = SkyRankOperator.partial(
-            task_id="rank", cluster=cluster.output, lost_after=lost_after, **watch
+        ranks = SkyRankOperator.partial_in_triggerer(
+            task_id="rank",
+            cluster=cluster.output,
+            cluster_task_id=cluster.task_id,
+            job_task_id=job.task_id,
+            lost_after=lost_after,
+            **watch,
         ).expand_kwargs(job.output)
-        gang = SkyGangSensor(
-            task_id="gang", cluster=cluster.output, ranks=job.output, lost_after=lost_after, **watch
+        gang = SkyGangSensor.in_triggerer(
+            task_id="gang",
+            cluster=cluster.output,
+            cluster_task_id=cluster.task_id,
+            job_task_id=job.task_id,
+            lost_after=lost_after,
+            **watch,
         )
         job >> [ranks, gang]
         if down:

@@ -64,6 +64,10 @@ def _request(
 class _TI:
     dag_id, run_id, task_id, map_index, try_number = "bridge_dag", "run1", "job", -1, 1
     stats_tags: dict[str, str] = {}
+    pushed: dict[str, object] = {}
+
+    def xcom_push(self, key: str, value: object) -> None:
+        self.pushed[key] = value
 
 
 def test_a_rank_failing_at_once_is_cancelled_by_the_bridge(sky_home: Path) -> None:

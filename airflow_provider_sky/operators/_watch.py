@@ -6,11 +6,12 @@ import time
 from typing import Any
 
 from airflow.configuration import conf
-from airflow.triggers.base import BaseTrigger
+from airflow.triggers.base import BaseTrigger, StartTriggerArgs
 
 from airflow_provider_sky.gang import GangStatus
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import run_sync
+from airflow_provider_sky.triggers.gang import xcom_ref
 
 
 def resume_hold() -> float:
@@ -28,6 +29,43 @@ def resume_hold() -> float:
     if type(getattr(task_runner, "SUPERVISOR_COMMS", None)).__name__ == "InProcessSupervisorComms":
         return 0.0
     return float(conf.getint("workers", "min_heartbeat_interval", fallback=5)) + 2.0
+
+
+def start_in_triggerer(
+    trigger_cls: type[BaseTrigger],
+    *,
+    cluster_task_id: str,
+    job_task_id: str,
+    sky_conn_id: str | None,
+    poll_interval: float,
+    grace: float,
+    lost_after: float,
+    **extra: Any,
+) -> StartTriggerArgs:
+    """How a watcher task starts (and ends) in the triggerer instead of on a worker.
+
+    A worker per watcher costs seconds of CPU each (a 1,024-rank gang: most of an hour on two cores)
+    and a resume hold (``resume_hold``); started from its trigger, a task costs one trigger. The
+    triggerer reads the cluster and the job id from the upstream tasks' XComs, once per job
+    (``triggers.gang.pulled``); the job task pushes the job id alone under ``sky_job_id`` so no
+    trigger pulls the list of every rank.
+    """
+    return StartTriggerArgs(
+        trigger_cls=f"{trigger_cls.__module__}.{trigger_cls.__qualname__}",
+        next_method="execute_complete",
+        trigger_kwargs={
+            "cluster": xcom_ref(cluster_task_id),
+            "job_id": xcom_ref(job_task_id, "sky_job_id"),
+            "sky_conn_id": sky_conn_id,
+            "poll_interval": poll_interval,
+            "grace": grace,
+            "lost_after": lost_after,
+            "end_from_trigger": True,
+            **extra,
+        },
+        next_kwargs=None,
+        timeout=None,
+    )
 
 
 class GangWatchMixin:

@@ -202,5 +202,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
                     self.log.info("Job %s is already watched by a launch-side watcher", self._job_id)
 
     def get_job_result(self, external_id: Any, context: Any) -> list[dict[str, Any]]:
+        # rank tasks started in the triggerer read the job id alone (not the list of every rank)
+        context["ti"].xcom_push(key="sky_job_id", value=str(external_id))
         handle = self.cluster
         return [{"rank": i, "job_id": str(external_id), "ip": n["ip"]} for i, n in enumerate(handle["nodes"])]

@@ -7,12 +7,17 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
+from airflow.triggers.base import StartTriggerArgs
 
 from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.operators._watch import GangWatchMixin
-from airflow_provider_sky.triggers.gang import SkyRankTrigger
+from airflow_provider_sky.operators._watch import GangWatchMixin, start_in_triggerer
+from airflow_provider_sky.triggers.gang import SkyRankTrigger, rank_outcome, rank_summary
 
 RANK_LABEL = "rank {{ task.rank }}"
+_NO_RETRIES = (
+    "retries: rank tasks run without Airflow retries, because a rank retried alone would join a "
+    "gang whose siblings are gone; retry the whole gang (clear the cluster, job and rank tasks)"
+)
 
 
 class SkyRankOperator(GangWatchMixin, BaseOperator):
@@ -25,12 +30,53 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
 
     template_fields: Sequence[str] = ("cluster", "rank", "job_id")
     ui_color = "#e8f5e9"
+    start_trigger_args = StartTriggerArgs(
+        trigger_cls=f"{SkyRankTrigger.__module__}.{SkyRankTrigger.__qualname__}",
+        next_method="execute_complete",
+        trigger_kwargs=None,
+        next_kwargs=None,
+        timeout=None,
+    )
+    start_from_trigger = False
 
     @classmethod
     def partial(cls, **kwargs: Any) -> Any:
-        """Label mapped ranks ``rank N`` in the UI: Airflow reads the label from ``partial()``."""
+        """Label mapped ranks ``rank N`` in the UI (Airflow reads the label from ``partial()``); no retries."""
         kwargs.setdefault("map_index_template", RANK_LABEL)
+        if kwargs.get("retries"):
+            raise ValueError(_NO_RETRIES)
+        kwargs["retries"] = 0  # also over default_args: a failed rank must not come back on its own
         return super().partial(**kwargs)
+
+    @classmethod
+    def partial_in_triggerer(
+        cls,
+        *,
+        cluster_task_id: str,
+        job_task_id: str,
+        sky_conn_id: str | None = SkyHook.default_conn_name,
+        poll_interval: float = 0.5,
+        grace: float = 3.0,
+        lost_after: float = 10.0,
+        **kwargs: Any,
+    ) -> Any:
+        """``partial()`` of rank tasks that start and end in the triggerer, never on a worker.
+
+        The rank comes from the map index (the job task returns one entry per rank, in rank order).
+        Under ``dag.test()`` the tasks run ``execute`` as usual.
+        """
+        watch: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
+        start = start_in_triggerer(
+            SkyRankTrigger,
+            cluster_task_id=cluster_task_id,
+            job_task_id=job_task_id,
+            lost_after=lost_after,
+            rank="{{ ti.map_index }}",
+            **watch,
+        )
+        return cls.partial(
+            start_from_trigger=True, start_trigger_args=start, lost_after=lost_after, **watch, **kwargs
+        )
 
     def __init__(
         self,
@@ -43,20 +89,22 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
         poll_interval: float = 0.5,
         grace: float = 3.0,
         lost_after: float = 10.0,
+        start_from_trigger: bool = False,
+        start_trigger_args: StartTriggerArgs | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("map_index_template", RANK_LABEL)
         if kwargs.get("retries"):
-            raise ValueError(
-                "retries: rank tasks run without Airflow retries, because a rank retried alone would join a "
-                "gang whose siblings are gone; retry the whole gang (clear the cluster, job and rank tasks)"
-            )
+            raise ValueError(_NO_RETRIES)
         kwargs["retries"] = 0
         super().__init__(**kwargs)
         self._init_watch(cluster, sky_conn_id, poll_interval, grace, lost_after)
         self.rank = rank
         self.job_id = job_id
         self.ip = ip
+        self.start_from_trigger = start_from_trigger
+        if start_trigger_args is not None:
+            self.start_trigger_args = start_trigger_args
 
     def _trigger(self, *, deferring: bool = True) -> SkyRankTrigger:
         return SkyRankTrigger(rank=int(self.rank), **self._watch_kwargs(self.job_id, deferring=deferring))
@@ -77,17 +125,8 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
             return False
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
-        duration = event.get("duration")
-        self.log.info(
-            "rank %s (%s): %s, exit code %s, %s%s",
-            event["rank"],
-            event["ip"],
-            event["state"],
-            event["exit_code"],
-            event["reason"],
-            f", {duration:.1f}s" if duration else "",
-        )
-        summary = {k: event.get(k) for k in ("rank", "ip", "state", "exit_code", "reason", "start", "end")}
+        self.log.info("%s", rank_outcome(event))
+        summary = rank_summary(event)
         # pushed before failing too, so a failed rank's outcome can be read back from Airflow
         context["ti"].xcom_push(key="sky_rank", value=summary)
         if event["state"] != "succeeded":

@@ -7,55 +7,107 @@ from typing import Any
 
 from airflow.sdk import BaseSensorOperator
 from airflow.sdk.exceptions import AirflowFailException
+from airflow.triggers.base import StartTriggerArgs
 
 from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.operators._watch import GangWatchMixin
-from airflow_provider_sky.triggers.gang import SkyGangTrigger
+from airflow_provider_sky.operators._watch import GangWatchMixin, start_in_triggerer
+from airflow_provider_sky.triggers.gang import SkyGangTrigger, gang_outcome
 
 
 class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
     """Watch every rank of a job at once (deferred); succeed when all succeed, fail on the first failure.
 
     :param ranks: the job task's output (one entry per rank, each with the ``job_id``).
+    :param job_id: rendered in the triggerer when the sensor starts there (see :meth:`in_triggerer`).
     """
 
-    template_fields: Sequence[str] = ("cluster", "ranks")
+    template_fields: Sequence[str] = ("cluster", "ranks", "job_id")
     ui_color = "#fce4ec"
 
     def __init__(
         self,
         *,
         cluster: Any,
-        ranks: Any,
+        ranks: Any = None,
+        job_id: Any = None,
         sky_conn_id: str | None = SkyHook.default_conn_name,
         poll_interval: float = 0.5,
         grace: float = 3.0,
         lost_after: float = 10.0,
+        start_from_trigger: bool = False,
+        start_trigger_args: StartTriggerArgs | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("retries", 0)
         super().__init__(**kwargs)
         self._init_watch(cluster, sky_conn_id, poll_interval, grace, lost_after)
         self.ranks = ranks
+        self.job_id = job_id
+        self.start_from_trigger = start_from_trigger
+        if start_trigger_args is not None:
+            self.start_trigger_args = start_trigger_args
+
+    @classmethod
+    def in_triggerer(
+        cls,
+        *,
+        cluster: Any,
+        cluster_task_id: str,
+        job_task_id: str,
+        sky_conn_id: str | None = SkyHook.default_conn_name,
+        poll_interval: float = 0.5,
+        grace: float = 3.0,
+        lost_after: float = 10.0,
+        **kwargs: Any,
+    ) -> SkyGangSensor:
+        """A gang sensor that starts and ends in the triggerer (no worker, no resume hold): the run
+        can fail as soon as the triggerer has seen the failure. Under ``dag.test()`` it runs
+        ``execute`` as usual, reading the job id from the job task's XCom."""
+        watch: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
+        start = start_in_triggerer(
+            SkyGangTrigger,
+            cluster_task_id=cluster_task_id,
+            job_task_id=job_task_id,
+            lost_after=lost_after,
+            **watch,
+        )
+        job_id = "{{ ti.xcom_pull(task_ids=" + repr(job_task_id) + ", key='sky_job_id', map_indexes=-1) }}"
+        return cls(
+            cluster=cluster,
+            job_id=job_id,
+            start_from_trigger=True,
+            start_trigger_args=start,
+            lost_after=lost_after,
+            **watch,
+            **kwargs,
+        )
+
+    @property
+    def _job(self) -> str:
+        if self.job_id:
+            return str(self.job_id)
+        if not self.ranks:
+            raise ValueError("ranks / job_id: pass the job task's output as ranks=, or its job id as job_id=")
+        return str(self.ranks[0]["job_id"])
 
     def _trigger(self, *, deferring: bool = True) -> SkyGangTrigger:
-        return SkyGangTrigger(**self._watch_kwargs(self.ranks[0]["job_id"], deferring=deferring))
+        return SkyGangTrigger(**self._watch_kwargs(self._job, deferring=deferring))
 
     def execute(self, context: Any) -> None:
         if self._already_over():
             # e.g. a rank failed at once and the job task's watcher cancelled the gang: no deferral,
             # so no triggerer round trip and no resume hold before the run can fail
-            self.log.info("Job %s has already ended; reading its outcome now", self.ranks[0]["job_id"])
+            self.log.info("Job %s has already ended; reading its outcome now", self._job)
             return self.execute_complete(context, self._first_event(self._trigger(deferring=False)))
         self.defer(trigger=self._trigger(), method_name="execute_complete")
 
     def _already_over(self) -> bool:
-        return self._peek(self.ranks[0]["job_id"]).done
+        return self._peek(self._job).done
 
     def poke(self, context: Any) -> bool:  # only used if deferrable=False
         client = SkyHook(self.sky_conn_id).client(self.cluster)
         try:
-            status = client.poll(self.ranks[0]["job_id"], max_log=0).status
+            status = client.poll(self._job, max_log=0).status
         finally:
             client.close()
         if status.failed:
@@ -64,16 +116,8 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
         return status.succeeded
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> None:
-        gang = event.get("gang") or {}
-        for r in gang.get("ranks", []):
-            self.log.info(
-                "rank %s (%s): %s, exit code %s, %s",
-                r["rank"],
-                r["ip"],
-                r["state"],
-                r["exit_code"],
-                r["reason"],
-            )
+        for line in gang_outcome(event):
+            self.log.info("%s", line)
         if event["state"] != "succeeded":
             raise AirflowFailException(event["message"])
         self.log.info("%s", event["message"])

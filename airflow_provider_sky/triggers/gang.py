@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Hashable, Iterable
 from typing import Any
 
-from airflow.triggers.base import BaseEventTrigger, TriggerEvent
+from airflow.triggers.base import BaseEventTrigger, TaskFailedEvent, TaskSuccessEvent, TriggerEvent
 
 from airflow_provider_sky.gang import BAD, CANCELLED, SUCCEEDED, GangStatus
 from airflow_provider_sky.hooks.sky import SkyHook
@@ -30,6 +30,40 @@ def _cancel_text(status: GangStatus) -> str:
     """Why a gang with no failed rank was cancelled: whoever cancelled it said why (``on_kill``)."""
     reason = status.cancel_reason or "a task watching it was marked failed or cleared by a user"
     return status.failure_message() or f"Job {status.job_id} was cancelled from Airflow: {reason}"
+
+
+#: a trigger kwarg ``{XCOM: [task_id, key]}`` is that upstream XCom, read in the triggerer (``pulled``)
+XCOM = "__sky_xcom__"
+_PULLED: dict[tuple[Any, ...], Any] = {}
+_PULLED_MAX = 256
+
+
+def xcom_ref(task_id: str, key: str = "return_value") -> dict[str, list[str]]:
+    """A trigger kwarg the triggerer replaces with an upstream (unmapped) task's XCom."""
+    return {XCOM: [task_id, key]}
+
+
+def pulled(context: Any, value: Any) -> Any:
+    """``value``, or the XCom it refers to (``xcom_ref``), read once per job per triggerer.
+
+    Every rank trigger of a gang needs the same two XComs (the cluster handle, the job id). Asked by
+    each, a 1,024-rank gang would make 2,048 requests through the triggerer's supervisor (0.1 s each,
+    one at a time here) and hold 1,024 copies of the handle. Keyed by the reader's try number: a
+    cleared gang runs its rank tasks again with a new try, and reads the new job.
+    """
+    if not (isinstance(value, dict) and set(value) == {XCOM}):
+        return value
+    task_id, key = value[XCOM]
+    ti = context["ti"]
+    cache_key = (ti.dag_id, ti.run_id, ti.try_number, task_id, key)
+    if cache_key not in _PULLED:
+        if len(_PULLED) >= _PULLED_MAX:
+            _PULLED.pop(next(iter(_PULLED)))
+        found = ti.xcom_pull(task_ids=task_id, key=key, map_indexes=-1)
+        if found is None:
+            raise ValueError(f"no XCom {key!r} of task {task_id} in run {ti.run_id}: did that task run?")
+        _PULLED[cache_key] = found
+    return _PULLED[cache_key]
 
 
 async def _newest(stream: AsyncIterator[Any]) -> AsyncGenerator[Any, None]:
@@ -86,15 +120,32 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         grace: float = 3.0,
         lost_after: float = 10.0,
         fire_after: float | None = None,
+        end_from_trigger: bool = False,
     ) -> None:
         super().__init__()
-        self.cluster = cluster
+        #: a handle, or (a task started in the triggerer) an ``xcom_ref`` to the cluster task's handle
+        self.cluster: Any = cluster
         self.job_id = job_id
         self.sky_conn_id = sky_conn_id
         self.poll_interval = float(poll_interval)
         self.grace = float(grace)
         self.lost_after = float(lost_after)
         self.fire_after = None if fire_after is None else float(fire_after)
+        #: end the task from here (TaskSuccessEvent / TaskFailedEvent) instead of resuming it on a worker
+        self.end_from_trigger = bool(end_from_trigger)
+
+    def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:
+        """A task started in the triggerer gets its cluster, job and rank from templates (XCom, the map
+        index) rendered here, as text: turn them into values before the shared poll keys on them."""
+        super().render_template_fields(context, jinja_env)
+        self.cluster = pulled(context, self.cluster)
+        self.job_id = pulled(context, self.job_id)
+        self._settle()
+
+    def _settle(self) -> None:
+        if not isinstance(self.cluster, dict) or "name" not in self.cluster:
+            raise ValueError(f"cluster: expected the cluster task's handle, got {str(self.cluster)[:200]!r}")
+        self.job_id = str(self.job_id)
 
     def _common_kwargs(self) -> dict[str, Any]:
         return {
@@ -105,6 +156,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
             "grace": self.grace,
             "lost_after": self.lost_after,
             "fire_after": self.fire_after,
+            "end_from_trigger": self.end_from_trigger,
         }
 
     async def _hold(self) -> None:
@@ -116,6 +168,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
             await asyncio.sleep(max(0.0, self.fire_after - time.time()))
 
     def shared_stream_key(self) -> Hashable | None:
+        self._settle()
         return (
             "airflow-provider-sky",
             self.sky_conn_id,
@@ -149,6 +202,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Standalone path (``dag.test()``, or a triggerer without shared streams): the same code."""
+        self._settle()
         _, kwargs = self.serialize()
         async with contextlib.aclosing(type(self).open_shared_stream(kwargs)) as stream:  # type: ignore[type-var]
             async for event in self._watch(stream):
@@ -183,13 +237,22 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
 class SkyRankTrigger(_SkyGangWatchTrigger):
     """Fires when one rank ends; meanwhile logs the rank's output as it appears."""
 
-    def __init__(self, *, rank: int, log_offset: int = 0, **kwargs: Any) -> None:
+    def __init__(self, *, rank: int | str, log_offset: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.rank = int(rank)
+        #: an int, or "{{ ti.map_index }}" until the triggerer renders it (a task started in the triggerer)
+        self.rank: Any = rank if isinstance(rank, str) and "{" in rank else int(rank)
         self.log_offset = int(log_offset)
 
+    def _settle(self) -> None:
+        super()._settle()
+        self.rank = int(self.rank)
+
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        kwargs = {**self._common_kwargs(), "rank": self.rank, "log_offset": self.log_offset}
+        kwargs = {
+            **self._common_kwargs(),
+            "rank": self.rank,
+            "log_offset": self.log_offset,
+        }
         return f"{type(self).__module__}.{type(self).__qualname__}", kwargs
 
     def _task_label(self, ti: Any) -> str:
@@ -260,24 +323,46 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 message = poll.status.failure_message()
             else:
                 message = f"rank {self.rank} ({st.ip}) {st.state}: " + _cancel_text(poll.status)
-            yield TriggerEvent(
-                {
-                    "kind": "rank",
-                    "job_id": self.job_id,
-                    "rank": self.rank,
-                    "ip": st.ip,
-                    "state": st.state,
-                    "exit_code": st.exit_code,
-                    "reason": st.reason,
-                    "duration": (st.end - st.start) if st.end and st.start else None,
-                    "start": st.start,
-                    "end": st.end,
-                    "log_offset": expected,
-                    "message": message,
-                    "root_cause": cause.to_dict() if cause else None,
-                }
-            )
+            payload = {
+                "kind": "rank",
+                "job_id": self.job_id,
+                "rank": self.rank,
+                "ip": st.ip,
+                "state": st.state,
+                "exit_code": st.exit_code,
+                "reason": st.reason,
+                "duration": (st.end - st.start) if st.end and st.start else None,
+                "start": st.start,
+                "end": st.end,
+                "log_offset": expected,
+                "message": message,
+                "root_cause": cause.to_dict() if cause else None,
+            }
+            yield self._end_event(payload) if self.end_from_trigger else TriggerEvent(payload)
             return
+
+    def _end_event(self, event: dict[str, Any]) -> TriggerEvent:
+        """End the task here, saying in its log what ``execute_complete`` would have said."""
+        self.log.info("%s", rank_outcome(event))
+        summary = rank_summary(event)
+        if event["state"] == SUCCEEDED:
+            return TaskSuccessEvent(xcoms={"sky_rank": summary, "return_value": summary})
+        self.log.error("%s", event["message"])
+        return TaskFailedEvent(xcoms={"sky_rank": summary})
+
+
+def rank_summary(event: dict[str, Any]) -> dict[str, Any]:
+    """What a rank task returns and pushes as ``sky_rank``: its outcome, readable back from Airflow."""
+    return {k: event.get(k) for k in ("rank", "ip", "state", "exit_code", "reason", "start", "end")}
+
+
+def rank_outcome(event: dict[str, Any]) -> str:
+    """One log line: the rank's state, exit code, reason and how long it ran."""
+    duration = event.get("duration")
+    return (
+        f"rank {event['rank']} ({event['ip']}): {event['state']}, exit code {event['exit_code']}, "
+        f"{event['reason']}" + (f", {duration:.1f}s" if duration else "")
+    )
 
 
 class SkyGangTrigger(_SkyGangWatchTrigger):
@@ -306,5 +391,23 @@ class SkyGangTrigger(_SkyGangWatchTrigger):
             else:
                 continue
             await self._hold()
-            yield TriggerEvent({"kind": "gang", "state": state, "message": message, "gang": status.to_dict()})
+            payload = {"kind": "gang", "state": state, "message": message, "gang": status.to_dict()}
+            yield self._end_event(payload) if self.end_from_trigger else TriggerEvent(payload)
             return
+
+    def _end_event(self, event: dict[str, Any]) -> TriggerEvent:
+        """End the sensor task here, saying in its log what ``execute_complete`` would have said."""
+        for line in gang_outcome(event):
+            self.log.info("%s", line)
+        if event["state"] == "succeeded":
+            return TaskSuccessEvent()
+        self.log.error("%s", event["message"])
+        return TaskFailedEvent()
+
+
+def gang_outcome(event: dict[str, Any]) -> list[str]:
+    """One log line per rank of a gang event: state, exit code, reason."""
+    return [
+        f"rank {r['rank']} ({r['ip']}): {r['state']}, exit code {r['exit_code']}, {r['reason']}"
+        for r in (event.get("gang") or {}).get("ranks", [])
+    ]
