@@ -29,6 +29,7 @@ def sky_gang(
     down: bool = True,
     orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT,
     idle_down: float | None = None,
+    triggerers: int = 1,
     **spec_fields: Any,
 ) -> TaskGroup:
     """Build the whole gang pattern in a TaskGroup from a SkyPilot YAML, a dict, or the fields.
@@ -40,7 +41,8 @@ def sky_gang(
     ``orphan_timeout``: the nodes kill a setup or job nothing polled for that many seconds (a lost
     scheduler, a killed ``dags test``); 0 or None turns it off. ``idle_down``: the nodes tear the
     cluster down once nothing has run on it for that many seconds (SkyPilot's autodown, for
-    ``down=False``); None: never.
+    ``down=False``); None: never. ``triggerers``: how many triggerers share the watch; the cluster
+    task checks before provisioning that Airflow can map and watch one rank task per node.
     """
     spec_args: dict[str, Any] = {"task_yaml": task_yaml, "task_config": task_config, **spec_fields}
     watch: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
@@ -52,6 +54,8 @@ def sky_gang(
             lease=down,  # without a down task nothing would release it
             orphan_timeout=orphan_timeout,
             idle_down=idle_down,
+            rank_tasks=True,
+            triggerers=triggerers,
             **spec_args,
             **watch,
         )

@@ -192,3 +192,29 @@ def test_a_kept_cluster_goes_down_after_idle_down(sky_home: Path) -> None:
     assert backend.find("sky-idle-kept") is None, "the idle cluster is still there"
     assert not (sky_home / "local" / "sky-idle-kept").exists()
     assert not processes_under(sky_home), "the rank's background sleep outlived the idle cluster"
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "named"),
+    [
+        ("AIRFLOW__CORE__MAX_MAP_LENGTH", "3", "[core] max_map_length = 3"),
+        ("AIRFLOW__TRIGGERER__CAPACITY", "4", "[triggerer] capacity = 4"),
+    ],
+)
+def test_a_gang_airflow_cannot_map_or_watch_fails_before_provisioning(
+    sky_home: Path,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    setting: str,
+    value: str,
+    named: str,
+) -> None:
+    """4 ranks need max_map_length >= 4 and 5 trigger slots (4 rank tasks + the sensor): said up front."""
+    monkeypatch.setenv(setting, value)
+    dr, tis = _run("sky_hello")
+    assert str(dr.state) == "failed"
+    assert tis[("cluster", -1)].state == "failed"
+    text = _out(capfd)
+    assert named in text and setting in text, text[-3000:]
+    assert "Provisioning cluster" not in text
+    assert not list((sky_home / "local").glob("sky-*")), "nothing may be provisioned"

@@ -11,6 +11,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_provider_sky.gang import job_id_for
 from airflow_provider_sky.hooks.sky import SetupFailed, SkyHook
 from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT
+from airflow_provider_sky.operators._capacity import check_airflow_room
 from airflow_provider_sky.operators._spec import (
     SkySpecMixin,
     check_cluster_name,
@@ -44,6 +45,9 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         task's worker died); 0 or None turns it off.
     :param idle_down: tear the cluster down on its nodes once nothing has run on it for that many
         seconds (SkyPilot's autodown, for a cluster kept with ``down=False``); None: never.
+    :param rank_tasks: one mapped rank task per node follows (``sky_gang``): check, before provisioning,
+        that Airflow can map and watch that many (``[core] max_map_length``, ``[triggerer] capacity``).
+    :param triggerers: how many triggerers share the watch (their capacity adds up).
     """
 
     template_fields: Sequence[str] = ("task_yaml", "task_config", "spec_overrides", "cluster_name")
@@ -62,6 +66,8 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         lease: bool = True,
         orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT,
         idle_down: float | None = None,
+        rank_tasks: bool = False,
+        triggerers: int = 1,
         **kwargs: Any,
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
@@ -77,6 +83,8 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         self.lease = lease
         self.orphan_timeout = orphan_timeout
         self.idle_down = idle_down
+        self.rank_tasks = rank_tasks
+        self.triggerers = triggerers
         self._provisioning: str | None = None
         self._holder: str = ""
 
@@ -104,6 +112,8 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         self._holder = run_holder(context)
         hook = SkyHook(self.sky_conn_id)
         hook.check(spec)
+        if self.rank_tasks:
+            check_airflow_room(spec.num_nodes, self.triggerers)
         self.log.info(
             "Provisioning cluster %s: %s node(s) on the %s backend",
             name,
