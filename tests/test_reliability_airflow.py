@@ -699,3 +699,19 @@ def test_rank_failing_at_once_is_cancelled_from_the_first_instant(rel: Rel, case
     assert tis[("g.gang", -1)]["state"] == "failed" and tis[("g.down", -1)]["state"] == "success"
     # the bridge ran in the job task's worker, detached; it is gone once the job is over
     wait_for("the launch-side watcher to exit", lambda: not bridges(rel.sky), 10)
+
+
+def test_a_64_rank_gang_completes(rel: Rel, case: Case) -> None:
+    """Issue 15: ``sky_gang(num_nodes=64)`` on the local backend under the real scheduler stayed
+    ``running`` for good in two runs of three (rank tasks hung in their start-up poll). Every rank
+    task must end, each with its own rank's output, and the run must succeed."""
+    dag = "sky_rel_wide"
+    started = time.monotonic()
+    run_id = case.trigger(dag)
+    assert rel.stack.wait_run(dag, run_id, timeout=300) == "success", rel.tis(dag, run_id)
+    rel.figure("64-rank local gang (sleep 10): trigger -> run success", f"{time.monotonic() - started:.1f}s")
+    assert rel.states(dag, run_id) == dict.fromkeys(range(64), "success")
+    for r in (0, 31, 63):
+        assert f"rank {r} of 64 up" in rel.log(dag, run_id, "g.rank", r)
+    tis = rel.tis(dag, run_id)
+    assert tis[("g.gang", -1)]["state"] == "success" and tis[("g.down", -1)]["state"] == "success"

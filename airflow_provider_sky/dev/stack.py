@@ -507,8 +507,19 @@ class AirflowStack:
             time.sleep(0.5)
 
     def task_instances(self, dag_id: str, run_id: str) -> list[dict[str, Any]]:
-        """Every task instance of the run (mapped ones one per map index), sorted by task and index."""
-        data = self._request("GET", self._ti_path(dag_id, run_id), params={"limit": 1000})
+        """Every task instance of the run (mapped ones one per map index), sorted by task and index.
+
+        Read page by page: the API serves at most ``[api] maximum_page_limit`` (100) per request.
+        """
+        found: list[dict[str, Any]] = []
+        while True:
+            page = self._request(
+                "GET", self._ti_path(dag_id, run_id), params={"limit": 100, "offset": len(found)}
+            )
+            found += page["task_instances"]
+            if not page["task_instances"] or len(found) >= int(page.get("total_entries", 0)):
+                break
+        data = {"task_instances": found}
         keys = (
             "task_id",
             "map_index",
