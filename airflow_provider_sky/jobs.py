@@ -134,6 +134,24 @@ async def fan_out(
     return await asyncio.gather(*(one(i) for i in items), return_exceptions=True)
 
 
+#: ranks one status or cancel call covers at most: its arguments (a root, a job id of up to 181
+#: characters) must fit one command line, and its answer holds up to a log chunk per rank
+CALL_RANKS = 256
+#: argument bytes of one call at most: an SSH command line is one string, which Linux caps at 128 KiB
+CALL_ARG_BYTES = 64 * 1024
+
+
+def _span(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 7]`` as ``0-2,7``: how log lines and errors name the ranks of one call."""
+    runs: list[list[int]] = []
+    for rank in sorted(set(ranks)):
+        if runs and runs[-1][1] == rank - 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 #: seconds to wait for an abandoned call to end once cancelled (runners kill their script within it)
 CANCEL_WAIT = 1.0
 
@@ -322,36 +340,102 @@ class GangClient:
         *,
         mark: bool = True,
     ) -> Poll:
-        """One status call per node: states of its ranks plus new log bytes from ``offsets``.
+        """One status call per machine (per :data:`CALL_RANKS` ranks of it): states of its ranks plus
+        new log bytes from ``offsets``. The calls run in parallel, each bounded by ``status_timeout``.
 
         ``mark`` leaves this poll's time on the nodes, which keeps their dead-man's switch from
-        firing; a poll that must not keep a job alive (the launch-side bridge) passes False.
+        firing; a poll that must not keep a job alive (the launch-side bridge) passes False. A call
+        that fails makes just its ranks unreachable; a rank missing from an answer is an error for
+        that rank.
         """
         offsets = offsets or {}
         wanted = list(range(self.num_ranks)) if ranks is None else list(ranks)
+        calls = self._calls(job_id, wanted)
 
-        async def one(rank: int) -> list[runtime.RawRankStatus]:
-            return [await self._status(job_id, rank, offsets.get(rank, 0), max_log, mark=mark)]
+        async def one(chunk: list[int]) -> dict[int, runtime.RawRankStatus | RunnerError]:
+            return await self._status_many(job_id, chunk, offsets, max_log, mark=mark)
 
         started = time.time()
-        results = await self._bounded(one, wanted)
+        results = await self._bounded(one, calls)
         now = started  # a node that answers late is judged from when we asked
+        by_rank: dict[int, runtime.RawRankStatus | BaseException] = {}
+        for chunk, res in zip(calls, results, strict=True):
+            for rank in chunk:
+                by_rank[rank] = self._rank_error(rank, res) if isinstance(res, BaseException) else res[rank]
         poll = Poll(GangStatus(job_id), at=now)
-        for rank, res in zip(wanted, results, strict=False):
+        for rank in wanted:
             ip = self.node_of(rank).ip
-            if isinstance(res, BaseException):
-                poll.unreachable[rank] = str(res)
-                poll.status.ranks.append(RankStatus(rank, ip, "unknown", reason=str(res)))
+            raw = by_rank[rank]
+            if isinstance(raw, BaseException):
+                poll.unreachable[rank] = str(raw)
+                poll.status.ranks.append(RankStatus(rank, ip, "unknown", reason=str(raw)))
                 continue
-            for raw in res:
-                st = classify(raw, ip, now)
-                poll.status.ranks.append(st)
-                poll.status.cancel_requested |= raw.cancel_requested
-                if raw.cancel_reason and not poll.status.cancel_reason:
-                    poll.status.cancel_reason = raw.cancel_reason
-                if raw.log_chunk:
-                    poll.chunks[rank] = (raw.log_offset, raw.log_chunk)
+            poll.status.ranks.append(classify(raw, ip, now))
+            poll.status.cancel_requested |= raw.cancel_requested
+            if raw.cancel_reason and not poll.status.cancel_reason:
+                poll.status.cancel_reason = raw.cancel_reason
+            if raw.log_chunk:
+                poll.chunks[rank] = (raw.log_offset, raw.log_chunk)
         return poll
+
+    def _calls(self, job_id: str, ranks: Sequence[int]) -> list[list[int]]:
+        """``ranks`` grouped by machine (``Backend.machine_of``), each group cut into chunks of at most
+        :data:`CALL_RANKS` ranks and :data:`CALL_ARG_BYTES` of arguments: one remote call per chunk."""
+        groups: dict[str, list[int]] = {}
+        for rank in dict.fromkeys(ranks):
+            groups.setdefault(self.backend.machine_of(self.node_of(rank)), []).append(rank)
+        out: list[list[int]] = []
+        for group in groups.values():
+            chunk: list[int] = []
+            size = 0
+            for rank in group:
+                # its arguments (quoted, on an SSH command line) and the log path the script builds
+                cost = len(self.node_of(rank).root) + len(job_id) + 48
+                if chunk and (len(chunk) >= CALL_RANKS or size + cost > CALL_ARG_BYTES):
+                    out.append(chunk)
+                    chunk, size = [], 0
+                chunk.append(rank)
+                size += cost
+            if chunk:
+                out.append(chunk)
+        return out
+
+    def _rank_error(self, rank: int, exc: BaseException) -> RunnerError:
+        """A call's failure as seen by one of its ranks: named by that rank's own node address."""
+        text = str(exc) or type(exc).__name__
+        if isinstance(exc, RunnerError) and text.startswith(f"{exc.host}: "):
+            text = text[len(exc.host) + 2 :]
+        return RunnerError(self.node_of(rank).ip, text)
+
+    async def _status_many(
+        self,
+        job_id: str,
+        ranks: Sequence[int],
+        offsets: Mapping[int, int],
+        max_log: int,
+        *,
+        mark: bool,
+        timeout: float = 30,
+    ) -> dict[int, runtime.RawRankStatus | RunnerError]:
+        """The status of ``ranks`` (all on one machine) and up to ``max_log`` log bytes of each from its
+        offset: one call. Raises :class:`RunnerError` when the call fails or its answer cannot be
+        read; a rank missing from the answer maps to its own error, never drops out silently.
+        """
+        nodes = [self.node_of(r) for r in ranks]
+        queries = [(n.root, job_id, r, offsets.get(r, 0), max_log) for n, r in zip(nodes, ranks, strict=True)]
+        args = runtime.status_args(queries, time.time() if mark else None)
+        res = await self.runner(nodes[0]).arun_script(runtime.STATUS_SCRIPT, args, timeout=timeout)
+        if res.returncode != 0:
+            raise RunnerError(nodes[0].ip, f"status script failed: {res.error_text}")
+        try:
+            found = runtime.parse_status(res.stdout, {(job_id, r): offsets.get(r, 0) for r in ranks})
+        except ValueError as exc:
+            raise RunnerError(nodes[0].ip, f"unreadable status of ranks {_span(ranks)}: {exc}") from exc
+        got = {raw.rank: raw for raw in found if raw.job_id == job_id}
+        return {
+            r: got.get(r) or RunnerError(n.ip, f"the status of rank {r} is missing from the node's answer")
+            for n, r in zip(nodes, ranks, strict=True)
+        }
 
     async def _status(
         self, job_id: str, rank: int, offset: int, max_log: int, *, mark: bool, timeout: float = 30
@@ -361,43 +445,34 @@ class GangClient:
         Raises :class:`RunnerError` when the node cannot be asked or its answer cannot be read: a
         rank never silently drops out of the status.
         """
-        node = self.node_of(rank)
-        args = runtime.status_args(
-            node.root, [(job_id, rank, offset, max_log)], time.time() if mark else None
-        )
-        res = await self.runner(node).arun_script(runtime.STATUS_SCRIPT, args, timeout=timeout)
-        if res.returncode != 0:
-            raise RunnerError(node.ip, f"status script failed: {res.error_text}")
-        try:
-            found = runtime.parse_status(res.stdout, {(job_id, rank): offset})
-        except ValueError as exc:
-            raise RunnerError(node.ip, f"unreadable status of rank {rank}: {exc}") from exc
-        if [r.rank for r in found] != [rank]:
-            raise RunnerError(node.ip, f"the status of rank {rank} is missing from the node's answer")
-        return found[0]
+        found = await self._status_many(job_id, [rank], {rank: offset}, max_log, mark=mark, timeout=timeout)
+        raw = found[rank]
+        if isinstance(raw, RunnerError):
+            raise raw
+        return raw
 
-    async def _bounded(self, fn: Callable[[int], Awaitable[Any]], ranks: list[int]) -> list[Any]:
-        """Ask every node at once, but never wait past ``status_timeout`` for one that hangs.
+    async def _bounded(self, fn: Callable[[T], Awaitable[Any]], calls: list[T]) -> list[Any]:
+        """Make every call at once, but never wait past ``status_timeout`` for one that hangs.
 
         A dead or black-holed host would otherwise stall every poll of the gang for its connect
         retries. A call without an answer in time is cancelled (its runner kills the script and
-        reaps it) and that node counts as unreachable for the round; nothing is left running in
-        the background, so the next round asks it afresh and calls never pile up.
+        reaps it) and its ranks count as unreachable for the round; nothing is left running in the
+        background, so the next round asks afresh and calls never pile up. Returns each call's
+        result or exception.
         """
-        tasks = [asyncio.ensure_future(fn(rank)) for rank in ranks]
+        tasks = [asyncio.ensure_future(fn(call)) for call in calls]
         try:
             if tasks:
                 await asyncio.wait(tasks, timeout=self.status_timeout)
         finally:
             await _cancel_bounded(tasks)
+        late = RunnerError("", f"no answer within {self.status_timeout:g}s")
         out: list[Any] = []
-        for rank, task in zip(ranks, tasks, strict=True):
-            if task.cancelled():
-                out.append(RunnerError(self.node_of(rank).ip, f"no answer within {self.status_timeout:g}s"))
-            elif task.done():
+        for task in tasks:
+            if task.done() and not task.cancelled():
                 out.append(task.exception() or task.result())
-            else:  # its cancel did not finish in time: reported the same, ends on its own
-                out.append(RunnerError(self.node_of(rank).ip, f"no answer within {self.status_timeout:g}s"))
+            else:  # cancelled, or its cancel did not finish in time (it ends on its own)
+                out.append(late)
         return out
 
     def poll(
@@ -405,17 +480,18 @@ class GangClient:
     ) -> Poll:
         return run_sync(self.apoll(job_id, offsets, max_log))
 
-    def peek(self, job_id: str) -> GangStatus:
-        """Every rank's state now, without log bytes and without a mark: a one-off look is no watcher
-        (it must neither keep an abandoned job alive nor make the bridge step back)."""
-        return run_sync(self.apoll(job_id, max_log=0, mark=False)).status
+    def peek(self, job_id: str, ranks: Sequence[int] | None = None) -> GangStatus:
+        """Every rank's state now (or only ``ranks``': a rank task looking at its own rank costs one
+        call), without log bytes and without a mark: a one-off look is no watcher (it must neither
+        keep an abandoned job alive nor make the bridge step back)."""
+        return run_sync(self.apoll(job_id, max_log=0, ranks=ranks, mark=False)).status
 
     async def aread_log(self, job_id: str, rank: int, offset: int, nbytes: int) -> bytes:
         """Up to ``nbytes`` of a rank's log from ``offset``, and never more than 4 MiB: read in a loop.
 
-        A direct call, not :meth:`apoll`: a read made while the shared poll asks the same node would
-        count as a hung status call there and come back empty (the rest of a log lost). The cap
-        keeps any reader's memory bounded whatever a rank printed. Raises :class:`RunnerError`.
+        A direct call for one rank, not :meth:`apoll`, and not cut short by ``status_timeout``: a
+        big read takes its time. The cap keeps any reader's memory bounded whatever a rank printed.
+        Raises :class:`RunnerError`.
         """
         n = max(0, min(int(nbytes), 16 * DEFAULT_LOG_CHUNK))
         raw = await self._status(job_id, rank, offset, n, mark=False, timeout=60)
@@ -459,14 +535,19 @@ class GangClient:
         """
         wanted = list(range(self.num_ranks)) if ranks is None else list(ranks)
 
-        async def one(rank: int) -> None:
-            node = self.node_of(rank)
-            args = runtime.cancel_args(node.root, grace, [(job_id, rank)], wait=wait, reason=reason)
-            await self.runner(node).arun_script(runtime.CANCEL_SCRIPT, args, timeout=grace + 30)
+        async def one(chunk: list[int]) -> None:
+            nodes = [self.node_of(r) for r in chunk]
+            targets = [(n.root, job_id, r) for n, r in zip(nodes, chunk, strict=True)]
+            args = runtime.cancel_args(grace, targets, wait=wait, reason=reason)
+            res = await self.runner(nodes[0]).arun_script(runtime.CANCEL_SCRIPT, args, timeout=grace + 30)
+            if res.returncode != 0:
+                raise RunnerError(nodes[0].ip, f"cancel script failed: {res.error_text}")
 
-        for rank, res in zip(wanted, await fan_out(one, wanted), strict=False):
+        calls = self._calls(job_id, wanted)
+        for chunk, res in zip(calls, await fan_out(one, calls), strict=True):
             if isinstance(res, BaseException):
-                log.warning("Could not cancel rank %s (%s): %s", rank, self.node_of(rank).ip, res)
+                ips = ", ".join(dict.fromkeys(self.node_of(r).ip for r in chunk))
+                log.warning("Could not cancel ranks %s (%s): %s", _span(chunk), ips, res)
 
     def cancel(
         self, job_id: str, ranks: Sequence[int] | None = None, grace: float = 3.0, *, reason: str = ""

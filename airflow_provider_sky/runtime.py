@@ -103,17 +103,43 @@ if [ -f "$__sky_d/secrets" ]; then . "$__sky_d/secrets"; rm -f "$__sky_d/secrets
 unset __sky_d
 """
 
-#: One call per node per poll, so it forks as little as it can: ``read`` (a builtin) for the small
-#: files, one ``wc`` for the log size, ``tail | head`` only when there are new log bytes. The poller's
-#: clock (``now``, or ``-``) is left in ``polled``: the node's dead-man's switch and other watchers
-#: read it. Per rank: a header line, then ``n`` log bytes, ``xn`` bytes of an unreadable exit file and
-#: ``cn`` bytes of the cancel reason.
+#: One call per machine per poll, covering every rank there (each with its own node root), so it
+#: forks as little as it can: ``read`` (a builtin) for the small files, one ``wc`` for every log's size,
+#: ``tail | head`` only when there are new log bytes. At 1,024 ranks on one machine a fork per rank
+#: per poll is seconds of CPU every interval. The poller's clock (``now``, or ``-``) is left in
+#: ``polled``: the node's dead-man's switch and other watchers read it. Arguments: ``now``, then
+#: ``root job rank offset max`` per rank. Per rank: a header line, then ``n`` log bytes, ``xn`` bytes
+#: of an unreadable exit file and ``cn`` bytes of the cancel reason.
+#:
+#: A log's size must be read after its rank's exit file was seen (a rank reported over with a short
+#: size would lose its last lines), so the batch also says which ranks had exited before it measured;
+#: a rank that exits during the call gets its size read again on its own. A log the batch did not
+#: list (created since, or a name ``wc`` prints differently) is measured on its own too.
 STATUS_SCRIPT = r"""
-root=$1; now=$2; shift 2
-while [ $# -ge 4 ]; do
-  j=$1; r=$2; off=$3; max=$4; shift 4
+now=$1; shift
+sizes() {
+  _x=''; _k=$(($# / 5))
+  while [ "$_k" -gt 0 ]; do
+    if [ -f "$1/jobs/$2/$3/exit" ]; then _x="${_x}1"; else _x="${_x}0"; fi
+    set -- "$@" "$1/jobs/$2/$3/log"; shift 5; _k=$((_k - 1))
+  done
+  printf '%s\n' "x$_x"
+  [ $# -gt 0 ] && wc -c -- "$@" 2>/dev/null
+  :
+}
+sizes_=$(sizes "$@")
+{
+read -r early <&3 || early=x
+early=${early#x}
+lsz=''; lname=''; read -r lsz lname <&3 || :
+while [ $# -ge 5 ]; do
+  root=$1; j=$2; r=$3; off=$4; max=$5; shift 5
   d="$root/jobs/$j/$r"
-  ex=-; st=-; en=-; sz=0; c=0; n=0; pl=-; o=0; xn=0; cn=0
+  ex=-; st=-; en=-; sz=-; c=0; n=0; pl=-; o=0; xn=0; cn=0
+  e1=${early%"${early#?}"}; early=${early#?}
+  if [ -n "$lname" ] && [ "$lname" = "$d/log" ]; then
+    sz=$lsz; lsz=''; lname=''; read -r lsz lname <&3 || :
+  fi
   if [ ! -d "$d" ]; then
     state=missing
   else
@@ -133,6 +159,7 @@ while [ $# -ge 4 ]; do
       state=pending
     fi
     if [ "$state" = exited ]; then
+      [ "$e1" = 1 ] || sz=-
       ex=''
       read -r ex < "$d/exit" || :
       v=${ex#-}
@@ -141,9 +168,10 @@ while [ $# -ge 4 ]; do
       esac
       [ -f "$d/end" ] && read -r en < "$d/end"
     fi
-    [ -f "$d/log" ] && sz=$(wc -c < "$d/log") && sz=$((sz + 0))
+    if [ "$sz" = - ] && [ -f "$d/log" ]; then sz=$(wc -c < "$d/log"); sz=$((sz + 0)); fi
     if [ "$c" = 1 ]; then cn=$(wc -c < "$d/cancel"); cn=$((cn + 0)); [ "$cn" -gt 500 ] && cn=500; fi
   fi
+  case "$sz" in ''|*[!0-9]*) sz=0;; esac
   case "$st" in ''|*[!0-9.]*) st=-;; esac
   case "$en" in ''|*[!0-9.]*) en=-;; esac
   case "$pl" in ''|*[!0-9.]*) pl=-;; esac
@@ -153,6 +181,9 @@ while [ $# -ge 4 ]; do
   if [ "$xn" -gt 0 ]; then head -c "$xn" "$d/exit"; fi
   if [ "$cn" -gt 0 ]; then head -c "$cn" "$d/cancel"; fi
 done
+} 3<<SKY_SIZES
+$sizes_
+SKY_SIZES
 """
 
 #: The delayed SIGKILL of a fail-fast cancel, run detached: ``sh -c KILLER sh TICKS GROUPS`` with the
@@ -183,17 +214,19 @@ done
 #: TERM every listed rank's process group and every process carrying its mark, SIGKILL what is left
 #: after the grace, then wait (bounded) until they are gone. ``reason`` goes in each unfinished rank's
 #: cancel marker. A rank that already exited keeps its outcome; processes it left behind are killed.
+#: Arguments: ``grace mode reason``, then ``root job rank`` per rank: one call covers every rank of a
+#: machine, whatever node root each has (one ``grep`` of ``/proc`` finds all their processes).
 CANCEL_SCRIPT = (
     MARKED_FUNCS
     + r"""
-root=$1; grace=$2; mode=$3; reason=$4; shift 4
+grace=$1; mode=$2; reason=$3; shift 3
 tick() { sleep 0.1 2>/dev/null || sleep 1; }
 groups=''
 nl='
 '
 marks=${extra_mark:-}
-while [ $# -ge 2 ]; do
-  d="$root/jobs/$1/$2"; shift 2
+while [ $# -ge 3 ]; do
+  d="$1/jobs/$2/$3"; shift 3
   marks="$marks$nl$d/"
   [ -d "$d" ] || continue
   [ -f "$d/exit" ] && continue
@@ -277,12 +310,12 @@ fi
 set --
 for d in "$root"/jobs/*/*; do
   [ -d "$d" ] || continue
-  j=$(basename "$(dirname "$d")"); r=$(basename "$d")
-  set -- "$@" "$j" "$r"
+  r=${d##*/}; j=${d%/*}; j=${j##*/}
+  set -- "$@" "$root" "$j" "$r"
 done
 (
   extra_mark="$root/jobs/"
-  set -- "$root" "$grace" wait "torn down" "$@"
+  set -- "$grace" wait "torn down" "$@"
   __CANCEL__
 )
 # a wrapper still alive without an exit code: kill it, but only if that pid is still our wrapper
@@ -554,29 +587,43 @@ def launch_script(
     return "\n".join(parts) + "\n"
 
 
-def status_args(
-    root: str, queries: Sequence[tuple[str, int, int, int]], now: float | None = None
-) -> list[str]:
-    """Arguments of :data:`STATUS_SCRIPT`: (job id, rank, log offset, max log bytes) per rank.
+def status_args(queries: Sequence[tuple[str, str, int, int, int]], now: float | None = None) -> list[str]:
+    """Arguments of :data:`STATUS_SCRIPT`: (node root, job id, rank, log offset, max log bytes) per rank.
 
-    ``now`` (the poller's clock) is left on the node as the last poll; ``None`` polls without
-    leaving a trace (a launch-side bridge must not keep an abandoned job alive).
+    The ranks may sit under different node roots of one machine: one call asks them all. ``now``
+    (the poller's clock) is left on the node as the last poll; ``None`` polls without leaving a
+    trace (a launch-side bridge must not keep an abandoned job alive).
     """
-    args = [root, "-" if now is None else f"{now:.3f}"]
-    for job_id, rank, offset, max_bytes in queries:
-        args += [check_job_id(job_id), str(int(rank)), str(max(0, int(offset))), str(max(0, int(max_bytes)))]
+    args = ["-" if now is None else f"{now:.3f}"]
+    for root, job_id, rank, offset, max_bytes in queries:
+        args += [
+            _check_root(root),
+            check_job_id(job_id),
+            str(int(rank)),
+            str(max(0, int(offset))),
+            str(max(0, int(max_bytes))),
+        ]
     return args
 
 
 def cancel_args(
-    root: str, grace: float, targets: Sequence[tuple[str, int]], *, wait: bool = True, reason: str = ""
+    grace: float, targets: Sequence[tuple[str, str, int]], *, wait: bool = True, reason: str = ""
 ) -> list[str]:
-    """Arguments of :data:`CANCEL_SCRIPT`; ``wait=False`` returns right after the SIGTERMs."""
+    """Arguments of :data:`CANCEL_SCRIPT`: (node root, job id, rank) per rank, any number of roots of
+    one machine; ``wait=False`` returns right after the SIGTERMs."""
     reason = " ".join(reason.split())[:400]  # one line in the marker file
-    args = [root, f"{max(0.0, float(grace)):.3f}", "wait" if wait else "nowait", reason]
-    for job_id, rank in targets:
-        args += [check_job_id(job_id), str(int(rank))]
+    args = [f"{max(0.0, float(grace)):.3f}", "wait" if wait else "nowait", reason]
+    for root, job_id, rank in targets:
+        args += [_check_root(root), check_job_id(job_id), str(int(rank))]
     return args
+
+
+def _check_root(root: str) -> str:
+    """A node root is a path the scripts build job directories under: never empty, never a newline
+    (the status script reads ``wc`` output line by line)."""
+    if not root or "\n" in root:
+        raise ValueError(f"node root {root!r} must be a non-empty path without a newline")
+    return root
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,14 @@ class Backend(ABC):
     #: every node is on this one machine: one node-side keeper guards them all
     shared_machine: bool = False
 
+    def machine_of(self, node: Node) -> str:
+        """Which machine (and transport) ``node`` is on: nodes of one machine are polled and cancelled
+        in one remote call, not one call per node (1,024 local nodes cost 1,024 ``sh`` per poll).
+
+        Default: every node its own machine, or all one when ``shared_machine`` is set.
+        """
+        return "" if self.shared_machine else node.node_id
+
     def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
         """What a node removes besides its runtime directory when the cluster goes down idle (``idle_down``):
         the cluster record, on the node that keeps it."""
