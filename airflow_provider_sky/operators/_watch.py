@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from airflow.configuration import conf
@@ -90,11 +91,11 @@ class GangWatchMixin:
         self.grace = grace
         self.lost_after = lost_after
 
-    def _peek(self, job_id: Any) -> GangStatus:
-        """The job's state now (one call per node, no mark left on the nodes)."""
+    def _peek(self, job_id: Any, ranks: Sequence[int] | None = None) -> GangStatus:
+        """The job's state now (every rank, or only ``ranks``; no mark left on the nodes)."""
         client = SkyHook(self.sky_conn_id).client(self.cluster)
         try:
-            return client.peek(str(job_id))
+            return client.peek(str(job_id), ranks)
         finally:
             client.close()
 

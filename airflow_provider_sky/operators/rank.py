@@ -119,8 +119,9 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
         return None
 
     def _already_over(self) -> bool:
+        """One look at this rank alone: N rank tasks starting together must not ask N nodes each."""
         try:
-            return self._peek(self.job_id).by_rank(int(self.rank)).terminal
+            return self._peek(self.job_id, [int(self.rank)]).by_rank(int(self.rank)).terminal
         except KeyError:
             return False
 
