@@ -1,6 +1,6 @@
 """``make bench``: the provider's figures on this machine, against the local backend and real sshd hosts.
 
-    python -m benchmarks.run [--quick] [--only 1,2,3,4] [--out PATH]
+    python -m benchmarks.run [--quick] [--only 1,2,3,4,5] [--out PATH]
 
 Prints a table (figure | N | median | min | max | runs | goal | met) and writes
 ``benchmarks/results/latest.json`` (the figures, the machine's core count, versions of python, airflow,
@@ -58,11 +58,13 @@ class Plan:
     #: fig 1c: seconds from the job task's end to the triggers' start
     trigger_delay: float = TRIGGER_DELAY
     at_once_only: bool = False  # `--only 1c`: figure 1's "fails at once" case alone
+    scale_ns: tuple[int, ...] = (64, 256, 1024)  # fig 5: gang sizes under the real scheduler
+    scale_reps: int = 1  # fig 5: runs of each DAG per N
 
     @classmethod
     def make(cls, quick: bool) -> Plan:
         if quick:
-            return cls(True, (4, 16), 2, 1, 2, 1, 2.0, 4, 1, 20.0, ff_once_reps=1)
+            return cls(True, (4, 16), 2, 1, 2, 1, 2.0, 4, 1, 20.0, ff_once_reps=1, scale_ns=(64,))
         return cls(False, (4, 16, 64), 5, 3, 5, 3, 5.0, 16, 3, 60.0, ff_once_reps=3)
 
 
@@ -429,16 +431,36 @@ class Bench:
         )
         self.rows += fig_airflow.run(self.plan, hosts, self.base, self.stack, say)
 
+    # -- figure 5
+
+    def fig5(self) -> None:
+        from benchmarks import fig_scale
+
+        ns = ", ".join(f"{n:,}" for n in self.plan.scale_ns)
+        say(f"\n== figure 5: scale, sky_gang of N = {ns} local ranks under the real scheduler + triggerer ==")
+        self.notes.append(
+            f"fig 5: N = {ns}, local backend; overhead = run start_date -> end_date minus {fig_scale.SLEEP:g} s "
+            "(every rank `sleep 20`); fail-fast: rank N//2 exits 3 after 5 s, the others `sleep 10000`, "
+            "from the ranks' own end timestamps; CPU = scheduler / triggerer process and descendants, "
+            "trigger -> run end (/proc utime+stime). A run still going after 300 + 0.6 N s is a failed row."
+        )
+        self.rows += fig_scale.run(self.plan, self.base, self.stack, say)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions, N = 4 and 16 (a smoke run)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer repetitions, N = 4 and 16, figure 5 at N = 64 (a smoke run)",
+    )
     ap.add_argument(
         "--only",
-        default="1,2,3,4",
+        default="1,2,3,4,5",
         help="figures to run, e.g. 1,2 (default: all); 1c = only figure 1's 'rank fails at once' case",
     )
     ap.add_argument("--ns", default="", help="override the gang sizes of figures 1-3, e.g. 64 or 4,16")
+    ap.add_argument("--scale-ns", default="", help="override the gang sizes of figure 5, e.g. 16 or 64,256")
     ap.add_argument("--out", default=str(RESULTS / "latest.json"), help="where to write the JSON")
     ap.add_argument(
         "--trigger-delay",
@@ -448,15 +470,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     only = {x.strip() for x in args.only.split(",") if x.strip()}
-    if not only <= {"1", "1c", "2", "3", "4"}:
-        ap.error("--only takes figure numbers 1-4 (and 1c)")
+    if not only <= {"1", "1c", "2", "3", "4", "5"}:
+        ap.error("--only takes figure numbers 1-5 (and 1c)")
     figures = sorted({1 if x == "1c" else int(x) for x in only})
-    if os.geteuid() != 0:
+    if os.geteuid() != 0 and figures != [5]:  # figure 5 uses the local backend only
         say("needs root: the sshd test hosts create users and start sshd (tests/sshd.py)")
         return 2
     plan = Plan.make(args.quick)
     if args.ns:
         plan = dataclasses.replace(plan, ns=tuple(int(x) for x in args.ns.split(",") if x.strip()))
+    if args.scale_ns:
+        plan = dataclasses.replace(
+            plan, scale_ns=tuple(int(x) for x in args.scale_ns.split(",") if x.strip())
+        )
     if args.trigger_delay is not None:
         plan = dataclasses.replace(plan, trigger_delay=args.trigger_delay)
     if "1c" in only and "1" not in only:
