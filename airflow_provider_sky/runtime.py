@@ -25,14 +25,14 @@ ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: node finds all of them through ``/proc/<pid>/environ`` whatever they did to their process group or
 #: session (``setsid``, double forks, ``nohup``). ``marked MARK...`` prints the pids whose environment
 #: holds one of the marks (a prefix: ``<root>/jobs/`` is every process of a cluster's node). No single
-#: quote in it: it is embedded in single-quoted helper scripts.
+#: quote in it: it is embedded in single-quoted helper scripts. The patterns go to ``grep -f -`` on
+#: stdin: building ``-e`` arguments one ``set --`` at a time is quadratic (6 s for 1,024 marks).
 MARKED_FUNCS = r"""
 marked() {
   [ -r /proc/self/environ ] || return 0
-  _n=$#
-  while [ "$_n" -gt 0 ]; do set -- "$@" -e "SKY_PROVIDER_MARK=$1"; shift; _n=$((_n - 1)); done
   [ $# -gt 0 ] || return 0
-  grep -l -F "$@" /proc/[0-9]*/environ 2>/dev/null | while read -r _f; do _p=${_f#/proc/}; echo "${_p%/environ}"; done
+  printf "SKY_PROVIDER_MARK=%s\n" "$@" | grep -l -F -f - /proc/[0-9]*/environ 2>/dev/null |
+    while read -r _f; do _p=${_f#/proc/}; echo "${_p%/environ}"; done
 }
 killmarked() {
   _s=$1; shift
@@ -300,36 +300,60 @@ echo 143 > "$d/exit.tmp" && mv "$d/exit.tmp" "$d/exit"
 echo "CANCELLED"
 """
 
-#: Kill everything any job under ``root`` started (found by the mark, so a lost job directory or
-#: exit file loses nothing), stop the node's keeper, then remove ``root`` (teardown of one node).
+#: Kill everything any job under the listed roots started (found by the mark, so a lost job directory or
+#: exit file loses nothing), stop their keepers, then remove each root (``REMOVED <root>``, or ``ABSENT
+#: <root>`` when it was gone already). ``sh -s -- GRACE ROOT...``: the roots of one machine.
 TEARDOWN_SCRIPT = r"""
-root=$1; grace=$2
-if [ -f "$root/keeper.pid" ] && read -r kp < "$root/keeper.pid"; then
-  case "$(tr '\000' ' ' < "/proc/$kp/cmdline" 2>/dev/null)" in *sky-keeper*) kill -KILL "-$kp" 2>/dev/null || kill -KILL "$kp" 2>/dev/null ;; esac
-fi
-set --
-for d in "$root"/jobs/*/*; do
-  [ -d "$d" ] || continue
-  r=${d##*/}; j=${d%/*}; j=${j##*/}
-  set -- "$@" "$root" "$j" "$r"
+grace=$1; shift
+nl="
+"
+roots=''
+for root in "$@"; do
+  roots="$roots$root$nl"
+  if [ -f "$root/keeper.pid" ] && read -r kp < "$root/keeper.pid"; then
+    case "$(tr '\000' ' ' < "/proc/$kp/cmdline" 2>/dev/null)" in *sky-keeper*) kill -KILL "-$kp" 2>/dev/null || kill -KILL "$kp" 2>/dev/null ;; esac
+  fi
 done
+marks=''
+triples=''
+oldifs=$IFS; IFS=$nl; set -f
+for root in $roots; do
+  IFS=$oldifs; set +f
+  marks="$marks$root/jobs/$nl"
+  for d in "$root"/jobs/*/*; do
+    [ -d "$d" ] || continue
+    r=${d##*/}; j=${d%/*}; j=${j##*/}
+    triples="$triples$root$nl$j$nl$r$nl"
+  done
+  IFS=$nl; set -f
+done
+set -- $triples
+IFS=$oldifs; set +f
 (
-  extra_mark="$root/jobs/"
+  extra_mark=${marks%$nl}
   set -- "$grace" wait "torn down" "$@"
   __CANCEL__
 )
 # a wrapper still alive without an exit code: kill it, but only if that pid is still our wrapper
 # (pids are reused; without /proc a reused pid can't be told apart, so it is left alone)
-for d in "$root"/jobs/*/*; do
-  [ -f "$d/pid" ] || continue
-  [ -f "$d/exit" ] && continue
-  read -r pid < "$d/pid" || continue
-  [ -r "/proc/$pid/cmdline" ] || continue
-  case "$(tr '\000' ' ' < "/proc/$pid/cmdline" 2>/dev/null)" in
-    *"$d/rank.sh"*) kill -KILL "$pid" 2>/dev/null ;;
-  esac
+IFS=$nl; set -f
+for root in $roots; do
+  IFS=$oldifs; set +f
+  for d in "$root"/jobs/*/*; do
+    [ -f "$d/pid" ] || continue
+    [ -f "$d/exit" ] && continue
+    read -r pid < "$d/pid" || continue
+    [ -r "/proc/$pid/cmdline" ] || continue
+    case "$(tr '\000' ' ' < "/proc/$pid/cmdline" 2>/dev/null)" in
+      *"$d/rank.sh"*) kill -KILL "$pid" 2>/dev/null ;;
+    esac
+  done
+  if [ -d "$root" ]; then echo "REMOVED $root"; else echo "ABSENT $root"; fi
+  IFS=$nl; set -f
 done
-if [ -d "$root" ]; then rm -rf "$root"; echo "REMOVED"; else echo "ABSENT"; fi
+set -- $roots
+IFS=$oldifs; set +f
+[ $# -eq 0 ] || rm -rf -- "$@" || exit 1
 """
 
 #: The node's keeper (one per cluster root, or one for all roots of a machine): a dead-man's switch
@@ -398,7 +422,8 @@ done
 
 
 def teardown_script() -> str:
-    """The teardown script with the cancel logic inlined (one remote call per node)."""
+    """The teardown script with the cancel logic inlined: ``sh -s -- GRACE ROOT...``, one call for
+    every node root of one machine (the local backend's 1,024 nodes: one scan of /proc, not 1,024)."""
     return TEARDOWN_SCRIPT.replace("__CANCEL__", CANCEL_SCRIPT)
 
 

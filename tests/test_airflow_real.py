@@ -166,7 +166,9 @@ def test_hello(real: RealAirflow) -> None:
         log = real.log("sky_hello", run_id, "hello.rank", i)
         assert f"rank {i} of 4" in log, log
         # started and ended in the triggerer: no worker ran the task (a worker's execute says "Attaching")
-        assert "Attaching to rank" not in log and f"rank {i} (" in log and "succeeded, exit code 0" in log, log
+        assert "Attaching to rank" not in log and f"rank {i} (" in log and "succeeded, exit code 0" in log, (
+            log
+        )
         assert re.search(r"MASTER_ADDR=127\.\d+\.\d+\.\d+", log), log
         for other in set(range(4)) - {i}:
             assert f"rank {other} of 4" not in log

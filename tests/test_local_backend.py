@@ -71,3 +71,22 @@ def test_workdir_and_file_mounts_reach_every_node(sky_home: Path, tmp_path: Path
         assert (Path(n.home) / "data" / "d.txt").read_text() == "d\n"
         assert b.workdir(n, spec) == f"{n.home}/sky_workdir"
     b.terminate("a")
+
+
+def test_a_local_teardown_is_one_call_and_leaves_nothing(sky_home: Path) -> None:
+    """Every node is on this machine: one teardown call for all (1,024 calls took 31 s), nothing left."""
+    from airflow_provider_sky.jobs import GangClient
+    from airflow_provider_sky.runners.base import CALLS
+    from leaks import processes_under
+
+    b = LocalBackend(sky_home)
+    spec = task_from_args(num_nodes=64, run="sleep 600 & sleep 600")
+    h = b.provision("wide", spec)
+    client = GangClient(b, h)
+    client.launch(spec, "job", orphan_timeout=0)
+    assert all(r.state == "running" for r in client.peek("job").ranks)
+    CALLS.reset()
+    assert b.terminate("wide", grace=0.5).removed
+    assert CALLS.total() == 1
+    assert not processes_under(sky_home)
+    assert not (sky_home / "local" / "wide").exists()

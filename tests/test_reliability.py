@@ -119,7 +119,7 @@ def test_backend_limit_and_unhonourable_fields_fail_before_provisioning(sky_home
 
     hook = SkyHook(None)
     with pytest.raises(SpecError, match="num_nodes"):
-        hook.provision("big", task_from_args(num_nodes=1000, run="true"))
+        hook.provision("big", task_from_args(num_nodes=5000, run="true"))
     with pytest.raises(SpecError, match="use_spot"):
         hook.provision("spot", task_from_args(num_nodes=2, run="true", resources={"use_spot": True}))
     assert not (sky_home / "local" / "big").exists() and not (sky_home / "local" / "spot").exists()
@@ -146,6 +146,10 @@ def test_job_task_reattaches_instead_of_launching_twice(sky_home: Path, tmp_path
         def __init__(self, try_number: int) -> None:
             self.try_number = try_number
             self.stats_tags: dict[str, str] = {}
+            self.pushed: dict[str, Any] = {}
+
+        def xcom_push(self, key: str, value: Any) -> None:
+            self.pushed[key] = value
 
     store = Store()
     first = op.execute({"ti": TI(1), "task_state_store": store})

@@ -469,7 +469,7 @@ class SSHBackend(Backend):
         def one(node: Node) -> None:
             # a hung node must not hang the teardown: it has to greet within the connect timeout
             wait_for_ssh(node.extra["host"], int(node.extra["port"]), self.connect_timeout, max_delay=0.5)
-            res = self.runner(node).run_script(script, [node.root, f"{grace:.3f}"], timeout=grace + 60)
+            res = self.runner(node).run_script(script, [f"{grace:.3f}", node.root], timeout=grace + 60)
             if res.returncode != 0:
                 raise BackendError(f"teardown failed: {res.error_text or f'exit code {res.returncode}'}")
 
