@@ -137,6 +137,8 @@ async def fan_out(
 #: ranks one status or cancel call covers at most: its arguments (a root, a job id of up to 181
 #: characters) must fit one command line, and its answer holds up to a log chunk per rank
 CALL_RANKS = 256
+#: ranks one gang-start call starts (its script carries every rank's env: ~15 KB each at 1,024 nodes)
+LAUNCH_RANKS = 32
 #: argument bytes of one call at most: an SSH command line is one string, which Linux caps at 128 KiB
 CALL_ARG_BYTES = 64 * 1024
 
@@ -150,6 +152,17 @@ def _span(ranks: Sequence[int]) -> str:
         else:
             runs.append([rank, rank])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _launch_words(text: str) -> dict[int, str]:
+    """``STARTED <rank> <pid>`` / ``EXISTS <rank>`` / ``CANCELLED <rank>`` lines: rank -> word (the
+    first said: a rank that existed already is also waited for, and then reads ``STARTED``)."""
+    out: dict[int, str] = {}
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[1].isdigit():
+            out.setdefault(int(words[1]), words[0])
+    return out
 
 
 #: seconds to wait for an abandoned call to end once cancelled (runners kill their script within it)
@@ -270,30 +283,40 @@ class GangClient:
         """
         runtime.check_job_id(job_id)
         launches = self.rank_launches(spec, job_id, stage)
+        by_rank = {rl.rank: rl for rl in launches}
+        chunks = self._calls(job_id, list(by_rank), LAUNCH_RANKS)
         started: list[int] = []
         failed: list[str] = []  # the cancel reason, once a started rank has failed
 
-        async def one(rl: runtime.RankLaunch) -> str:
-            node = self.node_of(rl.rank)
+        async def one(chunk: list[int]) -> list[str]:
+            """Start (or, after a sibling failed, record as cancelled) the ranks of one call."""
+            node = self.node_of(chunk[0])
+            where = f"ranks {_span(chunk)} ({', '.join(dict.fromkeys(self.node_of(r).ip for r in chunk))})"
             await self.runner(node).aconnect()  # the handshake first: start or skip decided after it
             if failed:
-                args = [node.root, job_id, str(rl.rank), failed[0]]
+                args = [job_id, failed[0]]
+                for r in chunk:
+                    args += [self.node_of(r).root, str(r)]
                 res = await self.runner(node).arun_script(runtime.NEVER_STARTED_SCRIPT, args, timeout=60)
                 if res.returncode != 0:
-                    raise LaunchError(f"rank {rl.rank} ({node.ip}): could not record it: {res.error_text}")
-                return res.text.strip() or "CANCELLED"
-            guard = self.guard(rl.rank, orphan_timeout, idle_down)
-            script = runtime.launch_script(node.root, job_id, [rl], guard=guard)
-            res = await self.runner(node).arun_script(script, timeout=60)
-            words = res.text.split()
+                    raise LaunchError(f"{where}: could not record them: {res.error_text}")
+                words = _launch_words(res.text)
+                return [words.get(r, "CANCELLED") for r in chunk]
+            items = [
+                (self.node_of(r).root, by_rank[r], self.guard(r, orphan_timeout, idle_down)) for r in chunk
+            ]
+            script = runtime.launch_many_script(job_id, items)
+            res = await self.runner(node).arun_script(script, timeout=60 + len(chunk))
             if res.returncode != 0:
-                raise LaunchError(f"rank {rl.rank} ({node.ip}): launch failed: {res.error_text}")
-            if "NOSTART" in words:
-                raise LaunchError(f"rank {rl.rank} ({node.ip}): the rank wrapper did not start")
-            started.append(rl.rank)
-            if failed:  # it was on its way when a sibling failed: cancel it at once
-                await self.acancel(job_id, [rl.rank], grace, wait=False, reason=failed[0])
-            return "EXISTS" if "EXISTS" in words else "STARTED"
+                raise LaunchError(f"{where}: launch failed: {res.error_text}")
+            words = _launch_words(res.text)
+            missing = [r for r in chunk if words.get(r) not in ("STARTED", "EXISTS")]
+            if missing:
+                raise LaunchError(f"{where}: the rank wrapper of ranks {_span(missing)} did not start")
+            started.extend(chunk)
+            if failed:  # they were on their way when a sibling failed: cancel them at once
+                await self.acancel(job_id, chunk, grace, wait=False, reason=failed[0])
+            return [words[r] for r in chunk]
 
         async def watch_start() -> list[int]:
             """Poll the started ranks until one failed; cancel those; return the ranks cancelled."""
@@ -310,7 +333,7 @@ class GangClient:
 
         watcher = asyncio.ensure_future(watch_start()) if len(launches) > 1 else None
         try:
-            results = await fan_out(one, launches)
+            results = await fan_out(one, chunks)
         finally:
             if watcher is not None:
                 await _cancel_bounded([watcher])
@@ -324,7 +347,11 @@ class GangClient:
             if late:
                 await self.acancel(job_id, late, grace, wait=False, reason=failed[0])
             log.info("A rank of job %s failed during the gang start: %s", job_id, failed[0])
-        return {rl.rank: str(r) for rl, r in zip(launches, results, strict=False)}
+        return {
+            r: word
+            for chunk, words in zip(chunks, results, strict=True)
+            for r, word in zip(chunk, words, strict=True)
+        }
 
     def launch(self, spec: TaskSpec, job_id: str, stage: str = "run", **guards: float) -> dict[int, str]:
         return run_sync(self.alaunch(spec, job_id, stage, **guards))
@@ -378,7 +405,7 @@ class GangClient:
                 poll.chunks[rank] = (raw.log_offset, raw.log_chunk)
         return poll
 
-    def _calls(self, job_id: str, ranks: Sequence[int]) -> list[list[int]]:
+    def _calls(self, job_id: str, ranks: Sequence[int], most: int = 0) -> list[list[int]]:
         """``ranks`` grouped by machine (``Backend.machine_of``), each group cut into chunks of at most
         :data:`CALL_RANKS` ranks and :data:`CALL_ARG_BYTES` of arguments: one remote call per chunk."""
         groups: dict[str, list[int]] = {}
@@ -391,7 +418,7 @@ class GangClient:
             for rank in group:
                 # its arguments (quoted, on an SSH command line) and the log path the script builds
                 cost = len(self.node_of(rank).root) + len(job_id) + 48
-                if chunk and (len(chunk) >= CALL_RANKS or size + cost > CALL_ARG_BYTES):
+                if chunk and (len(chunk) >= (most or CALL_RANKS) or size + cost > CALL_ARG_BYTES):
                     out.append(chunk)
                     chunk, size = [], 0
                 chunk.append(rank)

@@ -13,7 +13,6 @@ integers and paths as arguments, so nothing a user wrote is ever on a command li
 from __future__ import annotations
 
 import re
-import secrets as _secrets
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -285,19 +284,22 @@ exit 0
 """.replace("__KILLER__", KILLER)
 )
 
-#: A rank the gang start skips because a sibling already failed: its record says cancelled (exit 143,
-#: the reason in ``cancel``) without anything having run. ``root job rank reason``; an existing rank
-#: directory is left alone (``EXISTS``).
+#: Ranks the gang start skips because a sibling already failed: each record says cancelled (exit 143,
+#: the reason in ``cancel``) without anything having run. ``job reason`` then ``root rank`` pairs; an
+#: existing rank directory is left alone (``EXISTS <rank>``, else ``CANCELLED <rank>``).
 NEVER_STARTED_SCRIPT = r"""
-root=$1; d="$root/jobs/$2/$3"; reason=$4
-if [ -e "$d" ]; then echo "EXISTS"; exit 0; fi
+j=$1; reason=$2; shift 2
 umask 077
-mkdir -p "$d"
-printf '%s\n' "$reason" > "$d/cancel"
 t=$(date +%s.%N 2>/dev/null); case "$t" in *N*|'') t=$(date +%s);; esac
-printf '%s\n' "$t" > "$d/start"; printf '%s\n' "$t" > "$d/end"
-echo 143 > "$d/exit.tmp" && mv "$d/exit.tmp" "$d/exit"
-echo "CANCELLED"
+while [ $# -ge 2 ]; do
+  d="$1/jobs/$j/$2"; r=$2; shift 2
+  if [ -e "$d" ]; then echo "EXISTS $r"; continue; fi
+  mkdir -p "$d"
+  printf '%s\n' "$reason" > "$d/cancel"
+  printf '%s\n' "$t" > "$d/start"; printf '%s\n' "$t" > "$d/end"
+  echo 143 > "$d/exit.tmp" && mv "$d/exit.tmp" "$d/exit"
+  echo "CANCELLED $r"
+done
 """
 
 #: Kill everything any job under the listed roots started (found by the mark, so a lost job directory or
@@ -434,17 +436,6 @@ def check_job_id(job_id: str) -> str:
     return job_id
 
 
-def _heredoc(path: str, content: str) -> str:
-    """A quoted here-document writing ``content`` verbatim to ``path`` (no expansion happens)."""
-    if not content.endswith("\n"):
-        content += "\n"
-    while True:
-        delim = "SKY_EOF_" + _secrets.token_hex(8)
-        if delim not in content:
-            break
-    return f"cat > {path} <<'{delim}'\n{content}{delim}\n"
-
-
 #: Linux refuses to exec a process with one environment string longer than this (``MAX_ARG_STRLEN``,
 #: 32 pages), failing with "Argument list too long"
 MAX_ENV_STRING = 128 * 1024
@@ -550,6 +541,14 @@ def _keeper_start(roots: Sequence[str], tick: float) -> str:
     )
 
 
+def _write(path: str, content: str) -> str:
+    """Write ``content`` verbatim to ``path`` with the shell's builtin ``printf`` (no fork: a gang
+    start of 1,024 local ranks writes thousands of files)."""
+    if not content.endswith("\n"):
+        content += "\n"
+    return f"printf '%s' {shlex.quote(content)} > {path}"
+
+
 def launch_script(
     root: str,
     job_id: str,
@@ -557,38 +556,55 @@ def launch_script(
     wait_seconds: float = 20.0,
     guard: Guard | None = None,
 ) -> str:
-    """One script that writes and starts every listed rank on one node.
+    """One script that writes and starts every listed rank on one node (see :func:`launch_many_script`)."""
+    guard = guard or Guard()
+    return launch_many_script(job_id, [(root, rl, guard) for rl in ranks], wait_seconds)
 
-    A rank whose directory already exists is not started again (``EXISTS``), so a retried launch can
-    never run a rank twice. Prints ``STARTED <rank> <pid>`` once each wrapper has recorded its pid.
+
+def launch_many_script(
+    job_id: str, items: Sequence[tuple[str, RankLaunch, Guard]], wait_seconds: float = 20.0
+) -> str:
+    """One script that writes and starts ranks of one machine, each under its node's root.
+
+    A rank whose directory already exists is not started again (``EXISTS <rank>``), so a retried launch
+    can never run a rank twice. Every wrapper is started before the script waits for any of them, then
+    it prints ``STARTED <rank> <pid>`` once each wrapper has recorded its pid (``NOSTART <rank>`` if
+    one did not within ``wait_seconds``).
     """
     check_job_id(job_id)
-    if "\n" in root:
-        raise ValueError(f"node root {root!r} contains a newline")
-    guard = guard or Guard()
     q = shlex.quote
-    parts = ["set -e", "umask 077", f"root={q(root)}", 'mkdir -p "$root/jobs"']
-    parts.append(f'printf "%s\\n" {q(repr(float(guard.now)))} > "$root/launched"')
-    if guard.idle_down > 0:
-        parts.append(f'echo {int(guard.idle_down)} > "$root/idle_down"')
-        parts.append(_heredoc('"$root/idle_rm"', "\n".join(guard.idle_rm)))
-    else:
-        parts.append('rm -f "$root/idle_down" "$root/idle_rm"')
-    started = []
-    for rl in ranks:
+    parts = ["set -e", "umask 077"]
+    prepared: set[str] = set()
+    keepers: dict[tuple[str, ...], tuple[str, float]] = {}
+    started: list[tuple[str, int]] = []
+    for root, rl, guard in items:
+        if "\n" in root:
+            raise ValueError(f"node root {root!r} contains a newline")
+        parts.append(f"root={q(root)}")
+        if root not in prepared:
+            prepared.add(root)
+            parts.append('[ -d "$root/jobs" ] || mkdir -p "$root/jobs"')
+            parts.append(f'printf "%s\\n" {q(repr(float(guard.now)))} > "$root/launched"')
+            if guard.idle_down > 0:
+                parts.append(f'echo {int(guard.idle_down)} > "$root/idle_down"')
+                parts.append(_write('"$root/idle_rm"', "\n".join(guard.idle_rm)))
+            else:
+                parts.append(
+                    'if [ -e "$root/idle_down" ] || [ -e "$root/idle_rm" ]; then rm -f "$root/idle_down" "$root/idle_rm"; fi'
+                )
         d = f'"$root/jobs"/{q(job_id)}/{int(rl.rank)}'
         parts.append(f"d={d}")
         parts.append(f'if [ -e "$d" ]; then echo "EXISTS {int(rl.rank)}"; else')
         parts.append('mkdir -p "$d"')
-        parts.append(_heredoc('"$d/cmd.sh"', CMD_PROLOGUE + rl.command))
-        parts.append(_heredoc('"$d/env"', env_file(rl.env)))
+        parts.append(_write('"$d/cmd.sh"', CMD_PROLOGUE + rl.command))
+        parts.append(_write('"$d/env"', env_file(rl.env)))
         if rl.secrets:
-            parts.append(_heredoc('"$d/secrets"', env_file(rl.secrets)))
+            parts.append(_write('"$d/secrets"', env_file(rl.secrets)))
             mask = mask_script(rl.secrets)
             if mask:
                 # read once by the rank's output filter, then deleted: no secret stays on disk
-                parts.append(_heredoc('"$d/mask"', mask))
-        parts.append(_heredoc('"$d/rank.sh"', WRAPPER))
+                parts.append(_write('"$d/mask"', mask))
+        parts.append(_write('"$d/rank.sh"', WRAPPER))
         parts.append(f'echo {int(guard.orphan_timeout)} > "$d/orphan_timeout"')
         parts.append(f'printf "%s\\n" {q(repr(float(guard.now)))} > "$d/polled"')
         parts.append(f"cwd={q(rl.cwd)}")
@@ -597,17 +613,21 @@ def launch_script(
             'else nohup sh "$d/rank.sh" "$d" "$cwd" </dev/null >/dev/null 2>&1 & fi'
         )
         parts.append("fi")
-        started.append(int(rl.rank))
-    roots = [root] if guard.keeper_roots is None else list(guard.keeper_roots)
-    if roots and (guard.orphan_timeout > 0 or guard.idle_down > 0):
+        started.append((root, int(rl.rank)))
+        roots = [root] if guard.keeper_roots is None else list(guard.keeper_roots)
+        if roots and (guard.orphan_timeout > 0 or guard.idle_down > 0):
+            keepers.setdefault(tuple(roots), (root, guard.keeper_tick))
+    if keepers:
         parts.append("set +e")
-        parts.append(_keeper_start(roots, guard.keeper_tick))
+        for roots_, (root, tick) in keepers.items():
+            parts.append(f"root={q(root)}")
+            parts.append(_keeper_start(list(roots_), tick))
     ticks = int(wait_seconds * 20)
-    for r in started:
+    for root, r in started:
         parts.append(
-            f'd="$root/jobs"/{q(job_id)}/{r}; i=0\n'
+            f"d={q(root)}/jobs/{q(job_id)}/{r}; i=0\n"
             f'while [ ! -f "$d/pid" ] && [ ! -f "$d/exit" ] && [ "$i" -lt {ticks} ]; do sleep 0.05 2>/dev/null || sleep 1; i=$((i + 1)); done\n'
-            f'if [ -f "$d/pid" ] || [ -f "$d/exit" ]; then echo "STARTED {r} $(cat "$d/pid" 2>/dev/null)"; else echo "NOSTART {r}"; fi'
+            f'if [ -f "$d/pid" ] || [ -f "$d/exit" ]; then p=; {{ read -r p < "$d/pid"; }} 2>/dev/null || :; echo "STARTED {r} $p"; else echo "NOSTART {r}"; fi'
         )
     return "\n".join(parts) + "\n"
 

@@ -265,7 +265,7 @@ def test_a_launch_failure_is_reported_by_the_bridge(sky_home: Path) -> None:
             **handle.to_dict(),
             "nodes": [
                 handle.to_dict()["nodes"][0],
-                {**handle.to_dict()["nodes"][1], "home": "/nonexistent-sky"},
+                {**handle.to_dict()["nodes"][1], "root": "/proc/nonexistent-sky/.sky"},
             ],
         }
     )

@@ -209,7 +209,11 @@ class _SlowHandshakeRunner(LocalRunner):
 
 
 class _SlowStartBackend(LocalBackend):
-    """Nodes 4 and up answer 1.5 s late: the gang start is still running when rank 1 fails."""
+    """Nodes 4 and up answer 1.5 s late: the gang start is still running when rank 1 fails. Each node
+    counts as a machine of its own (as SSH hosts do), so each has its own connection and start call."""
+
+    def machine_of(self, node: Node) -> str:
+        return node.node_id
 
     def runner(self, node: Node) -> LocalRunner:
         rank = int(node.node_id.split("-")[1])
