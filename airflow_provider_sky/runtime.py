@@ -84,13 +84,15 @@ while :; do
   rc=$?
   kill -0 "$child" 2>/dev/null || break
 done
-rm -f "$d/secrets"
+# the end is when the command ended: taken first (a cancel wakes every wrapper of a machine at once)
+now > "$d/end.tmp"
+[ ! -e "$d/secrets" ] || rm -f "$d/secrets"
 if [ "$out" != "$d/log" ]; then
   # let the filter flush the last lines (bounded: a leftover background process may hold the pipe)
   i=0; while [ ! -f "$d/filter.done" ] && [ "$i" -lt 40 ]; do tick; i=$((i + 1)); done
   rm -f "$d/out"
 fi
-now > "$d/end.tmp" && mv "$d/end.tmp" "$d/end"
+mv "$d/end.tmp" "$d/end"
 echo "$rc" > "$d/exit.tmp" && mv "$d/exit.tmp" "$d/exit"
 """
 
