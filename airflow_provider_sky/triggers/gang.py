@@ -346,7 +346,9 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
         self.log.info("%s", rank_outcome(event))
         summary = rank_summary(event)
         if event["state"] == SUCCEEDED:
-            return TaskSuccessEvent(xcoms={"sky_rank": summary, "return_value": summary})
+            # sky_rank alone (no return_value copy): the triggerer writes each XCom of each of N rank
+            # tasks one by one, in its main loop
+            return TaskSuccessEvent(xcoms={"sky_rank": summary})
         self.log.error("%s", event["message"])
         return TaskFailedEvent(xcoms={"sky_rank": summary})
 
