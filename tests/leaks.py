@@ -19,19 +19,23 @@ __all__ = ["bridges", "processes_under"]
 def bridges(state_dir: str | os.PathLike[str] | None = None) -> list[tuple[int, str]]:
     """Live bridge processes; with ``state_dir``, those whose ``SKY_PROVIDER_HOME`` is that directory."""
     want = f"SKY_PROVIDER_HOME={state_dir}".encode() if state_dir is not None else b""
-    found = []
+    found: list[tuple[int, int, str]] = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if stat[0] in ("Z", "X"):
                 continue
+            ppid = int(stat[1])
             cmd = (entry / "cmdline").read_bytes().split(b"\0")
             if MODULE.encode() not in cmd:
                 continue
             if want and want not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
-        except (OSError, IndexError):
+        except (OSError, IndexError, ValueError):
             continue
-        found.append((int(entry.name), b" ".join(cmd).decode("utf-8", "replace").strip()))
-    return found
+        found.append((int(entry.name), ppid, b" ".join(cmd).decode("utf-8", "replace").strip()))
+    # a bridge's child between fork and exec still shows the bridge's command line: not a bridge
+    pids = {pid for pid, _, _ in found}
+    return [(pid, cmd) for pid, ppid, cmd in found if ppid not in pids]
