@@ -199,6 +199,11 @@ class _TI:
     map_index: int = -1
     try_number: int = 1
     stats_tags: dict[str, str] = field(default_factory=dict)
+    pushed: dict[str, Any] = field(default_factory=dict)
+
+    def xcom_push(self, key: str, value: Any) -> None:
+        """The job task pushes the job id alone (``sky_job_id``) for triggers started in the triggerer."""
+        self.pushed[key] = value
 
 
 def job_task(handle: Any, n: int, run_id: str, sky_conn_id: str | None) -> str:
