@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from airflow.sdk import BaseHook
+from airflow.sdk.exceptions import AirflowNotFoundException
 
 from airflow_provider_sky.backends import Backend, ClusterHandle, Teardown, make_backend
 from airflow_provider_sky.gang import BAD, CANCELLED, GangStatus
@@ -49,6 +50,15 @@ def merge_ssh_connection(config: dict[str, Any], ssh_conn: Any) -> dict[str, Any
 
 class SetupFailed(Exception):
     """Setup failed on at least one node; the others' setups were stopped."""
+
+
+def _unreadable(conn_id: str, exc: BaseException) -> RuntimeError:
+    """A lookup that failed for another reason than "not found" (a secrets backend denying or timing
+    out): never a silent fall back to the local backend, which would run the job on this machine."""
+    return RuntimeError(
+        f"sky_conn_id: the connection {conn_id!r} could not be read ({type(exc).__name__}: {exc}); "
+        "fix the secrets backend or the connection, nothing was started"
+    )
 
 
 class SkyHook(BaseHook):
@@ -94,10 +104,12 @@ class SkyHook(BaseHook):
             return "local", {}
         try:
             conn = self.get_connection(self.sky_conn_id)
-        except Exception:
+        except AirflowNotFoundException:
             if self.sky_conn_id == self.default_conn_name:
-                return "local", {}
+                return "local", {}  # only a connection that does not exist means the local default
             raise
+        except Exception as exc:
+            raise _unreadable(self.sky_conn_id, exc) from exc
         kind, config = self._config_from(conn)
         if config.get("ssh_conn_id"):
             config = merge_ssh_connection(config, self.get_connection(config["ssh_conn_id"]))
@@ -109,10 +121,12 @@ class SkyHook(BaseHook):
             return "local", {}
         try:
             conn = await self.aget_connection(self.sky_conn_id)
-        except Exception:
+        except AirflowNotFoundException:
             if self.sky_conn_id == self.default_conn_name:
-                return "local", {}
+                return "local", {}  # only a connection that does not exist means the local default
             raise
+        except Exception as exc:
+            raise _unreadable(self.sky_conn_id, exc) from exc
         kind, config = self._config_from(conn)
         if config.get("ssh_conn_id"):
             config = merge_ssh_connection(config, await self.aget_connection(config["ssh_conn_id"]))
