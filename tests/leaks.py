@@ -8,34 +8,45 @@ state dir on its command line, so :func:`processes_under` cannot see it: :func:`
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from airflow_provider_sky.bridge import MODULE
 from airflow_provider_sky.dev.stack import processes_under
 
-__all__ = ["bridges", "processes_under"]
+__all__ = ["bridges", "live_processes", "processes_under"]
+
+
+def live_processes() -> Iterator[tuple[Path, list[str]]]:
+    """Every live (non-zombie) process: its /proc entry and the fields of its ``stat`` after the
+    command name (``[0]`` state, ``[1]`` ppid, ``[2]`` pgid). Processes that vanish are skipped."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields and fields[0] not in ("Z", "X"):
+            yield entry, fields
 
 
 def bridges(state_dir: str | os.PathLike[str] | None = None) -> list[tuple[int, str]]:
     """Live bridge processes; with ``state_dir``, those whose ``SKY_PROVIDER_HOME`` is that directory."""
     want = f"SKY_PROVIDER_HOME={state_dir}".encode() if state_dir is not None else b""
     found: list[tuple[int, int, str]] = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+    for entry, stat in live_processes():
+        if int(entry.name) == os.getpid():
             continue
         try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if stat[0] in ("Z", "X"):
-                continue
-            ppid = int(stat[1])
             cmd = (entry / "cmdline").read_bytes().split(b"\0")
             if MODULE.encode() not in cmd:
                 continue
             if want and want not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
-        except (OSError, IndexError, ValueError):
+        except OSError:
             continue
-        found.append((int(entry.name), ppid, b" ".join(cmd).decode("utf-8", "replace").strip()))
+        found.append((int(entry.name), int(stat[1]), b" ".join(cmd).decode("utf-8", "replace").strip()))
     # a bridge's child between fork and exec still shows the bridge's command line: not a bridge
     pids = {pid for pid, _, _ in found}
     return [(pid, cmd) for pid, ppid, cmd in found if ppid not in pids]

@@ -24,6 +24,7 @@ from airflow_provider_sky.jobs import GangClient, run_sync
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.local import LocalRunner
 from gangs import local_gang
+from leaks import live_processes
 from sshd import SSHDCluster, needs_sshd, user_processes
 
 #: how long past ``status_timeout`` a poll with a hung node may take (the cancel, kill and reap)
@@ -33,31 +34,17 @@ SLACK = 2.5
 def _children() -> set[int]:
     """Live (non-zombie) child processes of this test process."""
     me = str(os.getpid())
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[1] == me and fields[0] != "Z":
-            out.add(int(entry.name))
-    return out
+    return {int(entry.name) for entry, stat in live_processes() if stat[1] == me}
 
 
 def _with_marker(marker: str) -> list[int]:
     """Live processes whose command line contains ``marker``."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry, _ in live_processes():
         try:
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
             if marker.encode() in (entry / "cmdline").read_bytes():
                 found.append(int(entry.name))
-        except (OSError, IndexError):
+        except OSError:
             continue
     return found
 
