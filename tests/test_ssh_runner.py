@@ -25,6 +25,9 @@ from airflow_provider_sky.runners.ssh import (
     SSHNodeConfig,
     SSHRunner,
     UnknownHostKey,
+    hostkeys,
+    pool,
+    transport,
     wait_for_ssh,
 )
 from sshd import SSHDCluster, needs_sshd, user_processes
@@ -282,10 +285,10 @@ def test_handshakes_bounded_below_max_startups(
                 self.now -= 1
             self.inner.release()
 
-    overall = Counting(ssh._HANDSHAKES)
-    this_host = Counting(threading.BoundedSemaphore(ssh.MAX_HANDSHAKES_PER_HOST))
-    monkeypatch.setattr(ssh, "_HANDSHAKES", overall)
-    monkeypatch.setitem(ssh._HOST_HANDSHAKES, (node.host, node.port), this_host)
+    overall = Counting(transport._HANDSHAKES)
+    this_host = Counting(threading.BoundedSemaphore(transport.MAX_HANDSHAKES_PER_HOST))
+    monkeypatch.setattr(transport, "_HANDSHAKES", overall)
+    monkeypatch.setitem(transport._HOST_HANDSHAKES, (node.host, node.port), this_host)
     texts = [
         k.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
@@ -297,8 +300,8 @@ def test_handshakes_bounded_below_max_startups(
         results = list(pool.map(lambda r: r.run_script("echo ok"), runners))
     assert all(r.text == "ok\n" for r in results)
     assert len(ssh.pool_info()) == 24  # one transport per client key
-    assert 1 <= this_host.peak <= ssh.MAX_HANDSHAKES_PER_HOST < 10
-    assert overall.peak <= ssh.MAX_CONCURRENT_HANDSHAKES
+    assert 1 <= this_host.peak <= transport.MAX_HANDSHAKES_PER_HOST < 10
+    assert overall.peak <= transport.MAX_CONCURRENT_HANDSHAKES
     assert "past MaxStartups" not in cluster.logs(0)
 
 
@@ -315,8 +318,8 @@ def test_host_key_mismatch_runs_nothing(cluster4: SSHDCluster, tmp_path: Path) -
     message = str(err.value)
     assert node0.host in message and str(node0.port) in message
     assert err.value.host == node0.host
-    expected_fp = ssh._parse_public_key(node1.host_pubkey).fingerprint
-    seen_fp = ssh._parse_public_key(node0.host_pubkey).fingerprint
+    expected_fp = hostkeys.parse_public_key(node1.host_pubkey).fingerprint
+    seen_fp = hostkeys.parse_public_key(node0.host_pubkey).fingerprint
     assert expected_fp in message and seen_fp in message
     assert "known_hosts" in message and "pinned" in message
     assert "Accepted publickey" not in cluster4.logs(0)  # refused before authenticating
@@ -367,7 +370,7 @@ def test_unknown_host_accept_new_and_skip(
         )
 
     ssh.close_all()
-    monkeypatch.setattr(ssh, "_SKIP_WARNED", set())  # "once per host" is per process
+    monkeypatch.setattr(hostkeys, "_SKIP_WARNED", set())  # "once per host" is per process
     caplog.set_level(logging.WARNING, logger="airflow_provider_sky.runners.ssh")
     skip_cfg = cluster4.node_config(3, known_hosts=str(tmp_path / "none"), host_key_policy="skip")
     for _ in range(3):
@@ -471,7 +474,7 @@ def test_dropped_connection_reconnects(cluster4: SSHDCluster, monkeypatch: pytes
 
     runner.close()  # released; closed once idle for IDLE_TTL, swept when the pool is next used
     assert ssh.pool_info()[0].refs == 0
-    monkeypatch.setattr(ssh, "IDLE_TTL", 0.0)
+    monkeypatch.setattr(pool, "IDLE_TTL", 0.0)
     assert SSHRunner(cluster4.node_config(1)).run_script("true").returncode == 0
     assert [p.host for p in ssh.pool_info()] == [cluster4.nodes[1].host]
 

@@ -4,6 +4,9 @@ Each script runs in a process group of its own, so a call that is abandoned (its
 caller cancelled it) kills the script and whatever it started in the foreground, then reaps it: a
 status call that never answers must not leave a blocked ``sh`` behind, poll after poll. What a
 script starts detached (``setsid``: ranks, the keeper, the delayed killer) lives on by design.
+
+Copying files to a node is a plain copy into its home; a destination outside the home is refused, as
+every local node shares this machine's filesystem.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
+from pathlib import Path
 
-from airflow_provider_sky.runners.base import CALLS, CommandRunner, RunnerError, RunResult
+from airflow_provider_sky.runners.base import CALLS, CommandRunner, RunnerError, RunResult, walk_tree
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,14 @@ def _kill_group(pid: int) -> None:
     except (ProcessLookupError, PermissionError):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+
+
+def _copy_file(src: Path, dest: Path, mode: int | None) -> None:
+    """Content, permission bits and times of ``src`` (symlinks followed) onto the file ``dest``."""
+    shutil.copyfile(src, dest)
+    shutil.copystat(src, dest)
+    if mode is not None:
+        os.chmod(dest, mode)
 
 
 class LocalRunner(CommandRunner):
@@ -112,3 +125,62 @@ class LocalRunner(CommandRunner):
             await asyncio.wait_for(proc.wait(), REAP_TIMEOUT)
         except asyncio.TimeoutError:
             log.warning("%s: killed script (pid %s) not reaped within %ss", self.host, proc.pid, REAP_TIMEOUT)
+
+    # -- files
+
+    def _inside_home(self, remote: str | Path) -> Path:
+        """Where ``remote`` is on this node: ``~``, ``~/x`` and relative paths are under the home.
+
+        Refused (RunnerError) if it resolves outside the home, also through a symlink in the home.
+        """
+        home = Path(self.home).resolve()
+        text = str(remote)
+        if text == "~" or text.startswith("~/"):
+            text = text[2:]
+        target = (home / text).resolve()
+        if target != home and home not in target.parents:
+            raise RunnerError(
+                self.host,
+                f"{remote} resolves to {target}, outside the node's home {home}; copy to a path under the "
+                "home that is not reached through a symlink leaving it",
+            )
+        return target
+
+    def put_file(self, local: str | os.PathLike[str], remote: str, mode: int | None = None) -> None:
+        """Copy one file into the node's home (parents created); keeps its permission bits and times
+        unless ``mode`` is given (then the bits are ``mode``)."""
+        CALLS.add(self.host)
+        src = Path(local)
+        dest = self._inside_home(remote)
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            _copy_file(src, dest, mode)
+        except OSError as e:
+            raise RunnerError(self.host, f"copy of {src} to {remote} failed: {e}") from e
+
+    def put_tree(self, local_path: str | os.PathLike[str], remote_path: str) -> int:
+        """Copy a directory's contents into ``remote_path`` in the node's home; return files copied.
+
+        Entries as :func:`~airflow_provider_sky.runners.base.walk_tree` gives them (symlinks followed,
+        loops skipped); every destination must stay inside the home, also one reached through a symlink
+        already in the destination tree.
+        """
+        src = Path(local_path)
+        if not src.is_dir():
+            self.put_file(src, remote_path)
+            return 1
+        CALLS.add(self.host)
+        root = self._inside_home(remote_path)
+        count = 0
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for entry in walk_tree(src):
+                dest = self._inside_home(root / entry.relative)
+                if entry.is_dir:
+                    dest.mkdir(exist_ok=True)
+                else:
+                    _copy_file(entry.path, dest, None)
+                    count += 1
+        except OSError as e:
+            raise RunnerError(self.host, f"copy of {src} to {remote_path} failed: {e}") from e
+        return count
