@@ -7,6 +7,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import TypeVar
 
 from airflow_provider_sky.exitcodes import describe_exit
@@ -14,9 +15,35 @@ from airflow_provider_sky.runtime import RawRankStatus
 
 DEFAULT_MASTER_PORT = "29500"
 
-#: terminal rank states; "running" and "pending" are the others
-SUCCEEDED, FAILED, CANCELLED, LOST = "succeeded", "failed", "cancelled", "lost"
-RUNNING, PENDING = "running", "pending"
+
+class RankState(str, Enum):
+    """A rank's state as users see it. A ``str``: it equals, hashes and prints as its plain value
+    (``RankState.FAILED == "failed"``); what goes over the wire (JSON, trigger events, XCom) is that
+    value (``RankStatus.to_dict``), read back with ``RankState(value)``."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+    RUNNING = "running"
+    PENDING = "pending"
+    #: the node did not answer this poll (``jobs.watch`` reads it as running, or lost once it lasts)
+    UNKNOWN = "unknown"
+
+    def __str__(self) -> str:
+        # "failed", never "RankState.FAILED", in str() and f-strings (3.11+ formats a str mixin with str())
+        return self.value
+
+
+#: the members under their old module-level names, for ``from airflow_provider_sky.gang import FAILED``
+SUCCEEDED = RankState.SUCCEEDED
+FAILED = RankState.FAILED
+CANCELLED = RankState.CANCELLED
+LOST = RankState.LOST
+RUNNING = RankState.RUNNING
+PENDING = RankState.PENDING
+UNKNOWN = RankState.UNKNOWN
+#: terminal rank states; the others are running, pending and unknown
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED, LOST})
 BAD = frozenset({FAILED, LOST})
 
@@ -121,7 +148,7 @@ class RankStatus:
 
     rank: int
     ip: str
-    state: str
+    state: RankState
     exit_code: int | None = None
     start: float | None = None
     end: float | None = None
@@ -130,12 +157,19 @@ class RankStatus:
     #: when any watcher last polled this rank, by that watcher's clock (None: never)
     polled_at: float | None = None
 
+    def __post_init__(self) -> None:
+        # a plain value ("failed", from JSON or an older caller) becomes the member; a bad one raises
+        self.state = RankState(self.state)
+
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        """JSON-ready: the state as its plain string value."""
+        d = asdict(self)
+        d["state"] = self.state.value
+        return d
 
 
 def classify(raw: RawRankStatus, ip: str, observed_at: float) -> RankStatus:
@@ -228,7 +262,7 @@ class GangStatus:
         states = {
             r.rank: CANCELLED if self.cancel_requested and not r.terminal else r.state for r in self.ranks
         }
-        groups: dict[str, list[int]] = {}
+        groups: dict[RankState, list[int]] = {}
         for r in self.ranks:
             if r.rank != cause.rank:
                 groups.setdefault(states[r.rank], []).append(r.rank)
@@ -249,7 +283,10 @@ class GangStatus:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> GangStatus:
-        ranks = [RankStatus(**r) for r in data.get("ranks", [])]  # type: ignore[attr-defined]
+        raw = data.get("ranks", [])
+        if not isinstance(raw, list):
+            raise TypeError(f"ranks: expected a list of rank dicts, got {type(raw).__name__}")
+        ranks = [RankStatus(**r) for r in raw]  # each state read back as a RankState (__post_init__)
         return cls(
             str(data["job_id"]),
             ranks,
@@ -263,14 +300,18 @@ def _ranks_text(ranks: Iterable[int]) -> str:
     return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(str(r) for r in rs)
 
 
-def job_id_for(dag_id: str, run_id: str, task_id: str, map_index: int, try_number: int) -> str:
+def job_id_for(dag_id: str, run_id: str, task_id: str, map_index: int | None, try_number: int) -> str:
     """A job id unique per DAG run, task, map index and attempt, safe as a path part on a node.
 
     A readable slug of the DAG and task plus a hash of all five parts: two runs (or two attempts)
-    never share a job directory, so they can never touch each other's processes.
+    never share a job directory, so they can never touch each other's processes. ``map_index``
+    None (how Airflow's task instance type allows an unmapped task to say so) is -1, unmapped.
     """
     import hashlib
     import re
+
+    if map_index is None:
+        map_index = -1
 
     digest = hashlib.sha256(f"{dag_id}\0{run_id}\0{task_id}\0{map_index}".encode()).hexdigest()[:10]
     slug = re.sub(r"[^A-Za-z0-9_-]+", "-", f"{dag_id}.{task_id}").strip("-")[:60] or "job"

@@ -11,7 +11,16 @@ import concurrent.futures
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -20,6 +29,8 @@ from airflow_provider_sky.backends.base import Backend, ClusterHandle, Node
 from airflow_provider_sky.gang import (
     BAD,
     LOST,
+    RUNNING,
+    UNKNOWN,
     GangStatus,
     RankStatus,
     classify,
@@ -35,6 +46,7 @@ from airflow_provider_sky.spec import TaskSpec
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
 FANOUT_LIMIT = 64
 DEFAULT_LOG_CHUNK = 256 * 1024
 #: how often a gang start looks at the ranks it already started (a failure there stops the start)
@@ -122,12 +134,12 @@ def _cancel_leftovers(loop: asyncio.AbstractEventLoop) -> None:
 
 
 async def fan_out(
-    fn: Callable[[T], Awaitable[Any]], items: Iterable[T], limit: int = FANOUT_LIMIT
-) -> list[Any]:
+    fn: Callable[[T], Awaitable[R]], items: Iterable[T], limit: int = FANOUT_LIMIT
+) -> list[R | BaseException]:
     """Call ``fn`` on every item concurrently, at most ``limit`` at once; exceptions are returned."""
     sem = asyncio.Semaphore(limit)
 
-    async def one(item: T) -> Any:
+    async def one(item: T) -> R:
         async with sem:
             return await fn(item)
 
@@ -341,6 +353,7 @@ class GangClient:
         if errors:
             await self.acancel(job_id, grace=1.0, reason="the gang start failed")
             raise LaunchError("; ".join(str(e) for e in errors))
+        words_of = [r for r in results if not isinstance(r, BaseException)]  # every chunk's, in order
         if failed and watcher is not None and not watcher.cancelled() and watcher.exception() is None:
             # ranks started after the failing poll's snapshot that did not see the failure yet
             late = sorted(set(started) - set(watcher.result()))
@@ -349,7 +362,7 @@ class GangClient:
             log.info("A rank of job %s failed during the gang start: %s", job_id, failed[0])
         return {
             r: word
-            for chunk, words in zip(chunks, results, strict=True)
+            for chunk, words in zip(chunks, words_of, strict=True)
             for r, word in zip(chunk, words, strict=True)
         }
 
@@ -395,7 +408,7 @@ class GangClient:
             raw = by_rank[rank]
             if isinstance(raw, BaseException):
                 poll.unreachable[rank] = str(raw)
-                poll.status.ranks.append(RankStatus(rank, ip, "unknown", reason=str(raw)))
+                poll.status.ranks.append(RankStatus(rank, ip, UNKNOWN, reason=str(raw)))
                 continue
             poll.status.ranks.append(classify(raw, ip, now))
             poll.status.cancel_requested |= raw.cancel_requested
@@ -478,7 +491,7 @@ class GangClient:
             raise raw
         return raw
 
-    async def _bounded(self, fn: Callable[[T], Awaitable[Any]], calls: list[T]) -> list[Any]:
+    async def _bounded(self, fn: Callable[[T], Awaitable[R]], calls: list[T]) -> list[R | BaseException]:
         """Make every call at once, but never wait past ``status_timeout`` for one that hangs.
 
         A dead or black-holed host would otherwise stall every poll of the gang for its connect
@@ -494,7 +507,7 @@ class GangClient:
         finally:
             await _cancel_bounded(tasks)
         late = RunnerError("", f"no answer within {self.status_timeout:g}s")
-        out: list[Any] = []
+        out: list[R | BaseException] = []
         for task in tasks:
             if task.done() and not task.cancelled():
                 out.append(task.exception() or task.result())
@@ -607,7 +620,7 @@ async def watch(
     lost_after: float = 10.0,
     state: MonitorState | None = None,
     mark: bool = True,
-) -> Any:
+) -> AsyncGenerator[Poll, None]:
     """Poll a job until every rank is terminal, yielding each :class:`Poll`.
 
     The gang policy lives here: the first failed or lost rank cancels every unfinished sibling at
@@ -628,7 +641,7 @@ async def watch(
                         f"node {r.ip} stopped answering for {lost_after:.0f}s: {poll.unreachable[r.rank]}"
                     )
                 else:
-                    r.state = "running"
+                    r.state = RUNNING
             else:
                 st.unreachable_since.pop(r.rank, None)
         just_cancelled = False

@@ -7,7 +7,10 @@ import json
 import pytest
 
 from airflow_provider_sky.gang import (
+    BAD,
+    FAILED,
     GangStatus,
+    RankState,
     RankStatus,
     classify,
     gpus_per_node,
@@ -126,6 +129,21 @@ def test_root_cause_is_first_failure_by_time() -> None:
     assert msg.startswith("Job job failed: rank 1 (b) exited with code 139: segmentation fault (SIGSEGV)")
     assert "rank 2 cancelled" in msg and "rank 0 failed" in msg
     assert GangStatus.from_dict(json.loads(json.dumps(g.to_dict()))).root_cause() == cause
+
+
+def test_rank_state_is_its_plain_string_on_the_wire() -> None:
+    # a plain value (JSON, an older caller) is read as the member
+    st = RankStatus(0, "a", "failed", 1, 0.0, 2.0, "exited with code 1")
+    assert st.state is RankState.FAILED is FAILED and st.state == "failed" and st.state in BAD
+    assert str(st.state) == f"{st.state}" == "failed" and {st.state} == {"failed"}
+    wire = st.to_dict()
+    assert type(wire["state"]) is str  # what trigger events and XComs carry: no enum
+    text = json.dumps(GangStatus("job", [st]).to_dict())
+    assert '"state": "failed"' in text
+    back = GangStatus.from_dict(json.loads(text))
+    assert back.ranks[0].state is RankState.FAILED and back.ranks[0] == st
+    with pytest.raises(ValueError):
+        RankStatus(0, "a", "exploded")
 
 
 def test_job_ids_unique_and_path_safe() -> None:

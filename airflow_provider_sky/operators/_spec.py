@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from airflow.sdk import Context
 from airflow.sdk.log import mask_secret
 
 from airflow_provider_sky.spec import SpecError, TaskSpec, load_task_yaml, parse_task
@@ -55,7 +56,7 @@ def default_cluster_name(dag_id: str, run_id: str) -> str:
     return f"sky-{slug}-{digest}"
 
 
-def run_holder(context: Mapping[str, Any]) -> str:
+def run_holder(context: Context) -> str:
     """The lease holder id of the running DAG run (``<dag_id>/<run_id>``): what a shared cluster names."""
     return f"{context['dag'].dag_id}/{context['run_id']}"
 
@@ -74,7 +75,7 @@ def check_cluster_name(name: str) -> str:
     return name
 
 
-def resolve_cluster_name(name: str | None, context: Mapping[str, Any]) -> str:
+def resolve_cluster_name(name: str | None, context: Context) -> str:
     if name:
         return check_cluster_name(name)
     return default_cluster_name(context["dag"].dag_id, context["run_id"])

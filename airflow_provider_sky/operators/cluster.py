@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from airflow.sdk import BaseOperator
+from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_sky.gang import job_id_for
@@ -106,7 +106,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         if self._provisioning:
             self._down_after_failure(self._provisioning)
 
-    def execute(self, context: Any) -> dict[str, Any]:
+    def execute(self, context: Context) -> dict[str, Any]:
         spec = self.rendered_spec()
         name = resolve_cluster_name(self.cluster_name, context)
         self._holder = run_holder(context)
@@ -129,7 +129,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         finally:
             self._provisioning = None
 
-    def _provision_and_setup(self, hook: SkyHook, name: str, spec: Any, context: Any) -> dict[str, Any]:
+    def _provision_and_setup(self, hook: SkyHook, name: str, spec: Any, context: Context) -> dict[str, Any]:
         # a backend cleans up its own half-made cluster; the lease keeps other runs' teardowns off it
         handle = hook.provision(name, spec, holder=self._holder if self.lease else None)
         self._provisioning = name

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from airflow.sdk import BaseOperator
+from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException
 
 from airflow_provider_sky.backends import Teardown
@@ -61,7 +61,7 @@ class SkyDownOperator(BaseOperator):
         self.sky_conn_id = sky_conn_id
         self.grace = grace
 
-    def execute(self, context: Any) -> bool:
+    def execute(self, context: Context) -> bool:
         name = resolve_cluster_name(self.cluster_name, context)
         result = SkyHook(self.sky_conn_id).teardown(name, grace=self.grace, holder=run_holder(context))
         log_teardown(self.log, name, result)

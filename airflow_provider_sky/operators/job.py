@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from airflow.sdk import BaseOperator
+from airflow.sdk import BaseOperator, Context
 from airflow.sdk.bases.resumablejobmixin import ResumableJobMixin
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -79,7 +79,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         #: pid of the bridge this task started (None: none), for tests and benchmarks
         self.bridge_pid: int | None = None
 
-    def execute(self, context: Any) -> list[dict[str, Any]]:
+    def execute(self, context: Context) -> list[dict[str, Any]]:
         self._launched_here = False
         result = self.execute_resumable(context)
         # on a re-attach the mixin returns poll_until_complete()'s value (None): build the ranks here
@@ -88,7 +88,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
     def _hook(self) -> SkyHook:
         return SkyHook(self.sky_conn_id)
 
-    def submit_job(self, context: Any) -> str:
+    def submit_job(self, context: Context) -> str:
         spec = self.rendered_spec()
         ti = context["ti"]
         job_id = job_id_for(ti.dag_id, ti.run_id, ti.task_id, ti.map_index, ti.try_number)
@@ -164,7 +164,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         req, state_dir = self._bridge_request(job_id, spec)
         return start_bridge(req, log_path=log_path_for(state_dir, job_id))
 
-    def get_job_status(self, external_id: Any, context: Any) -> str:
+    def get_job_status(self, external_id: Any, context: Context) -> str:
         client = self._hook().client(self.cluster)
         try:
             status = client.peek(str(external_id))
@@ -182,7 +182,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
     def is_job_succeeded(self, status: str) -> bool:
         return status == "succeeded"
 
-    def poll_until_complete(self, external_id: Any, context: Any) -> None:
+    def poll_until_complete(self, external_id: Any, context: Context) -> None:
         """Nothing to wait for here: the rank tasks and the gang sensor watch the job.
 
         On a re-attach (a retry after the worker died) a bridge is started to watch the job until the
@@ -201,7 +201,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
                 else:
                     self.log.info("Job %s is already watched by a launch-side watcher", self._job_id)
 
-    def get_job_result(self, external_id: Any, context: Any) -> list[dict[str, Any]]:
+    def get_job_result(self, external_id: Any, context: Context) -> list[dict[str, Any]]:
         # rank tasks started in the triggerer read the job id alone (not the list of every rank)
         context["ti"].xcom_push(key="sky_job_id", value=str(external_id))
         handle = self.cluster

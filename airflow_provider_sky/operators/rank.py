@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from airflow.sdk import BaseOperator
+from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.triggers.base import StartTriggerArgs
 
@@ -109,7 +109,7 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
     def _trigger(self, *, deferring: bool = True) -> SkyRankTrigger:
         return SkyRankTrigger(rank=int(self.rank), **self._watch_kwargs(self.job_id, deferring=deferring))
 
-    def execute(self, context: Any) -> dict[str, Any] | None:
+    def execute(self, context: Context) -> dict[str, Any] | None:
         self.log.info("Attaching to rank %s of job %s (%s)", self.rank, self.job_id, self.ip)
         if self._already_over():
             # A rank that ended before its task started needs no deferral (nor the triggerer round trip).
@@ -125,7 +125,7 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
         except KeyError:
             return False
 
-    def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         self.log.info("%s", rank_outcome(event))
         summary = rank_summary(event)
         # pushed before failing too, so a failed rank's outcome can be read back from Airflow

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from airflow.sdk import BaseSensorOperator
+from airflow.sdk import BaseSensorOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.triggers.base import StartTriggerArgs
 
@@ -93,7 +93,7 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
     def _trigger(self, *, deferring: bool = True) -> SkyGangTrigger:
         return SkyGangTrigger(**self._watch_kwargs(self._job, deferring=deferring))
 
-    def execute(self, context: Any) -> None:
+    def execute(self, context: Context) -> None:
         if self._already_over():
             # e.g. a rank failed at once and the job task's watcher cancelled the gang: no deferral,
             # so no triggerer round trip and no resume hold before the run can fail
@@ -104,7 +104,7 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
     def _already_over(self) -> bool:
         return self._peek(self._job).done
 
-    def poke(self, context: Any) -> bool:  # only used if deferrable=False
+    def poke(self, context: Context) -> bool:  # only used if deferrable=False
         client = SkyHook(self.sky_conn_id).client(self.cluster)
         try:
             status = client.poll(self._job, max_log=0).status
@@ -115,7 +115,7 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
             raise AirflowFailException(status.failure_message())
         return status.succeeded
 
-    def execute_complete(self, context: Any, event: dict[str, Any]) -> None:
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> None:
         for line in gang_outcome(event):
             self.log.info("%s", line)
         if event["state"] != "succeeded":

@@ -12,15 +12,21 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Hashable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow.triggers.base import BaseEventTrigger, TaskFailedEvent, TaskSuccessEvent, TriggerEvent
 
-from airflow_provider_sky.gang import BAD, CANCELLED, SUCCEEDED, GangStatus
+from airflow_provider_sky.gang import BAD, CANCELLED, FAILED, SUCCEEDED, GangStatus
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import GangClient, Poll, watch
 from airflow_provider_sky.logtext import LineSplitter
 from airflow_provider_sky.runners.base import RunnerError
+
+if TYPE_CHECKING:
+    import jinja2
+    from airflow.sdk import Context
+
+T = TypeVar("T")
 
 #: log lines written between two yields to the event loop
 LOG_BATCH = 500
@@ -43,7 +49,7 @@ def xcom_ref(task_id: str, key: str = "return_value") -> dict[str, list[str]]:
     return {XCOM: [task_id, key]}
 
 
-def pulled(context: Any, value: Any) -> Any:
+def pulled(context: Context, value: Any) -> Any:
     """``value``, or the XCom it refers to (``xcom_ref``), read once per job per triggerer.
 
     Every rank trigger of a gang needs the same two XComs (the cluster handle, the job id). Asked by
@@ -66,7 +72,7 @@ def pulled(context: Any, value: Any) -> Any:
     return _PULLED[cache_key]
 
 
-async def _newest(stream: AsyncIterator[Any]) -> AsyncGenerator[Any, None]:
+async def _newest(stream: AsyncIterator[T]) -> AsyncGenerator[T, None]:
     """``stream``, read by a task of its own that keeps only the newest item: older ones are dropped.
 
     The triggerer queues every poll for a subscriber that is busy (logging a long output, reading
@@ -74,7 +80,7 @@ async def _newest(stream: AsyncIterator[Any]) -> AsyncGenerator[Any, None]:
     trigger would come to hold its rank's whole output (and fail once 1024 polls wait). Dropping
     a poll loses nothing: the rank trigger reads any gap in its rank's log itself.
     """
-    newest: list[Any] = []
+    newest: list[T] = []
     ended: list[BaseException | None] = []
     ready = asyncio.Event()
 
@@ -134,7 +140,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         #: end the task from here (TaskSuccessEvent / TaskFailedEvent) instead of resuming it on a worker
         self.end_from_trigger = bool(end_from_trigger)
 
-    def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:
+    def render_template_fields(self, context: Context, jinja_env: jinja2.Environment | None = None) -> None:
         """A task started in the triggerer gets its cluster, job and rank from templates (XCom, the map
         index) rendered here, as text: turn them into values before the shared poll keys on them."""
         super().render_template_fields(context, jinja_env)
@@ -178,7 +184,9 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         )
 
     @classmethod
-    async def open_shared_stream(cls, kwargs: dict[str, Any]) -> AsyncIterator[Any]:
+    async def open_shared_stream(
+        cls, kwargs: dict[str, Any]
+    ) -> AsyncGenerator[tuple[Poll, GangClient], None]:
         """Poll the job (fail-fast included) and yield ``(Poll, client)``; once done, repeat the end."""
         client = await SkyHook(kwargs["sky_conn_id"]).aclient(kwargs["cluster"])
         try:
@@ -204,7 +212,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         """Standalone path (``dag.test()``, or a triggerer without shared streams): the same code."""
         self._settle()
         _, kwargs = self.serialize()
-        async with contextlib.aclosing(type(self).open_shared_stream(kwargs)) as stream:  # type: ignore[type-var]
+        async with contextlib.aclosing(type(self).open_shared_stream(kwargs)) as stream:
             async for event in self._watch(stream):
                 yield event
                 return
@@ -290,12 +298,12 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
     async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
         """In the triggerer: polls that came while we were busy logging are dropped, not kept (``_newest``)."""
         async with contextlib.aclosing(_newest(shared_stream)) as polls:
-            async with contextlib.aclosing(self._watch(polls)) as events:  # type: ignore[type-var]
+            async with contextlib.aclosing(self._watch(polls)) as events:
                 async for event in events:
                     yield event
                     return
 
-    async def _watch(self, polls: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
+    async def _watch(self, polls: AsyncIterator[Any]) -> AsyncGenerator[TriggerEvent, None]:
         expected = self.log_offset
         lines = LineSplitter()  # the nodes masked the job's secrets already
         async for poll, client in polls:
@@ -328,7 +336,7 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 "job_id": self.job_id,
                 "rank": self.rank,
                 "ip": st.ip,
-                "state": st.state,
+                "state": st.state.value,  # the plain string: events and XComs carry no enum
                 "exit_code": st.exit_code,
                 "reason": st.reason,
                 "duration": (st.end - st.start) if st.end and st.start else None,
@@ -385,11 +393,14 @@ class SkyGangTrigger(_SkyGangWatchTrigger):
                 failed_before = True
                 continue
             if status.failed:
-                state, message = "failed", status.failure_message()
+                state, message = FAILED.value, status.failure_message()
             elif status.succeeded:
-                state, message = "succeeded", f"Job {status.job_id}: all {len(status.ranks)} ranks succeeded"
+                state, message = (
+                    SUCCEEDED.value,
+                    f"Job {status.job_id}: all {len(status.ranks)} ranks succeeded",
+                )
             elif status.done and any(r.state == CANCELLED for r in status.ranks):
-                state, message = "cancelled", _cancel_text(status)
+                state, message = CANCELLED.value, _cancel_text(status)
             else:
                 continue
             await self._hold()
@@ -401,7 +412,7 @@ class SkyGangTrigger(_SkyGangWatchTrigger):
         """End the sensor task here, saying in its log what ``execute_complete`` would have said."""
         for line in gang_outcome(event):
             self.log.info("%s", line)
-        if event["state"] == "succeeded":
+        if event["state"] == SUCCEEDED:
             return TaskSuccessEvent()
         self.log.error("%s", event["message"])
         return TaskFailedEvent()
