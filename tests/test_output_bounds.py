@@ -193,7 +193,8 @@ def test_a_busy_watcher_holds_no_backlog_and_loses_nothing(sky_home: Path) -> No
 
 def _setup(sky_home: Path, setup: str, n: int = 2) -> tuple[list[tuple[int, str]], str | None]:
     """Run ``setup`` on ``n`` local nodes through the hook; (every logged line, the failure or None)."""
-    from airflow_provider_sky.hooks.sky import SetupFailed, SkyHook
+    from airflow_provider_sky.hooks.sky import SkyHook
+    from airflow_provider_sky.setup_stage import SetupFailed, run_setup
     from airflow_provider_sky.spec import task_from_args
 
     hook = SkyHook(None)
@@ -202,8 +203,12 @@ def _setup(sky_home: Path, setup: str, n: int = 2) -> tuple[list[tuple[int, str]
     logged: list[tuple[int, str]] = []
     failure = None
     try:
-        hook.run_setup(
-            handle, spec, "setup-job", on_log=lambda rank, line: logged.append((rank, line)), grace=0.5
+        run_setup(
+            hook.client(handle),
+            spec,
+            "setup-job",
+            on_log=lambda rank, line: logged.append((rank, line)),
+            grace=0.5,
         )
     except SetupFailed as exc:
         failure = str(exc)

@@ -187,6 +187,37 @@ def test_wrong_key_names_host_and_user(hosts4: SSHDCluster, tmp_path: Path) -> N
     ssh.close_all()
 
 
+def test_the_test_button_reaches_every_host_and_names_the_one_that_fails(
+    hosts4: SSHDCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection form's Test button (Airflow calls the hook's ``test_connection``): handshake, host
+    key and login on every host, nothing run on any of them."""
+    import json
+    import subprocess
+
+    from airflow_provider_sky.hooks.sky import SkySSHHook  # type: ignore[attr-defined]
+
+    ssh.close_all()
+    monkeypatch.setenv("AIRFLOW_CONN_SKY_T", hosts4.sky_ssh_connection())
+    ok, message = SkySSHHook("sky_t").test_connection()
+    assert ok, message
+    assert "4 hosts reachable" in message
+    key = tmp_path / "wrong"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    conn = json.loads(hosts4.sky_ssh_connection())
+    conn["extra"]["key_file"] = str(key)
+    conn["host"] += f",{hosts4.nodes[0].user}@127.0.0.254:{hosts4.nodes[0].port}"
+    conn["extra"]["connect_timeout"] = 1
+    monkeypatch.setenv("AIRFLOW_CONN_SKY_T", json.dumps(conn))
+    ok, message = SkySSHHook("sky_t").test_connection()
+    assert not ok
+    assert "5 of 5 hosts failed" in message and "127.0.0.254" in message, message
+    assert hosts4.nodes[0].user in message and "PRIVATE KEY" not in message
+    for n in hosts4.nodes:  # nothing ran: no runtime directory was made
+        assert not Path(n.home, ".sky_airflow").exists() or not list(Path(n.home, ".sky_airflow").glob("t*"))
+    ssh.close_all()
+
+
 def test_unreachable_host_fails_after_readiness_timeout(hosts4: SSHDCluster) -> None:
     hosts = [*hosts4.host_list()[:2], f"{hosts4.nodes[2].user}@127.0.0.254:{hosts4.nodes[0].port}"]
     b = _backend(hosts4, hosts=hosts, ready_timeout=1.0)

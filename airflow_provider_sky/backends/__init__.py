@@ -1,4 +1,5 @@
-"""Backends by name. Imported lazily, so a missing optional dependency only matters when used."""
+"""Backends by name, from the registry (``backends/registry.py``): one package per backend, imported
+lazily, so a missing optional dependency only matters when that backend is used."""
 
 from __future__ import annotations
 
@@ -6,20 +7,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from airflow_provider_sky.backends.base import Backend, BackendError, ClusterHandle, Node, Teardown
+from airflow_provider_sky.backends.registry import by_kind, kinds
 
-__all__ = ["Backend", "BackendError", "ClusterHandle", "Node", "Teardown", "make_backend", "BACKEND_KINDS"]
-
-BACKEND_KINDS = ("local", "ssh")
+__all__ = ["Backend", "BackendError", "ClusterHandle", "Node", "Teardown", "kinds", "make_backend"]
 
 
 def make_backend(kind: str, config: Mapping[str, Any]) -> Backend:
     """Build a backend of ``kind`` from a plain config dict (a connection's fields and extras)."""
-    if kind == "local":
-        from airflow_provider_sky.backends.local import LocalBackend
-
-        return LocalBackend.from_config(config)
-    if kind == "ssh":
-        from airflow_provider_sky.backends.ssh import SSHBackend  # type: ignore[import-not-found,unused-ignore]
-
-        return SSHBackend.from_config(config)
-    raise BackendError(f"unknown backend {kind!r}: use one of {', '.join(BACKEND_KINDS)}")
+    return by_kind(kind).make(config)

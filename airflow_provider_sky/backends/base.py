@@ -20,13 +20,17 @@ import copy
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
-from airflow_provider_sky.runners.base import CommandRunner
-from airflow_provider_sky.spec import BackendCapabilities, TaskSpec
+from airflow_provider_sky.runners.base import CommandRunner, RunnerError
+from airflow_provider_sky.spec import BackendCapabilities, SpecError, TaskSpec
 
 _T = TypeVar("_T")
+#: nodes copied to at once by ``sync_files``
+SYNC_PARALLEL = 16
 
 
 class BackendError(Exception):
@@ -108,6 +112,17 @@ class Backend(ABC):
     #: every node is on this one machine: one node-side keeper guards them all
     shared_machine: bool = False
 
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Backend:
+        """Build the backend from a connection's fields and extras (a plain dict); a wrong or
+        contradictory setting raises :class:`BackendError` naming the field and the fix."""
+        raise NotImplementedError(f"{cls.__name__} does not read connections")
+
+    @abstractmethod
+    def test_connection(self) -> str:
+        """Reach every node (or the API) and check the credentials, running nothing on a node: what the
+        connection form's Test button says. Raise :class:`BackendError` naming what failed."""
+
     def machine_of(self, node: Node) -> str:
         """Which machine (and transport) ``node`` is on: nodes of one machine are polled and cancelled
         in one remote call, not one call per node (1,024 local nodes cost 1,024 ``sh`` per poll).
@@ -165,8 +180,36 @@ class Backend(ABC):
                     ) from None
             time.sleep(pause)
 
-    def sync_files(self, handle: ClusterHandle, spec: TaskSpec) -> None:  # noqa: B027 - optional
-        """Copy ``workdir`` and local ``file_mounts`` to every node before setup."""
+    def sync_files(self, handle: ClusterHandle, spec: TaskSpec) -> None:
+        """Copy ``workdir`` and local ``file_mounts`` to every node before setup, through each node's
+        runner (a local copy, SFTP, a tar stream over exec), ``SYNC_PARALLEL`` nodes at a time. A failure
+        names the field that asked for the copy."""
+        if not spec.workdir and not spec.file_mounts:
+            return
+        for field_name, src in [("workdir", spec.workdir or "")] + [
+            (f"file_mounts.{d}", s) for d, s in spec.file_mounts.items()
+        ]:
+            if src and not Path(src).exists():
+                raise SpecError(field_name, f"{src} does not exist; fix the path")
+
+        def one(node: Node) -> None:
+            runner = self.runner(node)
+            copies = [("workdir", spec.workdir, f"{node.home}/sky_workdir")] if spec.workdir else []
+            for dest, src in spec.file_mounts.items():
+                copies.append(
+                    (f"file_mounts.{dest}", src, f"{node.home}/{dest[2:]}" if dest.startswith("~/") else dest)
+                )
+            for field_name, src, target in copies:
+                try:
+                    if Path(src).is_dir():
+                        runner.put_tree(src, target)
+                    else:
+                        runner.put_file(src, target)
+                except RunnerError as exc:
+                    raise SpecError(field_name, f"copying to {node.ip} failed: {exc}") from None
+
+        with ThreadPoolExecutor(min(SYNC_PARALLEL, len(handle.nodes))) as pool:
+            list(pool.map(one, handle.nodes))
 
     def workdir(self, node: Node, spec: TaskSpec) -> str:
         """Where setup and run execute on a node: ``~/sky_workdir`` when a workdir is synced."""

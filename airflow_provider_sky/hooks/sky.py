@@ -1,55 +1,27 @@
-"""The Airflow side of a cluster: a connection names the backend; the hook owns every remote call."""
+"""The Airflow side of a cluster: a connection names the backend; the hook owns connections and clients.
+
+Which connection types exist, their fields and their backends come from the registry
+(``backends/registry.py``); one hook class per connection type is made here from it, as Airflow maps
+each connection type to a hook class.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowNotFoundException
 
-from airflow_provider_sky.backends import Backend, ClusterHandle, Teardown, make_backend
-from airflow_provider_sky.gang import BAD, CANCELLED, GangStatus
-from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, GangClient, MonitorState, run_sync, watch
-from airflow_provider_sky.logtext import TAIL_LINES, LineSplitter, tail_text
-from airflow_provider_sky.runners.base import RunnerError
+from airflow_provider_sky.backends import Backend, ClusterHandle, Teardown
+from airflow_provider_sky.backends.registry import BackendInfo, all_backends, by_conn_type, by_kind
+from airflow_provider_sky.jobs import GangClient
+from airflow_provider_sky.setup_stage import SetupFailed
 from airflow_provider_sky.spec import TaskSpec, check_backend
 
+__all__ = ["SetupFailed", "SkyHook"]
+
 log = logging.getLogger(__name__)
-
-#: connection type → backend kind
-CONN_TYPES = {"sky_local": "local", "sky_ssh": "ssh"}
-
-
-def merge_ssh_connection(config: dict[str, Any], ssh_conn: Any) -> dict[str, Any]:
-    """Fill what a ``sky_ssh`` connection leaves empty from a standard ``ssh`` connection (not asked twice).
-
-    The ``ssh`` connection's host (comma-separated hosts allowed), login, port, password or
-    ``private_key``/``key_file`` extras and pinned ``host_key`` are used; the ``sky_ssh`` fields win.
-    """
-    extra = dict(ssh_conn.extra_dejson)
-    merged: dict[str, Any] = {}
-    for key, value in {
-        "host": ssh_conn.host,
-        "login": ssh_conn.login,
-        "port": ssh_conn.port,
-        "private_key": extra.get("private_key"),
-        "key_file": extra.get("key_file"),
-        "private_key_passphrase": extra.get("private_key_passphrase"),
-        "pinned_host_keys": extra.get("host_key"),
-    }.items():
-        if value not in (None, ""):
-            merged[key] = value
-    if str(extra.get("no_host_key_check", "")).lower() == "true":
-        merged["host_key_policy"] = "skip"
-    merged.update({k: v for k, v in config.items() if v not in (None, "")})
-    return merged
-
-
-class SetupFailed(Exception):
-    """Setup failed on at least one node; the others' setups were stopped."""
 
 
 def _unreadable(conn_id: str, exc: BaseException) -> RuntimeError:
@@ -61,10 +33,27 @@ def _unreadable(conn_id: str, exc: BaseException) -> RuntimeError:
     )
 
 
+def connection_config(info: BackendInfo, conn: Any, conn_id: str) -> dict[str, Any]:
+    """A connection's extras and the standard fields its backend reads, as one plain dict.
+
+    Extras are checked against the backend's declared ones ("did you mean"); extras written by older
+    forms as ``extra__<type>__<name>`` are read as ``<name>``; empty values count as not given.
+    """
+    prefix = f"extra__{info.conn_type}__"
+    extras = {
+        (k[len(prefix) :] if k.startswith(prefix) else k): v
+        for k, v in dict(conn.extra_dejson).items()
+        if v not in (None, "")
+    }
+    info.check_extras(extras, conn_id)
+    fields = {f: getattr(conn, f, None) for f in info.standard_fields}
+    return {**extras, **{k: v for k, v in fields.items() if v not in (None, "")}}
+
+
 class SkyHook(BaseHook):
     """Build the backend a connection describes; without a ``sky_default`` connection, the local backend.
 
-    :param sky_conn_id: a ``sky_local`` or ``sky_ssh`` connection. The default id falls back to the
+    :param sky_conn_id: a connection of one of the ``sky_*`` types. The default id falls back to the
         embedded local backend when no such connection exists, so a DAG runs with nothing configured.
     """
 
@@ -73,30 +62,20 @@ class SkyHook(BaseHook):
     conn_type = "sky_local"
     hook_name = "Sky local cluster"
 
-    @classmethod
-    def get_ui_field_behaviour(cls) -> dict[str, Any]:
-        return {
-            "hidden_fields": ["host", "schema", "login", "password", "port"],
-            "relabeling": {},
-            "placeholders": {"extra": '{"state_dir": "/path/for/local/nodes (optional)"}'},
-        }
-
     def __init__(self, sky_conn_id: str | None = default_conn_name, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.sky_conn_id = sky_conn_id
         self._backend: Backend | None = None
 
-    def _config_from(self, conn: Any) -> tuple[str, dict[str, Any]]:
-        kind = CONN_TYPES.get(conn.conn_type or "")
-        if kind is None:
-            raise ValueError(
-                f"connection {self.sky_conn_id!r} has type {conn.conn_type!r}; "
-                f"use one of {', '.join(sorted(CONN_TYPES))}"
-            )
-        config: dict[str, Any] = dict(conn.extra_dejson)
-        fields = {"host": conn.host, "login": conn.login, "port": conn.port, "password": conn.password}
-        config.update({k: v for k, v in fields.items() if v not in (None, "")})
-        return kind, config
+    def _parse(self, conn: Any) -> tuple[BackendInfo, dict[str, Any]]:
+        conn_id = self.sky_conn_id or ""
+        info = by_conn_type(conn.conn_type or "", conn_id)
+        return info, connection_config(info, conn, conn_id)
+
+    def _missing(self, exc: AirflowNotFoundException) -> tuple[str, dict[str, Any]]:
+        if self.sky_conn_id == SkyHook.default_conn_name:
+            return "local", {}  # only a connection that does not exist means the local default
+        raise exc
 
     def backend_config(self) -> tuple[str, dict[str, Any]]:
         """(backend kind, config) from the connection; the local default when there is none."""
@@ -104,16 +83,15 @@ class SkyHook(BaseHook):
             return "local", {}
         try:
             conn = self.get_connection(self.sky_conn_id)
-        except AirflowNotFoundException:
-            if self.sky_conn_id == self.default_conn_name:
-                return "local", {}  # only a connection that does not exist means the local default
-            raise
+        except AirflowNotFoundException as exc:
+            return self._missing(exc)
         except Exception as exc:
             raise _unreadable(self.sky_conn_id, exc) from exc
-        kind, config = self._config_from(conn)
-        if config.get("ssh_conn_id"):
-            config = merge_ssh_connection(config, self.get_connection(config["ssh_conn_id"]))
-        return kind, config
+        info, config = self._parse(conn)
+        linked = info.linked_conn_id(config)
+        if linked:
+            config = info.merge_linked(config, self.get_connection(linked))
+        return info.kind, config
 
     async def abackend_config(self) -> tuple[str, dict[str, Any]]:
         """Same as :meth:`backend_config`, for triggers (never blocks the event loop)."""
@@ -121,25 +99,39 @@ class SkyHook(BaseHook):
             return "local", {}
         try:
             conn = await self.aget_connection(self.sky_conn_id)
-        except AirflowNotFoundException:
-            if self.sky_conn_id == self.default_conn_name:
-                return "local", {}  # only a connection that does not exist means the local default
-            raise
+        except AirflowNotFoundException as exc:
+            return self._missing(exc)
         except Exception as exc:
             raise _unreadable(self.sky_conn_id, exc) from exc
-        kind, config = self._config_from(conn)
-        if config.get("ssh_conn_id"):
-            config = merge_ssh_connection(config, await self.aget_connection(config["ssh_conn_id"]))
-        return kind, config
+        info, config = self._parse(conn)
+        linked = info.linked_conn_id(config)
+        if linked:
+            config = info.merge_linked(config, await self.aget_connection(linked))
+        return info.kind, config
+
+    def test_connection(self) -> tuple[bool, str]:
+        """The connection form's Test button: reach every node (or the API), check host keys and
+        credentials, run nothing."""
+        try:
+            backend = self.get_backend()
+            try:
+                return True, backend.test_connection()
+            finally:
+                backend.close()
+                self._backend = None
+        except Exception as exc:
+            return False, str(exc)
 
     def get_backend(self) -> Backend:
         if self._backend is None:
-            self._backend = make_backend(*self.backend_config())
+            kind, config = self.backend_config()
+            self._backend = by_kind(kind).make(config)
         return self._backend
 
     async def aget_backend(self) -> Backend:
         if self._backend is None:
-            self._backend = make_backend(*(await self.abackend_config()))
+            kind, config = await self.abackend_config()
+            self._backend = by_kind(kind).make(config)
         return self._backend
 
     def client(self, handle: ClusterHandle | dict[str, Any]) -> GangClient:
@@ -169,79 +161,6 @@ class SkyHook(BaseHook):
         """``workdir`` and ``file_mounts`` to every node, before setup."""
         self.get_backend().sync_files(handle, spec)
 
-    def run_setup(
-        self,
-        handle: ClusterHandle,
-        spec: TaskSpec,
-        job_id: str,
-        *,
-        on_log: Callable[[int, str], None],
-        poll_interval: float = 0.5,
-        grace: float = 3.0,
-        orphan_timeout: float = DEFAULT_ORPHAN_TIMEOUT,
-        idle_down: float = 0,
-    ) -> None:
-        """Setup on every node at once; the first failure stops the rest and raises :class:`SetupFailed`.
-
-        ``orphan_timeout``: the nodes kill the setup when nothing polled it for that long (0: never).
-        ``idle_down``: the nodes tear the cluster down once nothing ran on it for that long (0: never).
-
-        Every node's setup log is read to its end (in bounded chunks) before this returns or raises,
-        so no line is lost and a failure quotes the real last lines of the failed nodes' logs.
-        """
-        if not spec.setup:
-            return
-        client = self.client(handle)
-        splitters: dict[int, LineSplitter] = {}
-        tails: dict[int, deque[str]] = {}
-
-        def show(rank: int, data: bytes | None) -> None:
-            """Log ``data``'s complete lines (a line split across reads is joined); None: the log ended."""
-            lines = splitters.setdefault(rank, LineSplitter(mask=spec.redacted))
-            tail = tails.setdefault(rank, deque(maxlen=TAIL_LINES))
-            for line in lines.flush() if data is None else lines.feed(data):
-                on_log(rank, line)
-                tail.append(line)
-
-        async def go() -> GangStatus:
-            await client.alaunch(
-                spec, job_id, stage="setup", orphan_timeout=orphan_timeout, idle_down=idle_down
-            )
-            state = MonitorState()
-            last = None
-            async for poll in watch(client, job_id, poll_interval=poll_interval, grace=grace, state=state):
-                for rank, (_, data) in sorted(poll.chunks.items()):
-                    show(rank, data)
-                last = poll
-            assert last is not None
-            # a poll reads at most one chunk per node: what the nodes printed since is still unread
-            for st in last.status.ranks:
-                try:
-                    async for data in client.aread_range(
-                        job_id, st.rank, state.offsets.get(st.rank, 0), st.log_size
-                    ):
-                        show(st.rank, data)
-                except RunnerError as exc:
-                    on_log(st.rank, f"(the rest of this setup log could not be read: {exc})")
-                show(st.rank, None)
-            return last.status
-
-        try:
-            status = run_sync(go())
-        finally:
-            client.close()
-        if status.failed:
-            bad = [r for r in status.ranks if r.state in BAD]
-            parts = [f"rank {r.rank} ({r.ip}) exit code {r.exit_code}: {r.reason}" for r in bad]
-            stopped = [r.rank for r in status.ranks if r.state == CANCELLED]
-            msg = "setup failed (FAILED_SETUP). Failed workers: " + "; ".join(parts)
-            if stopped:
-                msg += f". Setup stopped on ranks {stopped}"
-            for r in bad:
-                msg += f"\n--- last lines of rank {r.rank}'s setup log ---\n"
-                msg += tail_text(tails.get(r.rank, ()))
-            raise SetupFailed(msg)
-
     def teardown(
         self, name: str, grace: float = 3.0, *, holder: str | None = None, force: bool = False
     ) -> Teardown:
@@ -253,26 +172,22 @@ class SkyHook(BaseHook):
         return self.get_backend().terminate(name, grace=grace, holder=None if force else holder or "")
 
 
-class SkySSHHook(SkyHook):
-    """A gang on existing machines: a ``sky_ssh`` connection lists the hosts (head first) and the key.
+def _hook_for(info: BackendInfo) -> type[SkyHook]:
+    """The hook class Airflow maps ``info.conn_type`` to (its ``conn_type`` must match)."""
+    return type(
+        info.hook_class_name,
+        (SkyHook,),
+        {
+            "__module__": __name__,
+            "__doc__": f"A {info.hook_name}: a ``{info.conn_type}`` connection (see the README).",
+            "conn_type": info.conn_type,
+            "hook_name": info.hook_name,
+            "default_conn_name": info.default_conn_id,
+        },
+    )
 
-    Host keys are verified by default (``known_hosts`` or keys pinned in the connection); ``skip`` is an
-    explicit opt-out that logs a warning. ``ssh_conn_id`` reuses a standard ``ssh`` connection's hosts,
-    user and key instead of asking for them twice.
-    """
 
-    conn_type = "sky_ssh"
-    hook_name = "Sky SSH cluster"
-    default_conn_name = "sky_ssh_default"
-
-    @classmethod
-    def get_ui_field_behaviour(cls) -> dict[str, Any]:
-        return {
-            "hidden_fields": ["schema"],
-            "relabeling": {
-                "host": "Hosts (head first, comma-separated)",
-                "login": "User",
-                "password": "Private key (text)",
-            },
-            "placeholders": {"host": "10.0.0.1, 10.0.0.2:2222, gpu-3", "port": "22"},
-        }
+for _info in all_backends():
+    if _info.hook_class_name != SkyHook.__name__:
+        globals()[_info.hook_class_name] = _hook_for(_info)
+        __all__.append(_info.hook_class_name)

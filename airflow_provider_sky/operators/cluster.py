@@ -9,7 +9,7 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_sky.gang import job_id_for
-from airflow_provider_sky.hooks.sky import SetupFailed, SkyHook
+from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT
 from airflow_provider_sky.operators._capacity import check_airflow_room
 from airflow_provider_sky.operators._spec import (
@@ -20,6 +20,7 @@ from airflow_provider_sky.operators._spec import (
     run_holder,
 )
 from airflow_provider_sky.operators.down import log_teardown, unclean_message
+from airflow_provider_sky.setup_stage import SetupFailed, run_setup
 
 
 class SkyClusterOperator(SkySpecMixin, BaseOperator):
@@ -140,9 +141,10 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
             ti = context["ti"]
             job_id = job_id_for(ti.dag_id, ti.run_id, ti.task_id, ti.map_index, ti.try_number)
             self.log.info("Running setup on %s node(s) (job %s)", len(handle.nodes), job_id)
+            client = hook.client(handle)
             try:
-                hook.run_setup(
-                    handle,
+                run_setup(
+                    client,
                     spec,
                     job_id,
                     on_log=lambda rank, line: self.log.info("(setup rank %s) %s", rank, line),
@@ -153,5 +155,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
                 )
             except SetupFailed as exc:
                 raise AirflowFailException(str(exc)) from exc
+            finally:
+                client.close()
             self.log.info("Setup succeeded on every node")
         return handle.to_dict()

@@ -316,6 +316,11 @@ class SSHRunner(CommandRunner):
                 abandon.check(self.host)
         return b"".join(out), b"".join(err)
 
+    def connect(self) -> None:
+        """Open (or reuse) the pooled connection: handshake, host-key check, authentication; nothing is
+        run. Raises what a call would (``HostKeyMismatch``, ``AuthFailed``, ``HostUnreachable``)."""
+        self._transport()
+
     async def aconnect(self) -> None:
         """Establish (or reuse) the pooled transport; errors are left for the call that follows."""
         loop = asyncio.get_running_loop()

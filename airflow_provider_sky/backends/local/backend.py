@@ -81,6 +81,20 @@ class LocalBackend(Backend):
     def from_config(cls, config: Mapping[str, Any]) -> LocalBackend:
         return cls(config.get("state_dir"))
 
+    def test_connection(self) -> str:
+        """The state directory must be writable: nodes, logs and cluster records live there."""
+        try:
+            self.records.mkdir(parents=True, exist_ok=True)
+            probe = self.records / f".test-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            raise BackendError(
+                f"state_dir: {str(self.state_dir)!r} is not writable ({exc.strerror}); "
+                "set the connection's state_dir to a directory this user can write"
+            ) from None
+        return f"local backend: up to {LOCAL_MAX_NODES} nodes on this machine, state in {self.state_dir}"
+
     def config(self) -> dict[str, Any]:
         return {"state_dir": str(self.state_dir)}
 
@@ -178,13 +192,6 @@ class LocalBackend(Backend):
     def workdir(self, node: Node, spec: TaskSpec) -> str:
         return f"{node.home}/sky_workdir" if spec.workdir else node.home
 
-    def sync_files(self, handle: ClusterHandle, spec: TaskSpec) -> None:
-        for node in handle.nodes:
-            if spec.workdir:
-                _copy(Path(spec.workdir), Path(node.home) / "sky_workdir")
-            for dest, src in spec.file_mounts.items():
-                _copy(Path(src), _inside_home(node, dest))
-
     def _clean(self, nodes: list[Node], grace: float) -> dict[str, str]:
         """Tear ``nodes`` down in one call; the nodes it could not clean, with why."""
         script = runtime.teardown_script()
@@ -225,30 +232,3 @@ class LocalBackend(Backend):
 def _reported(output: str, word: str) -> set[str]:
     """The roots a teardown call reported with ``word`` (``REMOVED`` / ``ABSENT``)."""
     return {line[len(word) + 1 :] for line in output.splitlines() if line.startswith(word + " ")}
-
-
-def _inside_home(node: Node, dest: str) -> Path:
-    """Where a ``~/...`` file mount goes on a node, refused if it resolves outside the node's home.
-
-    The spec already refuses ``..``; this also catches a spec built without the parser and a symlink in
-    the home (e.g. left by setup) that points elsewhere.
-    """
-    home = Path(node.home).resolve()
-    target = (home / dest[2:]).resolve()
-    if target != home and home not in target.parents:
-        raise SpecError(
-            f"file_mounts.{dest}",
-            f"resolves to {target}, outside the node's home {home}; use a '~/...' destination "
-            "without '..' that is not reached through a symlink",
-        )
-    return target
-
-
-def _copy(src: Path, dest: Path) -> None:
-    if not src.exists():
-        raise BackendError(f"{src} does not exist: fix the task's workdir or file_mounts")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if src.is_dir():
-        shutil.copytree(src, dest, dirs_exist_ok=True, symlinks=False)
-    else:
-        shutil.copy2(src, dest)

@@ -1,0 +1,147 @@
+"""A cluster record kept on the cluster's own head node, changed by compare-and-swap over its runner.
+
+Backends whose nodes outlive the Airflow worker and have a home (SSH hosts, Kubernetes pods) keep the
+record (rank order, homes, leases: see ``backends.base``) on the head in
+``~/.sky_airflow/clusters/<name>.json``, so any worker that can reach the head finds it. One remote
+script, under ``flock`` on the head (a ``mkdir`` lock where ``flock`` is missing), writes the new record
+only if the file still holds what was read; otherwise it returns the current one and the change is made
+again on that.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from airflow_provider_sky import runtime
+from airflow_provider_sky.backends.base import BackendError
+from airflow_provider_sky.runners.base import CommandRunner
+
+T = TypeVar("T")
+
+_READ_SCRIPT = 'rec="$HOME/$1"; [ -f "$rec" ] && cat "$rec"; exit 0'
+#: compare-and-swap of a cluster record on the head: $1 record path (relative to $HOME), $2 "1" if the
+#: record was there when read, $3 "1" to write the new record ("0" deletes it), $4 lock kind (auto|mkdir).
+#: Prints OK, or CONFLICT and the current record. __OLD__ / __NEW__ are quoted here-documents.
+_CAS_SCRIPT = r"""
+rec="$HOME/$1"; had=$2; put=$3; d=$(dirname "$rec")
+mkdir -p "$d" || exit 3
+if [ "$4" != mkdir ] && command -v flock >/dev/null 2>&1; then
+  exec 9>>"$d/.lock"
+  flock -w 60 9 || { echo "the cluster records' lock $d/.lock is held for over 60s" >&2; exit 3; }
+else
+  n=0
+  while ! mkdir "$d/.lockd" 2>/dev/null; do
+    p=; read -r p < "$d/.lockd/pid" 2>/dev/null || true
+    if [ -n "$p" ] && ! kill -0 "$p" 2>/dev/null; then rm -rf "$d/.lockd"; continue; fi
+    n=$((n + 1))
+    [ "$n" -lt 600 ] || { echo "the cluster records' lock $d/.lockd is held for over 60s" >&2; exit 3; }
+    sleep 0.1
+  done
+  trap 'rm -rf "$d/.lockd"' EXIT
+  trap 'exit 1' HUP INT TERM
+  echo $$ > "$d/.lockd/pid"
+fi
+has=0; cur=
+if [ -f "$rec" ]; then has=1; cur=$(cat "$rec") || exit 3; fi
+old=$(cat <<'__OLD_EOF__'
+__OLD__
+__OLD_EOF__
+)
+if [ "$has" != "$had" ] || [ "$cur" != "$old" ]; then
+  echo CONFLICT
+  [ "$has" = 1 ] && printf '%s\n' "$cur"
+  exit 0
+fi
+if [ "$put" = 1 ]; then
+  umask 077
+  cat > "$rec.tmp" <<'__NEW_EOF__' || exit 3
+__NEW__
+__NEW_EOF__
+  mv "$rec.tmp" "$rec" || exit 3
+else
+  rm -f "$rec"
+fi
+echo OK
+"""
+
+
+def _cas_script(old: str | None, new: dict[str, Any] | None) -> str:
+    """The compare-and-swap script with the expected and the new record inlined (never on a command line)."""
+    new_text = json.dumps(new, indent=1) if new is not None else ""
+    while True:  # a delimiter line that neither text holds
+        tag = secrets.token_hex(6)
+        if tag not in (old or "") and tag not in new_text:
+            break
+    parts = {
+        "__OLD_EOF__": f"SKY_OLD_{tag}",
+        "__NEW_EOF__": f"SKY_NEW_{tag}",
+        "__OLD__": old or "",
+        "__NEW__": new_text,
+    }
+    # one pass over the template: text put in (holder ids are user text) is never scanned again
+    return re.sub(r"__(?:OLD|NEW)(?:_EOF)?__", lambda m: parts[m.group(0)], _CAS_SCRIPT)
+
+
+def record_path(name: str) -> str:
+    """Where the record of cluster ``name`` is, relative to the head's home."""
+    runtime.check_job_id(name)
+    return f".sky_airflow/clusters/{name}.json"
+
+
+class HeadRecords:
+    """The records of the clusters whose head ``head()`` reaches; ``where`` names it in errors."""
+
+    def __init__(self, head: Callable[[], CommandRunner], where: str, lock: str = "auto") -> None:
+        self.head = head
+        self.where = where
+        #: how the head's records are locked: ``auto`` (``flock`` if the head has it) or ``mkdir``
+        self.lock = lock
+
+    def read(self, name: str) -> str | None:
+        """The record's text on the head (trailing newlines dropped, as the swap script compares it)."""
+        res = self.head().run_script(_READ_SCRIPT, [record_path(name)], timeout=30)
+        if res.returncode != 0:
+            raise BackendError(
+                f"reading the cluster record on the head {self.where} failed: {res.error_text}"
+            )
+        text = res.text.rstrip("\n")
+        return text if text.strip() else None
+
+    def load(self, name: str) -> dict[str, Any] | None:
+        text = self.read(name)
+        return json.loads(text) if text is not None else None
+
+    def update(
+        self, name: str, change: Callable[[dict[str, Any] | None], tuple[dict[str, Any] | None, T]]
+    ) -> T:
+        """Apply ``change`` (record → new record, result) atomically on the head; return its result.
+
+        Compare-and-swap: the new record is written only if the head still holds the record ``change``
+        saw; otherwise ``change`` runs again on the current one. A new record of None deletes it.
+        """
+        text = self.read(name)
+        for _ in range(100):
+            current = json.loads(text) if text is not None else None
+            new, result = change(current)
+            if new == current:
+                return result
+            script = _cas_script(text, new)
+            args = [record_path(name), "1" if text is not None else "0", "1" if new else "0"]
+            res = self.head().run_script(script, [*args, self.lock], timeout=90)
+            out = res.text
+            if res.returncode != 0 or not out.startswith(("OK", "CONFLICT")):
+                raise BackendError(
+                    f"updating the cluster record {name!r} on the head {self.where} failed: "
+                    f"{res.error_text or out.strip() or f'exit code {res.returncode}'}"
+                )
+            if out.startswith("OK"):
+                return result
+            text = out[len("CONFLICT") :].strip("\n") or None  # someone changed it: redo on theirs
+            time.sleep(random.uniform(0, 0.05))
+        raise BackendError(f"the cluster record {name!r} on {self.where} kept changing; retry")

@@ -1,0 +1,401 @@
+"""Gangs on Kubernetes: one pod per node, commands through the exec API, teardown by label.
+
+Provisioning is all or nothing: every pod is created, then waited for until it runs (a pod that cannot
+start fails with its own reason: the scheduler's message, the image error); on any failure every pod
+created is deleted. The cluster record (rank order, leases) lives on the head pod (``headrecord``), so a
+cluster shared by two runs is kept until the last lease is released; then its pods are deleted, which
+ends every process the job started (a container's processes die with it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from airflow_provider_sky import runtime
+from airflow_provider_sky.backends.base import (
+    Backend,
+    BackendError,
+    ClusterBusy,
+    ClusterHandle,
+    Node,
+    Teardown,
+    add_lease,
+    begin_teardown,
+    check_reusable,
+    new_record,
+)
+from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
+from airflow_provider_sky.backends.kubernetes.config import KubeSettings, parse_kube_config
+from airflow_provider_sky.backends.kubernetes.manifest import (
+    CONTAINER,
+    cluster_selector,
+    head_name,
+    pod_manifest,
+)
+from airflow_provider_sky.backends.kubernetes.pods import UNSCHEDULABLE_GRACE, PodState, pod_state
+from airflow_provider_sky.gang import rank_order
+from airflow_provider_sky.runners.base import RunnerError
+from airflow_provider_sky.runners.kubernetes import KubernetesRunner
+from airflow_provider_sky.spec import BackendCapabilities, TaskSpec
+
+log = logging.getLogger(__name__)
+
+_HOME_SCRIPT = 'printf "%s\\n" "${HOME:-/root}"'
+#: how long a teardown waits for deleted pods to be gone
+DELETE_WAIT = 60.0
+_POLL = 0.5
+
+
+def api_configuration(settings: KubeSettings) -> Any:
+    """A ``kubernetes.client.Configuration`` of this connection's own: the global default is never set
+    (one triggerer serves many connections)."""
+    try:
+        from kubernetes import client, config
+        from kubernetes.config.config_exception import ConfigException
+    except ImportError:
+        raise BackendError(
+            "the kubernetes backend needs the kubernetes client: pip install 'airflow-provider-sky[kubernetes]'"
+        ) from None
+    cfg = client.Configuration()
+    try:
+        if settings.source == "in_cluster":
+            config.load_incluster_config(client_configuration=cfg)
+        elif settings.source == "content":
+            config.load_kube_config_from_dict(
+                dict(settings.kube_config or {}),
+                context=settings.context,
+                client_configuration=cfg,
+                persist_config=False,
+            )
+        else:
+            config.load_kube_config(
+                config_file=settings.kube_config_path,
+                context=settings.context,
+                client_configuration=cfg,
+                persist_config=False,
+            )
+    except (ConfigException, OSError, TypeError, ValueError) as exc:
+        where = {
+            "in_cluster": "in_cluster",
+            "content": "kube_config",
+            "path": f"kube_config_path {settings.kube_config_path!r}",
+        }.get(settings.source, "the default kubeconfig ($KUBECONFIG or ~/.kube/config)")
+        raise BackendError(f"{where}: cannot load the cluster credentials: {exc}") from None
+    if not settings.verify_ssl:
+        cfg.verify_ssl = False
+    return cfg
+
+
+def _api_error(exc: Exception) -> str:
+    """An ApiException's own message (``pods is forbidden: User ... cannot create ...``)."""
+    import json
+
+    body = getattr(exc, "body", None)
+    if body:
+        try:
+            return str(json.loads(body).get("message") or body)
+        except (ValueError, AttributeError):
+            return str(body)
+    return str(getattr(exc, "reason", None) or exc)
+
+
+class KubernetesBackend(Backend):
+    """Pods in one namespace of a cluster the connection reaches."""
+
+    kind = "kubernetes"
+
+    def __init__(self, settings: KubeSettings) -> None:
+        self.settings = settings
+        self.namespace = settings.namespace
+        self.capabilities = BackendCapabilities(
+            name="kubernetes",
+            max_nodes=1000,
+            supported_resources=frozenset({"cpus", "memory", "accelerators", "labels", "image_id", "cloud"}),
+            clouds=frozenset({"kubernetes", "k8s"}),
+        )
+        self._cfg: Any = None
+        self._rest: Any = None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> KubernetesBackend:
+        return cls(parse_kube_config(config))
+
+    # -- API clients ---------------------------------------------------------------------------------
+
+    def new_client(self) -> Any:
+        """A fresh ``ApiClient`` on this connection's configuration (one per exec stream)."""
+        from kubernetes import client
+
+        if self._cfg is None:
+            self._cfg = api_configuration(self.settings)
+        return client.ApiClient(self._cfg)
+
+    @property
+    def core(self) -> Any:
+        """The ``CoreV1Api`` for REST calls (never handed to ``stream()``)."""
+        if self._rest is None:
+            from kubernetes import client
+
+            self._rest = client.CoreV1Api(self.new_client())
+        return self._rest
+
+    def close(self) -> None:
+        if self._rest is not None:
+            self._rest.api_client.close()
+            self._rest = None
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        from kubernetes.client.rest import ApiException
+
+        try:
+            return fn(*args, **kwargs)
+        except ApiException as exc:
+            raise BackendError(f"{what} in namespace {self.namespace!r}: {_api_error(exc)}") from None
+        except Exception as exc:  # unreachable API server, TLS
+            raise BackendError(f"{what}: the API server did not answer ({exc})") from None
+
+    # -- nodes -----------------------------------------------------------------------------------------
+
+    def _pod_runner(self, pod: str, ip: str) -> KubernetesRunner:
+        return KubernetesRunner(self.new_client, self.namespace, pod, CONTAINER, ip or pod)
+
+    def runner(self, node: Node) -> KubernetesRunner:
+        return self._pod_runner(node.extra["pod"], node.ip)
+
+    def records(self, name: str) -> HeadRecords:
+        head = head_name(name)
+        return HeadRecords(lambda: self._pod_runner(head, head), f"pod {self.namespace}/{head}")
+
+    def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
+        return [f"{handle.nodes[0].home}/{record_path(handle.name)}"] if rank == 0 else []
+
+    def _pods(self, name: str) -> list[Any]:
+        listed = self._call(
+            "listing the cluster's pods",
+            self.core.list_namespaced_pod,
+            self.namespace,
+            label_selector=cluster_selector(name),
+        )
+        return list(listed.items)
+
+    def find(self, name: str) -> ClusterHandle | None:
+        states = [pod_state(p) for p in self._pods(name)]
+        if not any(s.running and s.name == head_name(name) for s in states):
+            return None
+        try:
+            record = self.records(name).load(name)
+        except (BackendError, RunnerError):
+            return None
+        return ClusterHandle.from_dict(record) if record is not None else None
+
+    # -- provisioning ------------------------------------------------------------------------------------
+
+    def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
+        runtime.check_job_id(name)
+        return self._wait_out_teardown(lambda: self._provision_once(name, spec, holder), 1.0)
+
+    def _provision_once(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
+        pods = [pod_state(p) for p in self._pods(name)]
+        if pods:
+            if any(p.deleting for p in pods):
+                raise ClusterBusy(f"cluster {name!r}: its pods are being deleted")
+            if all(p.fatal for p in pods):  # left over from an earlier cluster: start afresh
+                self._delete([p.name for p in pods], grace=0)
+                self._wait_gone(name, DELETE_WAIT)
+            else:
+                return self._join(name, spec, holder, pods)
+        created: list[str] = []
+        try:
+            for index in range(spec.num_nodes):
+                manifest = pod_manifest(name, index, spec, self.settings.pods)
+                created.append(manifest["metadata"]["name"])
+                self._create(manifest)
+            states = self._wait_running(name, created, spec)
+            handle = self._handle(name, states)
+            return self.records(name).update(name, lambda rec: self._lease(rec, handle, name, spec, holder))
+        except BaseException:
+            self._delete(created, grace=0)
+            raise
+
+    def _join(self, name: str, spec: TaskSpec, holder: str | None, pods: list[PodState]) -> ClusterHandle:
+        """Pods of this name exist: reuse them when they run and carry a record, else wait."""
+        if not all(p.running for p in pods):
+            raise ClusterBusy(f"cluster {name!r}: its pods are starting (another run is provisioning it)")
+        try:
+            record = self.records(name).load(name)
+        except RunnerError as exc:
+            raise ClusterBusy(f"cluster {name!r}: its head does not answer ({exc})") from None
+        if record is None:
+            raise ClusterBusy(f"cluster {name!r}: its pods run but it has no record yet")
+        check_reusable(record, name, spec.num_nodes)
+        handle = ClusterHandle.from_dict(record)
+        return self.records(name).update(name, lambda rec: self._lease(rec, handle, name, spec, holder))
+
+    @staticmethod
+    def _lease(
+        record: dict[str, Any] | None, handle: ClusterHandle, name: str, spec: TaskSpec, holder: str | None
+    ) -> tuple[dict[str, Any], ClusterHandle]:
+        if record is None:
+            return new_record(handle, holder), handle
+        check_reusable(record, name, spec.num_nodes)
+        return add_lease(record, holder), ClusterHandle.from_dict(record)
+
+    def _create(self, manifest: dict[str, Any]) -> None:
+        from kubernetes.client.rest import ApiException
+
+        name = manifest["metadata"]["name"]
+        try:
+            self.core.create_namespaced_pod(self.namespace, manifest)
+        except ApiException as exc:
+            if exc.status == 409:
+                raise ClusterBusy(f"pod {name} already exists (another run is provisioning it)") from None
+            raise BackendError(
+                f"creating pod {self.namespace}/{name} was refused ({exc.status}): {_api_error(exc)}; "
+                "nothing was started"
+            ) from None
+        except Exception as exc:
+            raise BackendError(f"creating pod {name}: the API server did not answer ({exc})") from None
+
+    def _wait_running(self, name: str, pods: list[str], spec: TaskSpec) -> list[PodState]:
+        """Until every pod runs; a pod that cannot start is the error (all or nothing)."""
+        deadline = time.monotonic() + self.settings.provision_timeout
+        unschedulable_since: dict[str, float] = {}
+        while True:
+            by_name = {s.name: s for s in (pod_state(p) for p in self._pods(name))}
+            states = [by_name.get(p) for p in pods]
+            missing = [p for p, s in zip(pods, states, strict=True) if s is None]
+            if missing:
+                raise BackendError(f"pod {missing[0]} disappeared while starting (deleted or evicted)")
+            ready = [s for s in states if s is not None]
+            if all(s.running for s in ready):
+                return ready
+            now = time.monotonic()
+            for s in ready:
+                if s.fatal:
+                    raise BackendError(f"pod {s.name} cannot start: {s.reason}")
+                if s.unschedulable:
+                    since = unschedulable_since.setdefault(s.name, now)
+                    if now - since >= UNSCHEDULABLE_GRACE:
+                        raise BackendError(f"pod {s.name} cannot be scheduled: {s.reason}")
+                else:
+                    unschedulable_since.pop(s.name, None)
+            if now > deadline:
+                waiting = "; ".join(f"{s.name}: {s.reason}" for s in ready if not s.running)
+                raise BackendError(
+                    f"pods not running after provision_timeout={self.settings.provision_timeout:g}s: {waiting}"
+                )
+            time.sleep(_POLL)
+
+    def _handle(self, name: str, states: list[PodState]) -> ClusterHandle:
+        """Head rank 0, workers by IP; each node's home read from its pod."""
+        head = head_name(name)
+        by_ip = {s.ip: s for s in states if s.ip}
+        head_ip = next(s.ip for s in states if s.name == head)
+        order = rank_order(list(by_ip), head_ip)
+
+        def home(state: PodState) -> str:
+            res = self._pod_runner(state.name, state.ip or "").run_script(_HOME_SCRIPT, timeout=60)
+            if res.returncode != 0:
+                raise BackendError(f"pod {state.name}: probe failed: {res.error_text}")
+            return res.text.strip() or "/root"
+
+        ordered = [by_ip[ip] for ip in order]
+        with ThreadPoolExecutor(min(16, len(ordered))) as pool:
+            homes = list(pool.map(home, ordered))
+        nodes = tuple(
+            Node(
+                ip=s.ip or "",
+                node_id=s.name,
+                root=f"{h}/.sky_airflow/{name}",
+                home=h,
+                extra={"pod": s.name, "namespace": self.namespace, "k8s_node": s.node or ""},
+            )
+            for s, h in zip(ordered, homes, strict=True)
+        )
+        return ClusterHandle(name=name, backend=self.kind, nodes=nodes, cloud="kubernetes")
+
+    # -- teardown ----------------------------------------------------------------------------------------
+
+    def _delete(self, pods: list[str], grace: int) -> None:
+        from kubernetes.client.rest import ApiException
+
+        for pod in pods:
+            try:
+                self.core.delete_namespaced_pod(pod, self.namespace, grace_period_seconds=grace)
+            except ApiException as exc:
+                if exc.status != 404:  # already gone is success
+                    log.warning("deleting pod %s/%s failed: %s", self.namespace, pod, _api_error(exc))
+            except Exception as exc:
+                log.warning("deleting pod %s/%s failed: %s", self.namespace, pod, exc)
+
+    def _wait_gone(self, name: str, timeout: float) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = [pod_state(p).name for p in self._pods(name)]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(_POLL)
+
+    def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
+        pods = [pod_state(p) for p in self._pods(name)]
+        if not pods:
+            return Teardown(removed=False)
+        head = next((p for p in pods if p.name == head_name(name)), None)
+        if head is not None and head.running:
+
+            def begin(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
+                if record is None:
+                    return None, ()
+                new, kept_for = begin_teardown(record, holder)
+                return new, kept_for
+
+            try:
+                kept_for = self.records(name).update(name, begin)
+            except (BackendError, RunnerError) as exc:  # a broken head: the pods go anyway
+                log.warning("cluster %s: the record on its head could not be read (%s)", name, exc)
+                kept_for = ()
+            if kept_for:
+                log.info("cluster %s kept: still held by %s", name, ", ".join(kept_for))
+                return Teardown(removed=False, kept_for=kept_for)
+        self._delete([p.name for p in pods], grace=max(0, int(grace)))
+        left = self._wait_gone(name, DELETE_WAIT)
+        if left:
+            log.warning("cluster %s: pods still there %ss after deletion: %s", name, DELETE_WAIT, left)
+        return Teardown(removed=True, unclean=tuple(left))
+
+    # -- the Test button -----------------------------------------------------------------------------------
+
+    def test_connection(self) -> str:
+        """The API server answers, the credentials work, and they may create pods and exec into them."""
+        from kubernetes import client
+
+        version = self._call("reading the server version", client.VersionApi(self.new_client()).get_code)
+        self._call("listing pods", self.core.list_namespaced_pod, self.namespace, limit=1)
+        authz = client.AuthorizationV1Api(self.new_client())
+        missing = []
+        for verb, resource, sub in (
+            ("create", "pods", None),
+            ("delete", "pods", None),
+            ("create", "pods", "exec"),
+            ("list", "events", None),
+        ):
+            review = client.V1SelfSubjectAccessReview(
+                spec=client.V1SelfSubjectAccessReviewSpec(
+                    resource_attributes=client.V1ResourceAttributes(
+                        namespace=self.namespace, verb=verb, resource=resource, subresource=sub
+                    )
+                )
+            )
+            answer = self._call("checking permissions", authz.create_self_subject_access_review, review)
+            if not answer.status.allowed:
+                missing.append(f"{verb} {resource}{'/' + sub if sub else ''}")
+        if missing:
+            raise BackendError(
+                f"namespace {self.namespace!r}: the credentials may not {', '.join(missing)}; "
+                "grant them in a Role (see the README's RBAC)"
+            )
+        return f"Kubernetes {version.git_version}: namespace {self.namespace!r}, pods and exec allowed"

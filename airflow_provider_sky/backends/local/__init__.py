@@ -1,0 +1,30 @@
+"""The embedded default backend: N nodes on this machine (see ``backend.py``). Registered here."""
+
+from __future__ import annotations
+
+from airflow_provider_sky.backends.local.backend import (
+    LOCAL_MAX_NODES,
+    TEARDOWN_CHUNK,
+    LocalBackend,
+    default_state_dir,
+    node_ip,
+)
+from airflow_provider_sky.backends.registry import BackendInfo
+
+__all__ = ["BACKEND", "LOCAL_MAX_NODES", "TEARDOWN_CHUNK", "LocalBackend", "default_state_dir", "node_ip"]
+
+BACKEND = BackendInfo(
+    kind="local",
+    conn_type="sky_local",
+    hook_name="Sky local cluster",
+    hook_class_name="SkyHook",
+    factory="airflow_provider_sky.backends.local.backend:LocalBackend",
+    default_conn_id="sky_default",
+    conn_fields={
+        "state_dir": {
+            "label": "State directory",
+            "description": "Where local nodes live (default $AIRFLOW_HOME/sky)",
+            "schema": {"type": ["string", "null"]},
+        }
+    },
+)

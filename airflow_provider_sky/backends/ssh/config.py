@@ -1,0 +1,139 @@
+"""A ``sky_ssh`` connection read into settings: one plain function, no SSH library, tested as a matrix.
+
+Where one setting can come from two places (a standard field and an extra, or two spellings), giving both
+with different values is an error naming both, never a silent choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from airflow_provider_sky.backends.base import BackendError
+
+#: default bound on hosts contacted at once (connections are then reused)
+DEFAULT_MAX_PARALLEL = 32
+
+
+@dataclass(frozen=True)
+class SSHSettings:
+    """What an SSH backend is built from."""
+
+    hosts: tuple[str, ...]
+    user: str
+    port: int = 22
+    head: str | None = None
+    private_key: str | None = None
+    key_file: str | None = None
+    passphrase: str | None = None
+    host_key_policy: str = "verify"
+    known_hosts: str | None = None
+    pinned_host_keys: Mapping[str, str] | Sequence[str] = field(default_factory=tuple)
+    connect_timeout: float = 10.0
+    ready_timeout: float = 30.0
+    max_parallel: int = DEFAULT_MAX_PARALLEL
+
+
+def _given(value: Any) -> bool:
+    return value not in (None, "")
+
+
+def one_of(config: Mapping[str, Any], *keys: str, what: str) -> Any:
+    """The value of whichever of ``keys`` is set; two set to different values is an error."""
+    found = [(k, config[k]) for k in keys if _given(config.get(k))]
+    if len({repr(v) for _, v in found}) > 1:
+        names = " and ".join(k for k, _ in found)
+        raise BackendError(f"{names}: both give the {what}, with different values; keep one of them")
+    return found[0][1] if found else None
+
+
+def number(config: Mapping[str, Any], key: str, default: Any, kind: Any) -> Any:
+    """A numeric connection field, or an error naming it (``port: 'ssh' is not a number``)."""
+    raw = config.get(key)
+    if raw in (None, ""):
+        return default
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        raise BackendError(f"{key}: {raw!r} is not a number; fix the connection field") from None
+    if value <= 0:
+        raise BackendError(f"{key}: must be positive, got {raw!r}")
+    return value
+
+
+def _hosts(raw: Any) -> tuple[str, ...]:
+    if isinstance(raw, str):
+        return tuple(h for h in (p.strip() for p in raw.replace("\n", ",").split(",")) if h)
+    return tuple(str(h).strip() for h in raw or () if str(h).strip())
+
+
+def _pins(raw: Any) -> Mapping[str, str] | Sequence[str]:
+    if isinstance(raw, str):
+        return tuple(line for line in raw.splitlines() if line.strip())
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    return tuple(raw or ())
+
+
+def parse_ssh_config(config: Mapping[str, Any]) -> SSHSettings:
+    """Settings from a ``sky_ssh`` connection: host = hosts (comma-separated, head first), login, port,
+    password = private key text; the rest are extras (``hooks`` merged a reused ``ssh`` connection in)."""
+    private_key = one_of(config, "password", "private_key", what="private key text")
+    return SSHSettings(
+        hosts=_hosts(one_of(config, "host", "hosts", what="hosts")),
+        user=one_of(config, "login", "user", what="user") or "",
+        port=number(config, "port", 22, int),
+        head=config.get("head") or None,
+        private_key=private_key,
+        key_file=config.get("key_file") or None,
+        passphrase=config.get("private_key_passphrase") or None,
+        host_key_policy=config.get("host_key_policy") or "verify",
+        known_hosts=config.get("known_hosts") or None,
+        pinned_host_keys=_pins(one_of(config, "pinned_host_keys", "host_keys", what="pinned host keys")),
+        connect_timeout=number(config, "connect_timeout", 10.0, float),
+        ready_timeout=number(config, "ready_timeout", 30.0, float),
+        max_parallel=number(config, "max_parallel", DEFAULT_MAX_PARALLEL, int),
+    )
+
+
+#: the settings that together say how to authenticate: taken from one place only
+_KEY_SETTINGS = ("private_key", "password", "key_file", "private_key_passphrase")
+
+
+def merge_ssh_connection(config: Mapping[str, Any], ssh_conn: Any) -> dict[str, Any]:
+    """Fill what a ``sky_ssh`` connection leaves empty from a standard ``ssh`` connection (not asked twice).
+
+    The ``ssh`` connection's host (comma-separated hosts allowed), login, port, ``private_key``/``key_file``
+    extras (read as the SSH provider reads them: its password field is a login password, not a key) and
+    pinned ``host_key`` are used. The ``sky_ssh`` settings win; the key is taken as a whole from one of the
+    two connections (the ``sky_ssh`` one if it gives any), never a key text from one and a file from the
+    other.
+    """
+    extra = dict(ssh_conn.extra_dejson)
+    if extra.get("private_key") and extra.get("key_file"):
+        raise BackendError(
+            f"ssh_conn_id: the ssh connection {config.get('ssh_conn_id')!r} gives both key_file and "
+            "private_key; keep one (the SSH provider refuses it too)"
+        )
+    theirs: dict[str, Any] = {
+        "host": ssh_conn.host,
+        "login": ssh_conn.login,
+        "port": ssh_conn.port,
+        "pinned_host_keys": extra.get("host_key"),
+    }
+    if not any(_given(config.get(k)) for k in _KEY_SETTINGS):
+        theirs.update(
+            private_key=extra.get("private_key"),
+            key_file=extra.get("key_file"),
+            private_key_passphrase=extra.get("private_key_passphrase"),
+        )
+    if str(extra.get("no_host_key_check", "")).lower() == "true":
+        theirs["host_key_policy"] = "skip"
+    given = {k for k, v in config.items() if _given(v)}
+    for ours, alias in (("host", "hosts"), ("login", "user"), ("pinned_host_keys", "host_keys")):
+        if alias in given:
+            theirs.pop(ours)
+    merged = {k: v for k, v in theirs.items() if _given(v)}
+    merged.update({k: v for k, v in config.items() if _given(v)})
+    return merged
