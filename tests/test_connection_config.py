@@ -146,7 +146,8 @@ def test_the_local_backend_reads_no_standard_field() -> None:
 
 def test_a_connection_of_another_type_names_the_types_to_use() -> None:
     with pytest.raises(
-        ConnectionConfigError, match="connection 'c' has type 'ssh'; use one of sky_local, sky_kubernetes, sky_ssh"
+        ConnectionConfigError,
+        match="connection 'c' has type 'ssh'; use one of sky_local, sky_kubernetes, sky_ssh",
     ):
         by_conn_type("ssh", "c")
 
