@@ -5,7 +5,7 @@ UV ?= $(shell command -v uv 2>/dev/null || echo "$(HOME)/.local/bin/uv")
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install system-deps demo test lint typecheck unit bench clean
+.PHONY: install system-deps k8s demo test lint typecheck unit bench clean
 
 $(UV):
 	python3 -m pip install --user --quiet uv || python3 -m pip install --quiet uv
@@ -48,6 +48,37 @@ system-deps:
 	  "stops; fix: $${fix}apt-get update && $${fix}apt-get install -y --no-install-recommends $${missing[*]}"; \
 	[ -z "$(SYSTEM_DEPS_STRICT)" ]
 
+## The Kubernetes test cluster (tests/k8s/k8s-local.sh): Debian packages (apt-get) and Kubernetes 1.20 built
+## from Debian's source package into $(SKY_TEST_K8S_DIR), outside the clone, so a reused machine builds it once
+## (about 6.5 min cold, nothing when built). Only what is missing. As root (or `sudo -n`); else says what is
+## missing and goes on (the Kubernetes tests then fail naming `make k8s`); an error with SYSTEM_DEPS_STRICT=1.
+## pytest starts the cluster (two nodes) when a test needs it and stops it at the end.
+SKY_TEST_K8S_DIR ?= /var/cache/k8s-local
+export SKY_TEST_K8S_DIR
+K8S_LOCAL := L=$(SKY_TEST_K8S_DIR) bash tests/k8s/k8s-local.sh
+
+k8s:
+	@$(K8S_LOCAL) check >/dev/null 2>&1 && { $(K8S_LOCAL) check | sed 's/^/k8s: /'; exit 0; }; \
+	if [ "$$(id -u)" = 0 ]; then sudo=; fix=; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; fix="sudo "; \
+	else sudo=no; fix="sudo "; fi; \
+	if [ "$$sudo" != no ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "k8s: installing what is missing and building the Kubernetes test cluster into $(SKY_TEST_K8S_DIR)" \
+	    "(about 6.5 min the first time)"; \
+	  start=$$(date +%s); \
+	  if $$sudo env L=$(SKY_TEST_K8S_DIR) bash tests/k8s/k8s-local.sh ensure; then \
+	    echo "k8s: ready in $$(( $$(date +%s) - start )) s"; exit 0; \
+	  fi; \
+	  echo "k8s: the install or build failed (output above)"; \
+	elif [ "$$sudo" = no ]; then \
+	  echo "k8s: $$($(K8S_LOCAL) check 2>&1 | paste -sd';' -); not root and no passwordless sudo, so not done"; \
+	else \
+	  echo "k8s: $$($(K8S_LOCAL) check 2>&1 | paste -sd';' -); no apt-get here (the cluster is built from Debian packages)"; \
+	fi; \
+	echo "k8s: without it the Kubernetes tests fail (the local cluster needs root to run too), or point" \
+	  "SKY_TEST_KUBECONFIG at a cluster of yours; fix: $${fix}make k8s"; \
+	[ -z "$(SYSTEM_DEPS_STRICT)" ]
+
 lint: install
 	$(VENV)/bin/ruff check airflow_provider_sky dags_examples tests benchmarks
 	$(VENV)/bin/ruff format --check airflow_provider_sky dags_examples tests benchmarks
@@ -55,7 +86,7 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-unit: install system-deps
+unit: install system-deps k8s
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 ## Install (Python and, where it can, system tools), lint (ruff), type-check (mypy), run every test.

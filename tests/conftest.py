@@ -30,6 +30,8 @@ os.environ["SKY_PROVIDER_HOME"] = str(_SESSION_DIR / "sky")
 
 from leaks import bridges, processes_under  # noqa: E402
 
+pytest_plugins = ["k8s_cluster"]  # the Kubernetes test cluster (session fixture k8s, started lazily)
+
 
 @pytest.fixture(scope="session")
 def airflow_db() -> Path:
