@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NoReturn
 
 from airflow_provider_sky import runtime
 from airflow_provider_sky.backends.base import (
@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 _HOME_SCRIPT = 'printf "%s\\n" "${HOME:-/root}"'
 #: how long a teardown waits for deleted pods to be gone
 DELETE_WAIT = 60.0
+#: a pod create answered 429 or 5xx is tried this often in all
+CREATE_TRIES = 4
 _POLL = 0.5
 
 
@@ -248,17 +250,26 @@ class KubernetesBackend(Backend):
         from kubernetes.client.rest import ApiException
 
         name = manifest["metadata"]["name"]
-        try:
-            self.core.create_namespaced_pod(self.namespace, manifest)
-        except ApiException as exc:
-            if exc.status == 409:
-                raise ClusterBusy(f"pod {name} already exists (another run is provisioning it)") from None
-            raise BackendError(
-                f"creating pod {self.namespace}/{name} was refused ({exc.status}): {_api_error(exc)}; "
-                "nothing was started"
-            ) from None
-        except Exception as exc:
-            raise BackendError(f"creating pod {name}: the API server did not answer ({exc})") from None
+        for attempt in range(CREATE_TRIES):
+            try:
+                self.core.create_namespaced_pod(self.namespace, manifest)
+                return
+            except ApiException as exc:
+                # transient: throttled, or the API server asks to retry (a new namespace's token)
+                if (exc.status == 429 or (exc.status or 0) >= 500) and attempt < CREATE_TRIES - 1:
+                    time.sleep(1.0 + attempt)
+                    continue
+                self._refused(name, exc)
+            except Exception as exc:
+                raise BackendError(f"creating pod {name}: the API server did not answer ({exc})") from None
+
+    def _refused(self, name: str, exc: Any) -> NoReturn:
+        if exc.status == 409:
+            raise ClusterBusy(f"pod {name} already exists (another run is provisioning it)") from None
+        raise BackendError(
+            f"creating pod {self.namespace}/{name} was refused ({exc.status}): {_api_error(exc)}; "
+            "nothing was started"
+        ) from None
 
     def _wait_running(self, name: str, pods: list[str], spec: TaskSpec) -> list[PodState]:
         """Until every pod runs; a pod that cannot start is the error (all or nothing)."""

@@ -36,6 +36,7 @@ from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
 from airflow_provider_sky.backends.ssh.config import DEFAULT_MAX_PARALLEL, parse_ssh_config
 from airflow_provider_sky.gang import rank_order
 from airflow_provider_sky.runners.ssh import SSHNodeConfig, SSHRunner, wait_for_ssh
+from airflow_provider_sky.runners.ssh.config import is_policy
 from airflow_provider_sky.spec import BackendCapabilities, TaskSpec
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class SSHBackend(Backend):
         self.head = _split_host(_split_user(head, user)[1], port) if head else self.endpoints[0]
         if self.head not in self.endpoints:
             raise BackendError(f"head: {head!r} is not one of the hosts {list(hosts)}")
-        if host_key_policy not in ("verify", "accept-new", "skip"):
+        if not is_policy(host_key_policy):
             raise BackendError(
                 f"host_key_policy: {host_key_policy!r} is not one of verify, accept-new, skip "
                 "(verify is the default; skip turns host-key checks off and logs a warning)"
@@ -215,7 +216,7 @@ class SSHBackend(Backend):
             private_key=self.private_key,
             key_file=self.key_file,
             passphrase=self.passphrase,
-            host_key_policy=self.host_key_policy,  # type: ignore[arg-type]
+            host_key_policy=self.host_key_policy,
             known_hosts=self.known_hosts,
             pinned_host_keys=self._pins_for(host, port),
             connect_timeout=self.connect_timeout,

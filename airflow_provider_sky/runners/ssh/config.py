@@ -5,10 +5,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeGuard
 
 HostKeyPolicy = Literal["verify", "accept-new", "skip"]
 _POLICIES = ("verify", "accept-new", "skip")
+
+
+def is_policy(value: str) -> TypeGuard[HostKeyPolicy]:
+    """``value`` is one of the host-key policies (narrows a connection's string to the policy type)."""
+    return value in _POLICIES
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,257 @@
+"""The Kubernetes backend on a real cluster (tests/k8s_cluster.py: the local two-node one, or yours):
+pods, spreading, exec, fail-fast, pod loss, GPUs as the scheduler sees them, teardown, every example DAG."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from airflow_provider_sky.backends.base import BackendError
+from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
+from airflow_provider_sky.backends.kubernetes.manifest import CLUSTER_LABEL
+from airflow_provider_sky.backends.registry import by_kind
+from airflow_provider_sky.jobs import GangClient, watch
+from airflow_provider_sky.spec import task_from_args
+from k8s_cluster import Image, K8sCluster
+
+GPU_NODE = "127.0.0.2"  # k8s-local.sh's second node
+
+
+@pytest.fixture(scope="module")
+def extras(k8s: K8sCluster, k8s_image: Image) -> dict[str, Any]:
+    """A ``sky_kubernetes`` connection's extras for the test cluster."""
+    return {
+        "kube_config_path": k8s.kubeconfig,
+        "context": k8s.context,
+        "namespace": k8s.namespace,
+        "image": k8s_image.name,
+        "image_pull_policy": k8s_image.pull_policy,
+        "provision_timeout": 120,
+    }
+
+
+@pytest.fixture
+def backend(extras: dict[str, Any]) -> Iterator[KubernetesBackend]:
+    b = by_kind("kubernetes").make(extras)
+    assert isinstance(b, KubernetesBackend)
+    yield b
+    b.close()
+
+
+def _pods(b: KubernetesBackend, cluster: str | None = None) -> list[Any]:
+    selector = f"{CLUSTER_LABEL}={cluster}" if cluster else CLUSTER_LABEL
+    return list(b.core.list_namespaced_pod(b.namespace, label_selector=selector).items)
+
+
+def _wait(client: GangClient, job_id: str, timeout: float = 90, **kw: Any) -> Any:
+    async def go() -> Any:
+        last = None
+        async for poll in watch(client, job_id, poll_interval=0.2, **kw):
+            last = poll
+        return last
+
+    return asyncio.run(asyncio.wait_for(go(), timeout))
+
+
+def test_a_gang_is_one_pod_per_node_spread_over_the_machines(
+    backend: KubernetesBackend, k8s: K8sCluster
+) -> None:
+    spec = task_from_args(
+        num_nodes=4,
+        run='echo "$SKYPILOT_NODE_RANK $SKYPILOT_NUM_NODES $MASTER_ADDR $(hostname)"',
+        setup="test -d /dev/shm",
+    )
+    h = backend.provision("spread", spec, holder="t")
+    assert h.nodes[0].node_id == "spread-head"
+    ips = [n.ip for n in h.nodes[1:]]
+    assert ips == sorted(ips, key=lambda ip: tuple(int(p) for p in ip.split(".")))  # workers by IP
+    machines = [n.extra["k8s_node"] for n in h.nodes]
+    if len(k8s.nodes) >= 2:  # soft anti-affinity: 2 + 2 on the two-node test cluster
+        assert sorted(machines.count(m) for m in set(machines)) == [2, 2], machines
+    c = GangClient(backend, h)
+    c.launch(spec, "job")
+    poll = _wait(c, "job")
+    assert [r.state for r in poll.status.ranks] == ["succeeded"] * 4
+    for rank, node in enumerate(h.nodes):
+        out = c.poll("job").chunks[rank][1].decode().split()
+        assert out == [str(rank), "4", h.nodes[0].ip, node.node_id]
+    assert backend.find("spread") is not None
+    assert backend.terminate("spread", holder="t").removed is True
+    assert _pods(backend, "spread") == []
+    assert backend.find("spread") is None
+    assert backend.terminate("spread").removed is False  # idempotent
+
+
+def test_fail_fast_kills_every_sibling(backend: KubernetesBackend) -> None:
+    run = 'if [ "$SKYPILOT_NODE_RANK" == "2" ]; then sleep 1; exit 1; fi; sleep 10000'
+    spec = task_from_args(num_nodes=4, run=run)
+    h = backend.provision("ff", spec)
+    c = GangClient(backend, h)
+    c.launch(spec, "job")
+    poll = _wait(c, "job")
+    assert {r.rank: r.state for r in poll.status.ranks} == {
+        0: "cancelled",
+        1: "cancelled",
+        2: "failed",
+        3: "cancelled",
+    }
+    assert f"rank 2 ({h.nodes[2].ip}) exited with code 1" in poll.status.failure_message()
+    for node in h.nodes:  # no sleep left in any pod
+        ps = backend.runner(node).run_script("ps -o args | grep -c '^sleep 10000' || true").text.strip()
+        assert ps == "0", (node.node_id, ps)
+    backend.terminate("ff")
+    assert _pods(backend, "ff") == []
+
+
+def test_a_deleted_pod_is_lost_and_the_gang_fails_fast(backend: KubernetesBackend) -> None:
+    spec = task_from_args(num_nodes=3, run="sleep 10000")
+    h = backend.provision("loss", spec)
+    c = GangClient(backend, h)
+    c.launch(spec, "job")
+    time.sleep(2)
+    victim = h.nodes[1].node_id
+    backend.core.delete_namespaced_pod(victim, backend.namespace, grace_period_seconds=0)
+    poll = _wait(c, "job", lost_after=3.0)
+    states = {r.rank: r.state for r in poll.status.ranks}
+    assert states[1] == "lost" and states[0] == "cancelled" and states[2] == "cancelled", states
+    assert "lost" in poll.status.failure_message()
+    backend.terminate("loss")
+    assert _pods(backend, "loss") == []
+
+
+def test_20_concurrent_commands_10_rounds_on_one_pod_all_succeed(backend: KubernetesBackend) -> None:
+    """The seed document's concurrency check (20 at once, 10 rounds), through the exec API."""
+    spec = task_from_args(num_nodes=1, run="true")
+    h = backend.provision("conc", spec)
+    runner = backend.runner(h.nodes[0])
+
+    async def round_(i: int) -> list[Any]:
+        return await asyncio.gather(
+            *(
+                runner.arun_script('echo "$1 $2"; exit $(($2 % 3))', [str(i), str(k)], timeout=60)
+                for k in range(20)
+            )
+        )
+
+    for i in range(10):
+        results = asyncio.run(round_(i))
+        assert [r.text for r in results] == [f"{i} {k}\n" for k in range(20)]
+        assert [r.returncode for r in results] == [k % 3 for k in range(20)]
+    backend.terminate("conc")
+
+
+def test_workdir_and_file_mounts_are_copied_into_every_pod(
+    backend: KubernetesBackend, tmp_path: Path
+) -> None:
+    wd = tmp_path / "wd"
+    (wd / "sub").mkdir(parents=True)
+    (wd / "train.sh").write_text('echo "trained $(cat sub/data) $1"\n')
+    (wd / "train.sh").chmod(0o755)
+    (wd / "sub" / "data").write_bytes(b"\xffbinary-ok")
+    mount = tmp_path / "conf.txt"
+    mount.write_text("conf\n")
+    spec = task_from_args(
+        num_nodes=2,
+        run='./train.sh "$SKYPILOT_NODE_RANK" && pwd && cat ~/etc/conf.txt',
+        workdir=str(wd),
+        file_mounts={"~/etc/conf.txt": str(mount)},
+    )
+    h = backend.provision("wd", spec)
+    backend.sync_files(h, spec)
+    c = GangClient(backend, h)
+    c.launch(spec, "job")
+    assert [r.state for r in _wait(c, "job").status.ranks] == ["succeeded"] * 2
+    out = c.poll("job").chunks[1][1]
+    assert out == f"trained \xffbinary-ok 1\n{h.nodes[1].home}/sky_workdir\nconf\n".encode("latin-1")
+    backend.terminate("wd")
+
+
+def test_an_image_that_cannot_start_names_the_image_and_leaves_no_pod(extras: dict[str, Any]) -> None:
+    b = KubernetesBackend.from_config(
+        {**extras, "image": "sky-test/no-such-image:1", "image_pull_policy": "Never"}
+    )
+    t = time.monotonic()
+    with pytest.raises(BackendError, match=r"ErrImageNeverPull for image 'sky-test/no-such-image:1'"):
+        b.provision("noimg", task_from_args(num_nodes=2, run="true"))
+    assert time.monotonic() - t < 60  # fails when the pod says so, not at the timeout
+    assert _pods(b, "noimg") == []
+
+
+@pytest.fixture
+def fake_gpus(k8s: K8sCluster) -> Iterator[str]:
+    """Two fake ``nvidia.com/gpu`` on one node, labelled as SkyPilot's labeler would (``v100``)."""
+    api = k8s.api()
+    node = GPU_NODE if GPU_NODE in k8s.nodes else k8s.nodes[-1]
+    api.patch_node_status(node, {"status": {"capacity": {"nvidia.com/gpu": "2"}}})
+    api.patch_node(node, {"metadata": {"labels": {"skypilot.co/accelerator": "v100"}}})
+    yield node
+    api.patch_node_status(node, [{"op": "remove", "path": "/status/capacity/nvidia.com~1gpu"}])
+    api.patch_node(node, {"metadata": {"labels": {"skypilot.co/accelerator": None}}})
+    api.api_client.close()
+
+
+def test_gpus_are_requested_whole_on_the_labelled_node(backend: KubernetesBackend, fake_gpus: str) -> None:
+    spec = task_from_args(
+        num_nodes=2, run='echo "$SKYPILOT_NUM_GPUS_PER_NODE"', resources={"accelerators": "V100:0.5"}
+    )
+    h = backend.provision("gpu", spec)
+    assert {n.extra["k8s_node"] for n in h.nodes} == {fake_gpus}  # the node selector, 1 + 1 of 2 GPUs
+    pods = _pods(backend, "gpu")
+    assert {p.spec.containers[0].resources.limits["nvidia.com/gpu"] for p in pods} == {"1"}
+    assert {p.metadata.annotations["sky.airflow/accelerators"] for p in pods} == {"V100:0.5"}
+    c = GangClient(backend, h)
+    c.launch(spec, "job")
+    _wait(c, "job")
+    assert c.poll("job").chunks[0][1] == b"1\n"
+    backend.terminate("gpu")
+    with pytest.raises(
+        BackendError, match=r"cannot be scheduled: 0/\d+ nodes are available:.*Insufficient nvidia.com/gpu"
+    ):
+        backend.provision(
+            "gpu4", task_from_args(num_nodes=2, run="true", resources={"accelerators": "V100:4"})
+        )
+    assert _pods(backend, "gpu4") == []
+
+
+def test_the_test_button(extras: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from airflow_provider_sky.hooks.sky import SkyKubernetesHook  # type: ignore[attr-defined]
+
+    monkeypatch.setenv("AIRFLOW_CONN_SKY_K", json.dumps({"conn_type": "sky_kubernetes", "extra": extras}))
+    ok, message = SkyKubernetesHook("sky_k").test_connection()
+    assert ok and "pods and exec allowed" in message, message
+    bad = {**extras, "kube_config_path": "/nonexistent/kubeconfig"}
+    monkeypatch.setenv("AIRFLOW_CONN_SKY_K", json.dumps({"conn_type": "sky_kubernetes", "extra": bad}))
+    ok, message = SkyKubernetesHook("sky_k").test_connection()
+    assert not ok and "kube_config_path '/nonexistent/kubeconfig'" in message, message
+
+
+def test_every_example_dag_on_kubernetes(
+    extras: dict[str, Any], airflow_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example DAGs unchanged, with ``sky_default`` pointing at the cluster: success, fail-fast (the seed
+    scenario), a segfault, a failed setup (the seed's failed_worker_setup), a YAML task with a workdir."""
+    from test_dag_test import _run, _states
+
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SKY_DEFAULT", json.dumps({"conn_type": "sky_kubernetes", "extra": extras})
+    )
+    b = KubernetesBackend.from_config(extras)
+    dr, tis = _run("sky_hello")
+    assert str(dr.state) == "success" and set(_states(tis, "rank").values()) == {"success"}
+    dr, tis = _run("sky_fail_fast")
+    assert str(dr.state) == "failed" and tis[("down", -1)].state == "success"
+    dr, _ = _run("sky_segfault")
+    assert str(dr.state) == "failed"
+    dr, tis = _run("sky_failed_setup")
+    assert str(dr.state) == "failed" and tis[("cluster", -1)].state == "failed"
+    dr, tis = _run("sky_yaml")
+    assert str(dr.state) == "success"
+    dr, tis = _run("sky_test_at_once", "tests/dags")
+    assert str(dr.state) == "failed"
+    assert _pods(b) == []  # every cluster was torn down
