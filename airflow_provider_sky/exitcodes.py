@@ -34,7 +34,7 @@ def _signal_name(signum: int) -> str:
 def describe_exit(code: int | None, k8s_reason: str | None = None) -> str:
     """Plain-words reason for an exit code, as SkyPilot prints "(likely due to Segmentation Fault)"."""
     if k8s_reason == "OOMKilled":
-        return "out of memory (container limit, OOMKilled)"
+        return "out of memory (OOMKilled: the out-of-memory killer ended it at the memory limit)"
     if code is None:
         return "no exit code"
     if code == 0:

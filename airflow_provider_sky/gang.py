@@ -188,7 +188,7 @@ def classify(raw: RawRankStatus, ip: str, observed_at: float) -> RankStatus:
             st.state = FAILED
             st.reason = f"the rank's exit file cannot be read as an exit code: {raw.exit_text.strip()!r}"
         else:
-            st.state, st.reason = FAILED, describe_exit(raw.exit_code)
+            st.state, st.reason = FAILED, describe_exit(raw.exit_code, "OOMKilled" if raw.oom else None)
     elif raw.state in ("lost", "missing"):
         if raw.cancel_requested:
             st.state, st.reason = CANCELLED, cancelled

@@ -70,6 +70,17 @@ if [ -f "$d/mask" ]; then
     echo "airflow-provider-sky: could not create a pipe to mask secrets; output is not masked" >>"$d/log"
   fi
 fi
+# the memory cgroup's OOM-kill count (v2 memory.events, v1 memory.oom_control; a container sees its own at
+# the mount's root): a rank SIGKILLed while it grew was killed for memory, not by a person or a cancel
+oomk() {
+  for f in $(sed -n 's|^[0-9]*:memory:\(.*\)|/sys/fs/cgroup/memory\1/memory.oom_control|p; s|^0::\(.*\)|/sys/fs/cgroup\1/memory.events|p' /proc/self/cgroup 2>/dev/null) \
+           /sys/fs/cgroup/memory.events /sys/fs/cgroup/memory/memory.oom_control; do
+    [ -r "$f" ] || continue
+    while read -r k v; do [ "$k" = oom_kill ] && { printf '%s\n' "$v"; return 0; }; done < "$f"
+  done
+  echo 0
+}
+oom0=$(oomk)
 if command -v setsid >/dev/null 2>&1; then
   SKY_PROVIDER_MARK="$d/" setsid "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null &
 else
@@ -93,6 +104,7 @@ if [ "$out" != "$d/log" ]; then
   rm -f "$d/out"
 fi
 mv "$d/end.tmp" "$d/end"
+if [ "$rc" = 137 ]; then oom1=$(oomk); [ "$oom1" -gt "$oom0" ] 2>/dev/null && : > "$d/oom"; fi
 echo "$rc" > "$d/exit.tmp" && mv "$d/exit.tmp" "$d/exit"
 """
 
@@ -136,7 +148,7 @@ lsz=''; lname=''; read -r lsz lname <&3 || :
 while [ $# -ge 5 ]; do
   root=$1; j=$2; r=$3; off=$4; max=$5; shift 5
   d="$root/jobs/$j/$r"
-  ex=-; st=-; en=-; sz=-; c=0; n=0; pl=-; o=0; xn=0; cn=0
+  ex=-; st=-; en=-; sz=-; c=0; n=0; pl=-; o=0; xn=0; cn=0; m=0
   e1=${early%"${early#?}"}; early=${early#?}
   if [ -n "$lname" ] && [ "$lname" = "$d/log" ]; then
     sz=$lsz; lsz=''; lname=''; read -r lsz lname <&3 || :
@@ -168,6 +180,7 @@ while [ $# -ge 5 ]; do
         ''|*[!0-9]*) state=badexit; ex=-; xn=$(wc -c < "$d/exit"); xn=$((xn + 0)); [ "$xn" -gt 200 ] && xn=200;;
       esac
       [ -f "$d/end" ] && read -r en < "$d/end"
+      [ -f "$d/oom" ] && m=1
     fi
     if [ "$sz" = - ] && [ -f "$d/log" ]; then sz=$(wc -c < "$d/log"); sz=$((sz + 0)); fi
     if [ "$c" = 1 ]; then cn=$(wc -c < "$d/cancel"); cn=$((cn + 0)); [ "$cn" -gt 500 ] && cn=500; fi
@@ -177,7 +190,7 @@ while [ $# -ge 5 ]; do
   case "$en" in ''|*[!0-9.]*) en=-;; esac
   case "$pl" in ''|*[!0-9.]*) pl=-;; esac
   if [ "$sz" -gt "$off" ] && [ "$max" -gt 0 ]; then n=$((sz - off)); [ "$n" -gt "$max" ] && n=$max; fi
-  printf '@ %s %s %s %s %s %s %s %s %s %s %s %s %s\n' "$j" "$r" "$state" "$ex" "$st" "$en" "$sz" "$c" "$n" "$pl" "$o" "$xn" "$cn"
+  printf '@ %s %s %s %s %s %s %s %s %s %s %s %s %s %s\n' "$j" "$r" "$state" "$ex" "$st" "$en" "$sz" "$c" "$n" "$pl" "$o" "$xn" "$cn" "$m"
   if [ "$n" -gt 0 ]; then tail -c +$((off + 1)) "$d/log" | head -c "$n"; fi
   if [ "$xn" -gt 0 ]; then head -c "$xn" "$d/exit"; fi
   if [ "$cn" -gt 0 ]; then head -c "$cn" "$d/cancel"; fi
@@ -691,6 +704,8 @@ class RawRankStatus:
     orphaned: bool = False
     exit_text: str = ""
     cancel_reason: str = ""
+    #: SIGKILLed while its memory cgroup counted an OOM kill: out of memory, not a person's kill
+    oom: bool = False
 
 
 def _num(text: str) -> float | None:
@@ -714,9 +729,9 @@ def parse_status(output: bytes, offsets: Mapping[tuple[str, int], int] | None = 
             raise StatusParseError(f"truncated status output: {output[pos : pos + 200]!r}")
         header = output[pos:nl].decode("utf-8", "replace").split(" ")
         pos = nl + 1
-        if len(header) != 14 or header[0] != "@":
+        if len(header) != 15 or header[0] != "@":
             raise StatusParseError(f"unexpected status line: {' '.join(header)[:200]!r}")
-        _, job_id, rank_s, state, ex, st, en, sz, c, n_s, pl, o, xn_s, cn_s = header
+        _, job_id, rank_s, state, ex, st, en, sz, c, n_s, pl, o, xn_s, cn_s, m = header
         n, xn, cn = int(n_s), int(xn_s), int(cn_s)
         chunk = output[pos : pos + n]
         pos += n
@@ -742,6 +757,7 @@ def parse_status(output: bytes, offsets: Mapping[tuple[str, int], int] | None = 
                 orphaned=o == "1",
                 exit_text=exit_text,
                 cancel_reason=cancel_reason,
+                oom=m == "1",
             )
         )
     return out
