@@ -8,8 +8,8 @@ nothing, and the script (secrets included) stays off the exec URL, where argv tr
 Every call opens its own websocket on a fresh ``ApiClient`` (``stream()`` swaps ``call_api`` on the
 client it is given, so a shared client would send concurrent REST calls over a websocket). Calls are
 short: the rank itself is detached by the node runtime, so an idle exec session never has to live long.
-A call with a timeout runs under the pod's ``timeout -s KILL`` where the image has it, so a call we gave
-up on does not go on running in the pod.
+A call with a timeout is killed in the pod at its limit (the whole process group of the exec), so a call we
+gave up on does not go on running there.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import asyncio
 import functools
 import io
 import os
+import re
 import tarfile
 import threading
 import time
@@ -29,12 +30,19 @@ import yaml
 
 from airflow_provider_sky.runners.base import CALLS, CommandRunner, RunnerError, RunResult
 
+#: attempts to open an exec stream (nothing has run until it is open)
+OPEN_TRIES = 3
 #: stdin is sent in frames of this size
 _FRAME = 64 * 1024
-#: the wrapper: $1 bytes of script on stdin, $2 seconds (0: no limit), then the script's own args
+#: the wrapper: $1 bytes of script on stdin, $2 seconds (0: no limit), then the script's own args. Each exec
+#: is a session and process group of its own (the runtime's pid 0 child): at the limit a watcher kills the
+#: whole group, the script's children included (a rank the script started with ``setsid`` is in its own
+#: session and stays); the watcher, which holds none of the stream's descriptors, ends with the script.
 _WRAPPER = (
-    'n=$1; t=$2; shift 2; if [ "$t" != 0 ] && command -v timeout >/dev/null 2>&1; then '
-    'head -c "$n" | timeout -s KILL "$t" sh -s -- "$@"; else head -c "$n" | sh -s -- "$@"; fi'
+    'n=$1; t=$2; shift 2; w=; if [ "$t" != 0 ]; then '
+    "( trap 'kill $s 2>/dev/null; exit 0' TERM; sleep \"$t\" & s=$!; wait $s && kill -KILL -$$ ) "
+    "</dev/null >/dev/null 2>&1 & w=$!; fi; "
+    'head -c "$n" | sh -s -- "$@"; rc=$?; [ -z "$w" ] || kill "$w" 2>/dev/null; exit $rc'
 )
 _EXECUTOR_LOCK = threading.Lock()
 _EXECUTOR: ThreadPoolExecutor | None = None
@@ -47,6 +55,10 @@ def _executor() -> ThreadPoolExecutor:
         if _EXECUTOR is None:
             _EXECUTOR = ThreadPoolExecutor(EXECUTOR_THREADS, thread_name_prefix="sky-kube-exec")
         return _EXECUTOR
+
+
+class _Transient(Exception):
+    """The exec stream could not be opened for a reason that may pass (nothing ran)."""
 
 
 class _Cancel:
@@ -96,6 +108,18 @@ class KubernetesRunner(CommandRunner):
         return f"KubernetesRunner({self.namespace}/{self.pod})"
 
     def _open(self, command: list[str]) -> Any:
+        """The exec stream; a stream that could not be opened (nothing ran yet) is tried again, with
+        backoff, ``OPEN_TRIES`` times in all: an API server restarting or a dropped connection heals."""
+        for attempt in range(OPEN_TRIES):
+            try:
+                return self._open_once(command)
+            except _Transient as exc:
+                if attempt == OPEN_TRIES - 1:
+                    raise RunnerError(self.host, str(exc)) from None
+                time.sleep(0.2 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _open_once(self, command: list[str]) -> Any:
         from kubernetes import client
         from kubernetes.client.rest import ApiException
         from kubernetes.stream import stream
@@ -116,11 +140,14 @@ class KubernetesRunner(CommandRunner):
                 _preload_content=False,
             )
         except ApiException as exc:
-            raise RunnerError(
-                self.host, f"exec into pod {self.namespace}/{self.pod} failed: {exc.reason}"
-            ) from None
+            # the websocket client reports every failure as status 0; a handshake refused with 4xx (a pod
+            # that is gone, forbidden) will not heal, a dropped or refused connection may
+            message = f"exec into pod {self.namespace}/{self.pod} failed: {exc.reason}"
+            if exc.status == 0 and not re.search(r"Handshake status 4\d\d", str(exc.reason)):
+                raise _Transient(message) from None
+            raise RunnerError(self.host, message) from None
         except Exception as exc:  # websocket errors: refused, TLS, DNS
-            raise RunnerError(self.host, f"exec into pod {self.namespace}/{self.pod} failed: {exc}") from None
+            raise _Transient(f"exec into pod {self.namespace}/{self.pod} failed: {exc}") from None
 
     def _call(
         self, stdin: bytes, command: list[str], timeout: float | None, cancel: _Cancel | None = None

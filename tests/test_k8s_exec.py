@@ -1,0 +1,61 @@
+"""Commands in pods through the exec API (real cluster): arguments arrive literally, the script and its
+secrets never appear on a command line, an abandoned call's process ends, a poll is one exec per pod."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
+from airflow_provider_sky.jobs import GangClient
+from airflow_provider_sky.runners.base import CALLS
+from airflow_provider_sky.spec import task_from_args
+from test_k8s_backend import _wait, backend, extras  # noqa: F401  (fixtures)
+
+
+def test_arguments_arrive_literally_and_the_script_stays_off_the_command_line(
+    backend: KubernetesBackend,  # noqa: F811
+) -> None:
+    h = backend.provision("argv", task_from_args(num_nodes=1, run="true"))
+    runner = backend.runner(h.nodes[0])
+    weird = ["a b", "$(touch /tmp/canary)", "'q'", '"dq"', "-n", "", "x;y", "\\n"]
+    res = runner.run_script('printf "%s|" "$@"; [ ! -e /tmp/canary ] || echo CANARY', weird)
+    assert res.returncode == 0 and res.text == "|".join(weird) + "|", res
+    # a secret in the script is on stdin only: no process in the pod shows it in its arguments
+    res = runner.run_script('SECRET_TOKEN=hunter2-s3cr3t; ps -o args | grep -c "hunter2-s3cr3t" || true')
+    assert res.text.strip() == "1", res  # the grep itself, whose pattern is the script's own text
+    res = runner.run_script("ps -o args")
+    assert "hunter2" not in res.text
+    backend.terminate("argv")
+
+
+def test_an_abandoned_call_ends_in_the_pod(backend: KubernetesBackend) -> None:  # noqa: F811
+    h = backend.provision("abandon", task_from_args(num_nodes=1, run="true"))
+    runner = backend.runner(h.nodes[0])
+
+    async def give_up() -> None:
+        call = asyncio.ensure_future(runner.arun_script("sleep 47; echo late", timeout=2))
+        await asyncio.sleep(1)
+        call.cancel()
+
+    asyncio.run(give_up())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if "sleep 47" not in runner.run_script("ps -o args").text:
+            break
+        time.sleep(0.5)
+    assert "sleep 47" not in runner.run_script("ps -o args").text  # killed at its timeout, not left running
+    backend.terminate("abandon")
+
+
+def test_a_poll_is_one_exec_per_pod(backend: KubernetesBackend) -> None:  # noqa: F811
+    spec = task_from_args(num_nodes=4, run="sleep 3")
+    h = backend.provision("calls", spec)
+    c = GangClient(backend, h)
+    c.launch(spec, "job")
+    for _ in range(3):
+        CALLS.reset()
+        c.poll("job")
+        assert CALLS.total() == 4, CALLS.counts
+    _wait(c, "job")
+    backend.terminate("calls")
