@@ -47,6 +47,17 @@ log = logging.getLogger(__name__)
 _HOME_SCRIPT = 'printf "%s\\n" "${HOME:-/root}"'
 #: how long a teardown waits for deleted pods to be gone
 DELETE_WAIT = 60.0
+#: (verb, resource, subresource) the backend uses in its namespace: the README's RBAC
+NEEDED_PERMISSIONS = (
+    ("create", "pods", None),
+    ("get", "pods", None),
+    ("list", "pods", None),
+    ("watch", "pods", None),
+    ("delete", "pods", None),
+    ("create", "pods", "exec"),
+    ("get", "pods", "exec"),  # the websocket upgrade is a GET (before Kubernetes 1.30)
+    ("list", "events", None),
+)
 #: a pod create answered 429 or 5xx is tried this often in all
 CREATE_TRIES = 4
 _POLL = 0.5
@@ -385,15 +396,9 @@ class KubernetesBackend(Backend):
         from kubernetes import client
 
         version = self._call("reading the server version", client.VersionApi(self.new_client()).get_code)
-        self._call("listing pods", self.core.list_namespaced_pod, self.namespace, limit=1)
         authz = client.AuthorizationV1Api(self.new_client())
         missing = []
-        for verb, resource, sub in (
-            ("create", "pods", None),
-            ("delete", "pods", None),
-            ("create", "pods", "exec"),
-            ("list", "events", None),
-        ):
+        for verb, resource, sub in NEEDED_PERMISSIONS:
             review = client.V1SelfSubjectAccessReview(
                 spec=client.V1SelfSubjectAccessReviewSpec(
                     resource_attributes=client.V1ResourceAttributes(
@@ -409,4 +414,5 @@ class KubernetesBackend(Backend):
                 f"namespace {self.namespace!r}: the credentials may not {', '.join(missing)}; "
                 "grant them in a Role (see the README's RBAC)"
             )
+        self._call("listing pods", self.core.list_namespaced_pod, self.namespace, limit=1)
         return f"Kubernetes {version.git_version}: namespace {self.namespace!r}, pods and exec allowed"

@@ -1,0 +1,126 @@
+"""The RBAC the README documents is enough, and a refusal is said in the API server's words: a service
+account with exactly the documented Role runs a gang; one without it is refused at create, nothing is
+left, and the Test button names what is missing. Both reach the cluster through a kubeconfig given as
+content (the ``kube_config`` extra), with a service-account token."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from airflow_provider_sky.backends.base import BackendError
+from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
+from airflow_provider_sky.jobs import GangClient
+from airflow_provider_sky.spec import task_from_args
+from k8s_cluster import Image, K8sCluster, wait_for
+from test_k8s_backend import _wait
+
+#: the README's Role, verbatim in effect
+DOCUMENTED_RULES = [
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "list", "watch", "delete"]},
+    {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create", "get"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},
+]
+
+
+def _token_kubeconfig(k8s: K8sCluster, account: str) -> dict[str, Any]:
+    """A kubeconfig (as content) that authenticates as ``account`` with its token."""
+    api = k8s.api()
+    try:
+        sa = wait_for(
+            lambda: (s := api.read_namespaced_service_account(account, k8s.namespace)).secrets and s,
+            60,
+            f"the token of service account {account}",
+        )
+        secret = api.read_namespaced_secret(sa.secrets[0].name, k8s.namespace)
+        token = base64.b64decode(secret.data["token"]).decode()
+    finally:
+        api.api_client.close()
+    admin = yaml.safe_load(Path(k8s.kubeconfig).read_text())
+    ctx = next(c for c in admin["contexts"] if c["name"] == (k8s.context or admin["current-context"]))
+    cluster = next(c for c in admin["clusters"] if c["name"] == ctx["context"]["cluster"])["cluster"]
+    if "certificate-authority" in cluster:
+        ca = Path(cluster.pop("certificate-authority")).read_bytes()
+        cluster["certificate-authority-data"] = base64.b64encode(ca).decode()
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": cluster}],
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": account}}],
+        "current-context": "sa",
+    }
+
+
+@pytest.fixture(scope="module")
+def accounts(k8s: K8sCluster) -> Iterator[dict[str, dict[str, Any]]]:
+    """``allowed`` has the documented Role in the test namespace; ``denied`` has nothing."""
+    from kubernetes import client
+
+    api = k8s.api()
+    rbac = client.RbacAuthorizationV1Api(api.api_client)
+    ns = k8s.namespace
+    for name in ("sky-allowed", "sky-denied"):
+        api.create_namespaced_service_account(ns, {"metadata": {"name": name}})
+    rbac.create_namespaced_role(ns, {"metadata": {"name": "sky-gangs"}, "rules": DOCUMENTED_RULES})
+    rbac.create_namespaced_role_binding(
+        ns,
+        {
+            "metadata": {"name": "sky-gangs"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "sky-gangs"},
+            "subjects": [{"kind": "ServiceAccount", "name": "sky-allowed", "namespace": ns}],
+        },
+    )
+    yield {name: _token_kubeconfig(k8s, f"sky-{name}") for name in ("allowed", "denied")}
+    api.api_client.close()  # the namespace (deleted at the session's end) takes the accounts and roles
+
+
+def _backend(k8s: K8sCluster, image: Image, kubeconfig: dict[str, Any]) -> KubernetesBackend:
+    return KubernetesBackend.from_config(
+        {
+            "kube_config": json.dumps(kubeconfig),
+            "namespace": k8s.namespace,
+            "image": image.name,
+            "image_pull_policy": image.pull_policy,
+            "provision_timeout": 120,
+        }
+    )
+
+
+def test_the_documented_role_is_enough_to_run_a_gang(
+    k8s: K8sCluster, k8s_image: Image, accounts: dict[str, dict[str, Any]]
+) -> None:
+    b = _backend(k8s, k8s_image, accounts["allowed"])
+    assert "pods and exec allowed" in b.test_connection()
+    spec = task_from_args(num_nodes=2, run='echo "rank $SKYPILOT_NODE_RANK"')
+    c = GangClient(b, b.provision("rbac", spec))
+    c.launch(spec, "job")
+    assert [r.state for r in _wait(c, "job").status.ranks] == ["succeeded"] * 2
+    assert b.terminate("rbac").removed
+    b.close()
+
+
+def test_no_role_is_refused_at_create_in_the_api_servers_words(
+    k8s: K8sCluster, k8s_image: Image, accounts: dict[str, dict[str, Any]]
+) -> None:
+    b = _backend(k8s, k8s_image, accounts["denied"])
+    with pytest.raises(
+        BackendError,
+        match=r"may not create pods, get pods, list pods, watch pods, delete pods, create pods/exec, get pods/exec, list events",
+    ):
+        b.test_connection()
+    with pytest.raises(
+        BackendError, match=r"forbidden.*system:serviceaccount:.*sky-denied.*cannot (create|list)"
+    ):
+        b.provision("norbac", task_from_args(num_nodes=2, run="true"))
+    api = k8s.api()
+    try:
+        assert api.list_namespaced_pod(k8s.namespace, label_selector="sky.airflow/cluster=norbac").items == []
+    finally:
+        api.api_client.close()
