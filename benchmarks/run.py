@@ -1,6 +1,6 @@
 """``make bench``: the provider's figures on this machine, against the local backend and real sshd hosts.
 
-    python -m benchmarks.run [--quick] [--only 1,2,3,4,5] [--out PATH]
+    python -m benchmarks.run [--quick] [--only 1,2,3,4,5,6] [--out PATH]
 
 Prints a table (figure | N | median | min | max | runs | goal | met) and writes
 ``benchmarks/results/latest.json`` (the figures, the machine's core count, versions of python, airflow,
@@ -60,6 +60,7 @@ class Plan:
     at_once_only: bool = False  # `--only 1c`: figure 1's "fails at once" case alone
     scale_ns: tuple[int, ...] = (64, 256, 1024)  # fig 5: gang sizes under the real scheduler
     scale_reps: int = 1  # fig 5: runs of each DAG per N
+    k8s_ns: tuple[int, ...] = ()  # fig 6: gang sizes on Kubernetes (empty: 4 + the largest the cluster holds)
 
     @classmethod
     def make(cls, quick: bool) -> Plan:
@@ -446,6 +447,22 @@ class Bench:
         )
         self.rows += fig_scale.run(self.plan, self.base, self.stack, say)
 
+    # -- figure 6
+
+    def fig6(self) -> None:
+        from benchmarks import fig_k8s
+
+        say("\n== figure 6: Kubernetes backend (local test cluster) vs a kubectl exec fan-out ==")
+        self.notes.append(
+            "fig 6: Kubernetes backend on tests/k8s's local cluster (1.20, two kubelets on this machine), N = 4 "
+            "and the largest N provisioned within 120 s (--quick: 4). Processes timed from this machine's /proc "
+            "(start ticks, pidfd exits). Start: launch(`sleep 10000`) vs one `kubectl exec` per pod at once "
+            "(detached sleep). Fail-fast: rank N-1 `sleep 2; exit 1`, exit = its `sleep 2` ending; jobs.watch "
+            "(poll 0.5 s, grace 3 s) vs the failing rank's attached kubectl exec returning, then a `kubectl exec "
+            "kill` fan-out. Status timestamps are whole seconds in this image."
+        )
+        self.rows += fig_k8s.run(self.plan, say, self.plan.k8s_ns)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
@@ -456,11 +473,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--only",
-        default="1,2,3,4,5",
+        default="1,2,3,4,5,6",
         help="figures to run, e.g. 1,2 (default: all); 1c = only figure 1's 'rank fails at once' case",
     )
     ap.add_argument("--ns", default="", help="override the gang sizes of figures 1-3, e.g. 64 or 4,16")
     ap.add_argument("--scale-ns", default="", help="override the gang sizes of figure 5, e.g. 16 or 64,256")
+    ap.add_argument(
+        "--k8s-ns", default="", help="figure 6's gang sizes instead of 4 + the probed largest, e.g. 4,64"
+    )
     ap.add_argument("--out", default=str(RESULTS / "latest.json"), help="where to write the JSON")
     ap.add_argument(
         "--trigger-delay",
@@ -470,8 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     only = {x.strip() for x in args.only.split(",") if x.strip()}
-    if not only <= {"1", "1c", "2", "3", "4", "5"}:
-        ap.error("--only takes figure numbers 1-5 (and 1c)")
+    if not only <= {"1", "1c", "2", "3", "4", "5", "6"}:
+        ap.error("--only takes figure numbers 1-6 (and 1c)")
     figures = sorted({1 if x == "1c" else int(x) for x in only})
     if os.geteuid() != 0 and figures != [5]:  # figure 5 uses the local backend only
         say("needs root: the sshd test hosts create users and start sshd (tests/sshd.py)")
@@ -483,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(
             plan, scale_ns=tuple(int(x) for x in args.scale_ns.split(",") if x.strip())
         )
+    if args.k8s_ns:
+        plan = dataclasses.replace(plan, k8s_ns=tuple(int(x) for x in args.k8s_ns.split(",") if x.strip()))
     if args.trigger_delay is not None:
         plan = dataclasses.replace(plan, trigger_delay=args.trigger_delay)
     if "1c" in only and "1" not in only:

@@ -9,16 +9,22 @@ The services use their own ``SKY_PROVIDER_HOME`` (not the per-test one of ``conf
 the leak checks here look there: after each run nothing may run under its cluster's directory and
 the directory must be gone (the teardown ran); at the end nothing may run under the whole home.
 
-The module runs twice (the ``real`` fixture is parametrized): once on the embedded local backend,
-once with ``sky_default`` pointing at 4 real sshd hosts (``AIRFLOW_CONN_SKY_DEFAULT``, a ``sky_ssh``
-connection over an :class:`SSHDCluster`, in every service's environment). The DAG files are the
-same; on SSH the cleanup check looks at the hosts: no process of a host's user but SSH sessions,
-and no cluster directory or record left in any host's home.
+The module runs three times (the ``real`` fixture is parametrized): once on the embedded local
+backend, once with ``sky_default`` pointing at 4 real sshd hosts (``AIRFLOW_CONN_SKY_DEFAULT``, a
+``sky_ssh`` connection over an :class:`SSHDCluster`, in every service's environment), and last with
+``sky_default`` a ``sky_kubernetes`` connection to the test cluster (``tests/k8s_cluster.py``, started
+only for that run). The DAG files are the same; on SSH the cleanup check looks at the hosts: no
+process of a host's user but SSH sessions, and no cluster directory or record left in any host's
+home; on Kubernetes no pod labelled with the cluster may be left (the teardown deletes them and the
+pods' processes end with them). The Kubernetes run also gets the seed document's YAMLs verbatim
+(``tests/dags/sky_seed_yamls.py`` over ``tests/seeds/*.yaml``): its DAG folder is a directory of
+symlinks to ``dags_examples``'s entries and that file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -30,12 +36,16 @@ from typing import Any
 
 import pytest
 
+from airflow_provider_sky.backends.kubernetes.manifest import CLUSTER_LABEL, cluster_selector
 from airflow_provider_sky.dev.stack import AirflowStack, parse_time
+from k8s_cluster import Image, K8sCluster
 from leaks import processes_under
 from sshd import SSHDCluster, needs_sshd
 
 REPO = Path(__file__).resolve().parent.parent
 DAGS = ("sky_fail_fast", "sky_hello", "sky_segfault", "sky_failed_setup", "sky_yaml")
+#: the seed YAMLs verbatim (tests/dags/sky_seed_yamls.py), on the Kubernetes stack only
+SEED_DAGS = ("sky_seed_failed_run", "sky_seed_failed_setup")
 RUN_TIMEOUT = 180.0
 
 pytestmark = pytest.mark.airflow_services
@@ -48,6 +58,12 @@ class RealAirflow:
     run_ids: dict[str, str]
     #: the SSH hosts ``sky_default`` points at, or None on the local backend
     hosts: SSHDCluster | None = None
+    #: the Kubernetes cluster (and namespace) ``sky_default`` points at, or None
+    kube: K8sCluster | None = None
+
+    @property
+    def backend(self) -> str:
+        return "kubernetes" if self.kube is not None else "ssh" if self.hosts is not None else "local"
 
     def finished(self, dag_id: str) -> tuple[str, str]:
         """(run id, final state) of the DAG's run."""
@@ -65,6 +81,9 @@ class RealAirflow:
         from airflow_provider_sky.operators._spec import default_cluster_name
 
         name = default_cluster_name(dag_id, run_id)
+        if self.kube is not None:
+            self._assert_no_pods(dag_id, name)
+            return
         if self.hosts is None:
             dirs = [self.sky / "local" / name]
             records = [self.sky / "local" / "clusters" / f"{name}.json"]
@@ -81,6 +100,16 @@ class RealAirflow:
         assert not left, f"{dag_id}: processes of cluster {name} left: {left}"
         for path in dirs + records:
             assert not path.exists(), f"{dag_id}: {path} still exists after the teardown"
+
+    def _assert_no_pods(self, dag_id: str, name: str) -> None:
+        """No pod of the cluster is left (Terminating ones count): the teardown deleted them all."""
+        assert self.kube is not None
+        deadline = time.monotonic() + 5
+        left = _pods(self.kube, cluster_selector(name))
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = _pods(self.kube, cluster_selector(name))
+        assert not left, f"{dag_id}: pods of cluster {name} left after the teardown: {left}"
 
     @staticmethod
     def _left(dirs: list[Path]) -> list[tuple[int, str]]:
@@ -108,6 +137,49 @@ def _processes_of_job(job_id: str, command: str) -> list[int]:
     return found
 
 
+def _pods(k8s: K8sCluster, selector: str) -> list[str]:
+    """Names and phases of the namespace's pods matching the label selector."""
+    api = k8s.api()
+    try:
+        pods = api.list_namespaced_pod(k8s.namespace, label_selector=selector).items
+    finally:
+        api.api_client.close()
+    return [f"{p.metadata.name} ({p.status.phase})" for p in pods]
+
+
+def _delete_pods(k8s: K8sCluster, selector: str) -> None:
+    api = k8s.api()
+    try:
+        api.delete_collection_namespaced_pod(k8s.namespace, label_selector=selector, grace_period_seconds=0)
+    finally:
+        api.api_client.close()
+
+
+def _kubernetes_connection(k8s: K8sCluster, image: Image) -> str:
+    """``sky_default`` as a ``sky_kubernetes`` connection to the test cluster (as test_k8s_backend's extras)."""
+    extras = {
+        "kube_config_path": k8s.kubeconfig,
+        "context": k8s.context,
+        "namespace": k8s.namespace,
+        "image": image.name,
+        "image_pull_policy": image.pull_policy,
+        "provision_timeout": 120,
+    }
+    return json.dumps({"conn_type": "sky_kubernetes", "extra": extras})
+
+
+def _dags_with_seeds(base: Path) -> Path:
+    """A DAG folder: symlinks to every entry of ``dags_examples`` (the YAML and its workdir beside their DAG
+    file, as there) and to ``tests/dags/sky_seed_yamls.py`` (which finds ``tests/seeds`` through the link)."""
+    dags = base / "dags"
+    dags.mkdir()
+    for entry in sorted((REPO / "dags_examples").iterdir()):
+        if not entry.name.startswith((".", "__")):
+            (dags / entry.name).symlink_to(entry)
+    (dags / "sky_seed_yamls.py").symlink_to(REPO / "tests" / "dags" / "sky_seed_yamls.py")
+    return dags
+
+
 def _kill(procs: list[tuple[int, str]]) -> None:
     for pid, _ in procs:
         for kill in (os.killpg, os.kill):
@@ -122,6 +194,7 @@ def _kill(procs: list[tuple[int, str]]) -> None:
     params=[
         "local",
         pytest.param("ssh", marks=needs_sshd),
+        "kubernetes",  # last: the test cluster starts only now (about 45 s)
     ],
 )
 def real(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[RealAirflow]:
@@ -131,15 +204,28 @@ def real(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReques
     with contextlib.ExitStack() as cleanup:
         env = {"SKY_PROVIDER_HOME": str(sky)}
         hosts: SSHDCluster | None = None
+        kube: K8sCluster | None = None
+        dags, dag_ids = REPO / "dags_examples", DAGS
         if request.param == "ssh":
             hosts = cleanup.enter_context(SSHDCluster(4, base))
             env["AIRFLOW_CONN_SKY_DEFAULT"] = hosts.sky_ssh_connection()
-        stack = AirflowStack(base / "airflow", REPO / "dags_examples", env)
+        elif request.param == "kubernetes":
+            kube = request.getfixturevalue("k8s")
+            env["AIRFLOW_CONN_SKY_DEFAULT"] = _kubernetes_connection(
+                kube, request.getfixturevalue("k8s_image")
+            )
+            dags, dag_ids = _dags_with_seeds(base), DAGS + SEED_DAGS
+        stack = AirflowStack(base / "airflow", dags, env)
         try:
             with stack:
-                run_ids = {dag_id: stack.trigger(dag_id) for dag_id in DAGS}
-                yield RealAirflow(stack, sky, run_ids, hosts)
+                run_ids = {dag_id: stack.trigger(dag_id) for dag_id in dag_ids}
+                yield RealAirflow(stack, sky, run_ids, hosts, kube)
             assert not stack.leftover_processes()
+            if kube is not None:  # every cluster of every run: no pod of ours left in the namespace
+                left_pods = _pods(kube, CLUSTER_LABEL)
+                if left_pods:
+                    _delete_pods(kube, CLUSTER_LABEL)
+                assert not left_pods, f"pods left in namespace {kube.namespace}: {left_pods}"
             if hosts is not None:
                 deadline = time.monotonic() + 10
                 while hosts.rank_processes() and time.monotonic() < deadline:
@@ -158,6 +244,9 @@ def test_hello(real: RealAirflow) -> None:
     run_id, state = real.finished("sky_hello")
     tis = real.tis("sky_hello", run_id)
     ranks = sorted((t for (tid, _), t in tis.items() if tid == "hello.rank"), key=lambda t: t["map_index"])
+    handle = real.stack.xcom("sky_hello", run_id, "hello.cluster")
+    # the pods' IPs on Kubernetes (10.244.x.y on the test cluster): MASTER_ADDR is the head pod's
+    master = r"127\.\d+\.\d+\.\d+" if real.kube is None else re.escape(handle["nodes"][0]["ip"]) + r"\b"
     assert [t["map_index"] for t in ranks] == [0, 1, 2, 3]
     assert [t["state"] for t in ranks] == ["success"] * 4
     # started in the triggerer, no worker renders the "rank N" label: the UI shows the map index = the rank
@@ -169,15 +258,17 @@ def test_hello(real: RealAirflow) -> None:
         assert "Attaching to rank" not in log and f"rank {i} (" in log and "succeeded, exit code 0" in log, (
             log
         )
-        assert re.search(r"MASTER_ADDR=127\.\d+\.\d+\.\d+", log), log
+        assert re.search(f"MASTER_ADDR={master}", log), log
         for other in set(range(4)) - {i}:
             assert f"rank {other} of 4" not in log
     assert tis[("hello.gang", -1)]["state"] == "success"
     assert tis[("hello.down", -1)]["state"] == "success"
-    handle = real.stack.xcom("sky_hello", run_id, "hello.cluster")
-    assert handle["backend"] == ("local" if real.hosts is None else "ssh"), handle
+    assert handle["backend"] == real.backend, handle
     if real.hosts is not None:  # one rank per host, head first
         assert [n["ip"] for n in handle["nodes"]] == [n.host for n in real.hosts.nodes], handle
+    if real.kube is not None:  # one pod per node, the head first
+        assert handle["nodes"][0]["node_id"].endswith("-head"), handle
+        assert all(re.fullmatch(r"\d+\.\d+\.\d+\.\d+", n["ip"]) for n in handle["nodes"]), handle
     assert state == "success"
     real.assert_cleaned_up("sky_hello", run_id)
 
@@ -254,3 +345,46 @@ def test_yaml(real: RealAirflow) -> None:
     assert tis[("yaml.down", -1)]["state"] == "success"
     assert state == "success"
     real.assert_cleaned_up("sky_yaml", run_id)
+
+
+def _seeds(real: RealAirflow) -> None:
+    if real.kube is None:
+        pytest.skip("the seed YAMLs run on the Kubernetes stack only")
+
+
+def test_seed_failed_worker_run(real: RealAirflow) -> None:
+    """tests/seeds/failed_worker_run.yaml verbatim: rank 2 exits 1 at once, the others' sleep 10000 is cancelled."""
+    _seeds(real)
+    run_id, state = real.finished("sky_seed_failed_run")
+    tis = real.tis("sky_seed_failed_run", run_id)
+    assert state == "failed"
+    assert tis[("seed.rank", 2)]["state"] == "failed"
+    assert "exited with code 1" in real.log("sky_seed_failed_run", run_id, "seed.rank", 2)
+    cause = real.stack.xcom("sky_seed_failed_run", run_id, "seed.rank", "sky_rank", 2)
+    assert cause["rank"] == 2 and cause["state"] == "failed" and cause["exit_code"] == 1, cause
+    for i in (0, 1, 3):
+        assert tis[("seed.rank", i)]["state"] == "failed"
+        other = real.stack.xcom("sky_seed_failed_run", run_id, "seed.rank", "sky_rank", i)
+        assert other["state"] == "cancelled", other
+        log = real.log("sky_seed_failed_run", run_id, "seed.rank", i)
+        assert re.search(r"failed: rank 2 \(\S+\) exited with code 1", log), log
+    assert tis[("seed.gang", -1)]["state"] == "failed"
+    assert tis[("seed.down", -1)]["state"] == "success"
+    real.assert_cleaned_up("sky_seed_failed_run", run_id)
+
+
+def test_seed_failed_worker_setup(real: RealAirflow) -> None:
+    """tests/seeds/failed_worker_setup.yaml: rank 2's setup exits 1, the other setups stop, no rank starts."""
+    _seeds(real)
+    run_id, state = real.finished("sky_seed_failed_setup")
+    tis = real.tis("sky_seed_failed_setup", run_id)
+    assert state == "failed"
+    assert tis[("seed.cluster", -1)]["state"] == "failed"
+    log = real.log("sky_seed_failed_setup", run_id, "seed.cluster")
+    assert "FAILED_SETUP" in log, log
+    assert re.search(r"Failed workers: rank 2 \(", log), log
+    ranks = [t for (tid, _), t in tis.items() if tid == "seed.rank"]
+    assert ranks and all(t["state"] == "upstream_failed" and t["try_number"] == 0 for t in ranks), ranks
+    assert tis[("seed.down", -1)]["state"] == "upstream_failed"  # the cluster task removed its own pods
+    assert "Tearing down cluster" in log, log
+    real.assert_cleaned_up("sky_seed_failed_setup", run_id)

@@ -255,3 +255,47 @@ def test_every_example_dag_on_kubernetes(
     dr, tis = _run("sky_test_at_once", "tests/dags")
     assert str(dr.state) == "failed"
     assert _pods(b) == []  # every cluster was torn down
+
+
+def test_the_seed_yamls_verbatim_on_kubernetes(
+    extras: dict[str, Any],
+    airflow_db: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """tests/seeds/failed_worker_run.yaml and failed_worker_setup.yaml as they are, through ``sky_gang(task_yaml=)``
+    (tests/dags/sky_seed_yamls.py, two DAGs in one file, so ``_load`` and ``dag.test()`` instead of ``_run``)."""
+    import re
+
+    from test_dag_test import _load, _states, _xcom
+
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SKY_DEFAULT", json.dumps({"conn_type": "sky_kubernetes", "extra": extras})
+    )
+    b = KubernetesBackend.from_config(extras)
+    seeds = _load("sky_seed_yamls", "tests/dags")
+
+    def run(dag: Any) -> tuple[Any, dict[tuple[str, int], Any]]:
+        dr = dag.test()
+        return dr, {(ti.task_id.split(".", 1)[1], ti.map_index): ti for ti in dr.get_task_instances()}
+
+    dr, tis = run(seeds.failed_run)
+    assert str(dr.state) == "failed"
+    assert _states(tis, "rank") == {0: "failed", 1: "failed", 2: "failed", 3: "failed"}
+    cause = _xcom(dr, "seed.rank", "sky_rank", 2)
+    assert cause["state"] == "failed" and cause["exit_code"] == 1, cause
+    others = [_xcom(dr, "seed.rank", "sky_rank", r) for r in (0, 1, 3)]
+    assert [o["state"] for o in others] == ["cancelled"] * 3, others
+    assert tis[("down", -1)].state == "success"
+    assert _pods(b) == []
+
+    capfd.readouterr()
+    dr, tis = run(seeds.failed_setup)
+    out, err = capfd.readouterr()
+    text = out + err
+    assert str(dr.state) == "failed"
+    assert tis[("cluster", -1)].state == "failed"
+    assert "FAILED_SETUP" in text, text[-3000:]
+    assert re.search(r"rank 2 \(\S+\) exit code 1", text), text[-3000:]
+    assert tis[("job", -1)].state == "upstream_failed"
+    assert _pods(b) == []  # Airflow skips a teardown whose setup failed: the cluster task removed its pods

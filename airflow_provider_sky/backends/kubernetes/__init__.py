@@ -25,7 +25,7 @@ BACKEND = BackendInfo(
         "kube_config_path": {"label": "Kube config path", "description": "On the workers", "schema": _STR},
         "kube_config": {
             "label": "Kube config (content)",
-            "description": "The kubeconfig file's content (YAML or JSON); kept in memory, never written out",
+            "description": "The kubeconfig file's content (YAML or JSON), read in memory",
             "schema": {"type": ["string", "null"], "format": "password"},
         },
         "context": {
