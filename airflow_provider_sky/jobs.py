@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from airflow_provider_sky import runtime
-from airflow_provider_sky.backends.base import Backend, ClusterHandle, Node
+from airflow_provider_sky.backends.base import Backend, ClusterHandle, Node, chosen_resources, node_devices
 from airflow_provider_sky.gang import (
     BAD,
     LOST,
@@ -239,20 +239,32 @@ class GangClient:
         h = self.handle
         info = cluster_info_json(h.name, h.cloud, h.region, h.zone)
         ips = h.ips
+        # the alternative the cluster was provisioned with; its GPU count is what SkyPilot exports
+        acc = chosen_resources(spec, h).accelerators
+        gpus = gpus_per_node(acc.count if acc else None)
         out = []
         for rank, node in enumerate(h.nodes):
+            devices = node_devices(node, acc)
             if stage == "setup":
-                env = setup_env(rank=rank, ips=ips, task_id=job_id, cluster_info=info, user_envs=spec.envs)
+                env = setup_env(
+                    rank=rank,
+                    ips=ips,
+                    task_id=job_id,
+                    cluster_info=info,
+                    user_envs=spec.envs,
+                    gpus_per_node=gpus,
+                    devices=devices,
+                )
                 command = spec.setup or "true"
             else:
-                acc = spec.resources.accelerators
                 env = run_env(
                     rank=rank,
                     ips=ips,
                     task_id=job_id,
                     cluster_info=info,
-                    gpus_per_node=gpus_per_node(acc.count if acc else None),
+                    gpus_per_node=gpus,
                     user_envs=spec.envs,
+                    devices=devices,
                 )
                 command = spec.run
             cwd = self.backend.workdir(node, spec)
@@ -268,6 +280,7 @@ class GangClient:
             orphan_timeout=int(math.ceil(orphan_timeout)) if orphan_timeout else 0,
             idle_down=int(math.ceil(idle_down)) if idle_down else 0,
             idle_rm=tuple(self.backend.idle_down_paths(self.handle, rank)) if idle_down else (),
+            idle_kill=self.backend.idle_down_kill,
             keeper_roots=roots,
             keeper_tick=max(0.2, min(5.0, min(t for t in (orphan_timeout, idle_down, 50.0) if t) / 10)),
             now=time.time(),

@@ -428,10 +428,14 @@ while :; do
   [ "$idle" -ge $((down * 1000)) ] || continue
   # idle for idle_down: tear the cluster down on this machine (SkyPilot's autodown)
   for r in "$@"; do killmarked KILL "$r/jobs/"; done
+  ik=
   for r in "$@"; do
+    [ -f "$r/idle_kill" ] && read -r ik < "$r/idle_kill"
     if [ -f "$r/idle_rm" ]; then while read -r p; do [ -n "$p" ] && rm -rf "$p"; done < "$r/idle_rm"; fi
     rm -rf "$r"
   done
+  # the node itself ends with this process (a pod's entrypoint): its resources go back
+  case "$ik" in ''|*[!0-9]*) ;; *) kill -TERM "$ik" 2>/dev/null;; esac
   exit 0
 done
 """
@@ -525,7 +529,8 @@ class Guard:
 
     ``orphan_timeout``: seconds without a poll after which the node kills the job (0: off).
     ``idle_down``: seconds a cluster may sit with nothing running before the node tears it down
-    (0: never); ``idle_rm``: further paths the node removes then (its cluster record).
+    (0: never); ``idle_rm``: further paths the node removes then (its cluster record); ``idle_kill``: a
+    process the node then ends, whose end ends the node itself (a pod's entrypoint; 0: none).
     ``keeper_roots``: the roots one keeper watches (a machine that hosts several nodes runs one
     keeper for all); empty: this launch starts none. ``now``: the launcher's clock.
     """
@@ -533,6 +538,7 @@ class Guard:
     orphan_timeout: int = 0
     idle_down: int = 0
     idle_rm: Sequence[str] = ()
+    idle_kill: int = 0
     keeper_roots: Sequence[str] | None = None
     keeper_tick: float = 5.0
     now: float = 0.0
@@ -603,9 +609,11 @@ def launch_many_script(
             if guard.idle_down > 0:
                 parts.append(f'echo {int(guard.idle_down)} > "$root/idle_down"')
                 parts.append(_write('"$root/idle_rm"', "\n".join(guard.idle_rm)))
+                parts.append(f'echo {int(guard.idle_kill)} > "$root/idle_kill"')
             else:
                 parts.append(
-                    'if [ -e "$root/idle_down" ] || [ -e "$root/idle_rm" ]; then rm -f "$root/idle_down" "$root/idle_rm"; fi'
+                    'if [ -e "$root/idle_down" ] || [ -e "$root/idle_rm" ]; then '
+                    'rm -f "$root/idle_down" "$root/idle_rm" "$root/idle_kill"; fi'
                 )
         d = f'"$root/jobs"/{q(job_id)}/{int(rl.rank)}'
         parts.append(f"d={d}")

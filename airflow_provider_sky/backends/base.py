@@ -21,12 +21,24 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from airflow_provider_sky.gang import CUDA_VISIBLE_DEVICES
 from airflow_provider_sky.runners.base import CommandRunner, RunnerError
-from airflow_provider_sky.spec import BackendCapabilities, SpecError, TaskSpec
+from airflow_provider_sky.spec import (
+    Accelerator,
+    BackendCapabilities,
+    Resources,
+    SpecError,
+    TaskSpec,
+    check_backend,
+    describe_resources,
+    parse_task,
+    problems_error,
+    resource_problems,
+)
 
 _T = TypeVar("_T")
 #: nodes copied to at once by ``sync_files``
@@ -41,9 +53,20 @@ class ClusterBusy(BackendError):
     """The cluster is being torn down; a provision of that name waits for the teardown to end."""
 
 
+#: ``Node.extra`` keys of a node whose GPUs the backend handed out: the canonical GPU name, the device
+#: indices (what ``CUDA_VISIBLE_DEVICES`` lists) and what the machine has (for messages)
+GPU_NAME = "gpu_name"
+GPU_DEVICES = "gpu_devices"
+MACHINE_GPUS = "machine_gpus"
+
+
 @dataclass(frozen=True)
 class Node:
-    """One node of a cluster. ``root`` is the runtime directory on the node (job dirs live under it)."""
+    """One node of a cluster. ``root`` is the runtime directory on the node (job dirs live under it).
+
+    ``extra`` is the backend's own; a backend that hands out GPUs sets ``gpu_name`` and ``gpu_devices``
+    there (see :func:`node_devices`), and the env builder reads them.
+    """
 
     ip: str
     node_id: str
@@ -107,10 +130,16 @@ class Backend(ABC):
 
     kind: str
     capabilities: BackendCapabilities
+    #: the backend gives each node its own GPUs (``Node.extra``: ``gpu_devices``), so ranks get
+    #: ``CUDA_VISIBLE_DEVICES`` from it; a backend whose runtime sets it (Kubernetes) leaves this False
+    assigns_devices: bool = False
     #: seconds a provision waits for a teardown of the same cluster name to end before it gives up
     busy_wait: float = 120.0
     #: every node is on this one machine: one node-side keeper guards them all
     shared_machine: bool = False
+    #: a process whose end ends a node (a pod's entrypoint): ended when the node goes down idle, so
+    #: the node gives its resources back (0: none; the node's directories are removed either way)
+    idle_down_kill: int = 0
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Backend:
@@ -130,6 +159,12 @@ class Backend(ABC):
         Default: every node its own machine, or all one when ``shared_machine`` is set.
         """
         return "" if self.shared_machine else node.node_id
+
+    def fit(self, resources: Resources, num_nodes: int, name: str | None = None) -> list[tuple[str, str]]:
+        """(field, why) for what stops ``num_nodes`` nodes with ``resources`` on this backend beyond its
+        capabilities (GPUs a machine lacks, hosts too small); empty: they can be had. ``name``: the cluster,
+        whose own nodes count as available when it exists. Default: nothing beyond the capabilities."""
+        return []
 
     def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
         """What a node removes besides its runtime directory when the cluster goes down idle (``idle_down``):
@@ -217,6 +252,117 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional
         """Drop connections held by runners."""
+
+
+# -- resources: which alternative, which GPUs ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The resources a backend will provision: alternative ``index`` of ``total``, and why the earlier
+    ones were passed over (``"#1 (H100:8): ..."``)."""
+
+    resources: Resources
+    index: int = 0
+    total: int = 1
+    passed_over: tuple[str, ...] = ()
+
+    def note(self) -> str:
+        """What the task log says: which alternative, and why not the ones before it."""
+        text = describe_resources(self.resources)
+        if self.total == 1:
+            return f"resources: {text}"
+        out = f"resources: alternative {self.index + 1} of {self.total} ({text})"
+        if self.passed_over:
+            out += "; passed over: " + "; ".join(self.passed_over)
+        return out
+
+
+def choose_resources(
+    backend: Backend, spec: TaskSpec, name: str | None = None, backends: Mapping[str, str] | None = None
+) -> Choice:
+    """The first of the task's resources alternatives (one without ``any_of``/``ordered``) that the backend
+    can honour and satisfy (:meth:`Backend.fit`); else one error naming what each alternative lacks.
+
+    Shared by every backend: a backend is then handed ``spec.with_resources(choice.resources)`` and
+    never sees the alternatives.
+    """
+    caps = backend.capabilities
+    check_backend(spec, caps, backends)  # what no alternative can change: node count, bucket mounts
+    choices = spec.resource_choices
+    passed: list[str] = []
+    last: list[tuple[str, str]] = []
+    for index, res in enumerate(choices):
+        problems = resource_problems(res, caps, backends) or backend.fit(res, spec.num_nodes, name)
+        if not problems:
+            if res.accelerators is not None and backend.assigns_devices and CUDA_VISIBLE_DEVICES in spec.envs:
+                raise SpecError(
+                    f"envs.{CUDA_VISIBLE_DEVICES}",
+                    f"the {caps.name} backend gives each node its GPUs ({res.accelerators}) in "
+                    f"{CUDA_VISIBLE_DEVICES}; remove it from envs",
+                )
+            return Choice(res, index, len(choices), tuple(passed))
+        passed.append(f"#{index + 1} ({describe_resources(res)}): " + "; ".join(m for _, m in problems))
+        last = problems
+    if len(choices) == 1:
+        raise problems_error(caps.name, last)
+    raise SpecError(
+        "resources",
+        f"none of the {len(choices)} alternatives can be had on the {caps.name} backend: " + " | ".join(passed),
+    )
+
+
+def recorded_resources(handle: ClusterHandle) -> Resources | None:
+    """The resources a cluster was provisioned with, when its handle records them (``extra["resources"]``)."""
+    raw = handle.extra.get("resources")
+    if not isinstance(raw, Mapping):
+        return None
+    try:
+        return parse_task({"run": "true", "resources": dict(raw)}).resources
+    except SpecError:
+        return None
+
+
+def node_has(node: Node, acc: Accelerator | None) -> bool:
+    """The node was given GPUs enough for ``acc`` (a node without GPU records fits anything: its backend
+    does not hand GPUs out, e.g. Kubernetes, where the scheduler does)."""
+    if GPU_NAME not in node.extra:
+        return True
+    if acc is None:
+        return True
+    name = str(node.extra.get(GPU_NAME) or "")
+    return name.lower() == acc.name.lower() and len(node.extra.get(GPU_DEVICES) or ()) >= acc.gpus_per_node
+
+
+def chosen_resources(spec: TaskSpec, handle: ClusterHandle) -> Resources:
+    """Which of ``spec``'s alternatives the cluster runs: the one its handle records, else the first its
+    nodes were given GPUs for; a spec without alternatives is its own choice."""
+    if not spec.alternatives:
+        return spec.resources
+    recorded = recorded_resources(handle)
+    if recorded is not None and recorded in spec.alternatives:
+        return recorded
+    for res in spec.alternatives:
+        if all(node_has(n, res.accelerators) for n in handle.nodes):
+            return res
+    return spec.resources
+
+
+def node_devices(node: Node, acc: Accelerator | None) -> list[int] | None:
+    """The devices a rank on ``node`` sees (``CUDA_VISIBLE_DEVICES``): the first ``ceil(count)`` the node
+    was given. None: no GPUs asked, or the backend hands none out."""
+    devices = node.extra.get(GPU_DEVICES)
+    if acc is None or devices is None:
+        return None
+    return [int(d) for d in devices][: acc.gpus_per_node]
+
+
+def with_resources_recorded(handle: ClusterHandle, resources: Resources) -> ClusterHandle:
+    """``handle`` naming the resources it was provisioned with (read back by :func:`chosen_resources`)."""
+    recorded = TaskSpec(run="true", resources=resources).to_dict().get("resources", {})
+    if handle.extra.get("resources") == recorded:
+        return handle
+    return replace(handle, extra={**handle.extra, "resources": recorded})
 
 
 # -- cluster records: leases, teardown in progress, nodes left unclean ------------------------------------

@@ -120,6 +120,9 @@ class KubernetesBackend(Backend):
     """Pods in one namespace of a cluster the connection reaches."""
 
     kind = "kubernetes"
+    #: the pod's entrypoint: when the cluster goes down idle it exits, the pod completes and its
+    #: CPU, memory and GPUs go back (the completed pod is deleted by the next teardown or provision)
+    idle_down_kill = 1
 
     def __init__(self, settings: KubeSettings) -> None:
         self.settings = settings
