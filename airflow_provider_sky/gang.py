@@ -14,6 +14,8 @@ from airflow_provider_sky.exitcodes import describe_exit
 from airflow_provider_sky.runtime import RawRankStatus
 
 DEFAULT_MASTER_PORT = "29500"
+#: set on a node whose GPUs the backend hands out (the local backend's share of this machine, an SSH host's)
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
 class RankState(str, Enum):
@@ -97,8 +99,13 @@ def run_env(
     cluster_info: str,
     gpus_per_node: int,
     user_envs: Mapping[str, str],
+    devices: Sequence[int] | None = None,
 ) -> dict[str, str]:
-    """The env of one rank in the run stage: user envs plus the SkyPilot and torch contract."""
+    """The env of one rank in the run stage: user envs plus the SkyPilot and torch contract.
+
+    ``devices``: the GPUs the backend gave this node (``CUDA_VISIBLE_DEVICES``); None when it gives none
+    (no GPUs asked, or a backend whose runtime sets it, as Kubernetes' device plugin does).
+    """
     env = dict(user_envs)
     env.setdefault("MASTER_PORT", DEFAULT_MASTER_PORT)
     n = str(len(ips))
@@ -117,11 +124,20 @@ def run_env(
             "RANK": str(rank),
         }
     )
+    if devices is not None:
+        env[CUDA_VISIBLE_DEVICES] = ",".join(str(d) for d in devices)
     return env
 
 
 def setup_env(
-    *, rank: int, ips: Sequence[str], task_id: str, cluster_info: str, user_envs: Mapping[str, str]
+    *,
+    rank: int,
+    ips: Sequence[str],
+    task_id: str,
+    cluster_info: str,
+    user_envs: Mapping[str, str],
+    gpus_per_node: int = 0,
+    devices: Sequence[int] | None = None,
 ) -> dict[str, str]:
     """The env of setup on one node: the setup-stage names, so nobody mistakes them for run ranks."""
     env = dict(user_envs)
@@ -130,10 +146,13 @@ def setup_env(
             "SKYPILOT_SETUP_NODE_RANK": str(rank),
             "SKYPILOT_SETUP_NODE_IPS": "\n".join(ips),
             "SKYPILOT_NUM_NODES": str(len(ips)),
+            "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": str(gpus_per_node),
             "SKYPILOT_TASK_ID": task_id,
             "SKYPILOT_CLUSTER_INFO": cluster_info,
         }
     )
+    if devices is not None:
+        env[CUDA_VISIBLE_DEVICES] = ",".join(str(d) for d in devices)
     return env
 
 

@@ -11,8 +11,8 @@ import difflib
 import math
 import os
 import re
-from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import yaml
@@ -25,9 +25,12 @@ __all__ = [
     "SpecError",
     "TaskSpec",
     "check_backend",
+    "describe_resources",
     "is_bucket_source",
     "load_task_yaml",
     "parse_task",
+    "problems_error",
+    "resource_problems",
     "task_from_args",
 ]
 
@@ -52,6 +55,7 @@ RANK_VARIABLES: frozenset[str] = frozenset(
         "SKYPILOT_NODE_IPS",
         "SKYPILOT_NUM_NODES",
         "SKYPILOT_NUM_GPUS_PER_NODE",
+        "SKYPILOT_SETUP_NUM_GPUS_PER_NODE",
         "SKYPILOT_SETUP_NODE_RANK",
         "SKYPILOT_SETUP_NODE_IPS",
         "SKYPILOT_TASK_ID",
@@ -88,13 +92,16 @@ RESOURCE_KEYS: tuple[str, ...] = (
     "image_id",
     "disk_size",
     "labels",
+    "any_of",
+    "ordered",
 )
+#: the keys that list alternatives (each entry a resources mapping; the first the backend can satisfy wins)
+ALTERNATIVE_KEYS: tuple[str, ...] = ("any_of", "ordered")
+_ENTRY_KEYS: tuple[str, ...] = tuple(k for k in RESOURCE_KEYS if k not in ALTERNATIVE_KEYS)
 # SkyPilot keys users may copy from existing YAML; named so the error says "unsupported", not "typo".
 _SKYPILOT_ONLY_TOP = frozenset({"service", "config", "volumes", "pool", "event_callback", "experimental"})
 _SKYPILOT_ONLY_RESOURCES = frozenset(
     {
-        "any_of",
-        "ordered",
         "ports",
         "job_recovery",
         "autostop",
@@ -195,7 +202,10 @@ class Accelerator:
         return f"{self.name}:{_fmt_number(self.count)}"
 
 
-_ACCEL_FORMAT = "write NAME[:COUNT], e.g. 'V100:1', 'H100:8' or 'V100:0.5', or the mapping form {V100: 0.5}"
+_ACCEL_FORMAT = (
+    "write NAME[:COUNT], e.g. 'V100:1', 'H100:8' or 'V100:0.5', the mapping form {V100: 0.5}, "
+    "or alternatives as {A100: 8, H100: 8} or [A100:8, H100:8]"
+)
 
 
 def _parse_count(raw: object, original: object) -> float:
@@ -213,9 +223,10 @@ def _parse_count(raw: object, original: object) -> float:
     return count
 
 
-def _parse_accelerators(value: object) -> Accelerator | None:
+def _parse_one_accelerator(value: object, original: object) -> Accelerator:
+    """``V100``, ``V100:0.5`` or ``{V100: 0.5}``: one accelerator."""
     where = "resources.accelerators"
-    if value is None or isinstance(value, Accelerator):
+    if isinstance(value, Accelerator):
         return value
     if isinstance(value, str):
         parts = [p.strip() for p in value.strip().split(":")]
@@ -224,28 +235,50 @@ def _parse_accelerators(value: object) -> Accelerator | None:
         if len(parts) == 2 and not parts[1]:
             raise SpecError(where, f"missing count after ':' in {value!r}; {_ACCEL_FORMAT}")
         name = parts[0]
-        count = _parse_count(parts[1], value) if len(parts) == 2 else 1.0
-    elif isinstance(value, Mapping):
-        if len(value) != 1:
-            raise SpecError(
-                where,
-                f"the mapping form takes exactly one accelerator, got {len(value)}; "
-                f"alternatives are not supported, pick one ({_ACCEL_FORMAT})",
-            )
+        count = _parse_count(parts[1], original) if len(parts) == 2 else 1.0
+    elif isinstance(value, Mapping) and len(value) == 1:
         ((key, raw),) = value.items()
         if not isinstance(key, str):
             raise SpecError(where, f"accelerator name must be a string, got {key!r}; {_ACCEL_FORMAT}")
         name = key.strip()
-        count = 1.0 if raw is None else _parse_count(raw, value)
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        raise SpecError(
-            where, f"a list of alternative accelerators is not supported; pick one ({_ACCEL_FORMAT})"
-        )
+        count = 1.0 if raw is None else _parse_count(raw, original)
     else:
         raise SpecError(where, f"expected a string, got {_type_name(value)} {value!r}; {_ACCEL_FORMAT}")
     if not _ACCEL_NAME.match(name):
-        raise SpecError(where, f"bad accelerator name {name!r} in {value!r}; {_ACCEL_FORMAT}")
+        raise SpecError(where, f"bad accelerator name {name!r} in {original!r}; {_ACCEL_FORMAT}")
     return Accelerator(name, count)
+
+
+def _parse_accelerator_options(value: object) -> list[Accelerator | None]:
+    """The accelerators a resources mapping allows, in the order written.
+
+    One (``H100:8``, ``{H100: 8}``), or SkyPilot's alternatives: a mapping of several (``{A100: 8, H100: 8}``,
+    SkyPilot's "any of") or a list (``[A100:8, H100:8]``, SkyPilot's "in this order"). The first one the
+    backend can satisfy is used, in both forms.
+    """
+    where = "resources.accelerators"
+    if value is None:
+        return [None]
+    if isinstance(value, Mapping) and len(value) > 1:
+        return [_parse_one_accelerator({k: v}, value) for k, v in value.items()]
+    if isinstance(value, Mapping) and not value:
+        raise SpecError(where, f"the mapping form needs at least one accelerator; {_ACCEL_FORMAT}")
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise SpecError(where, f"an empty list of alternatives; {_ACCEL_FORMAT}")
+        out: list[Accelerator | None] = []
+        for item in value:
+            if isinstance(item, Mapping) and len(item) != 1:
+                raise SpecError(
+                    where, f"each alternative in the list is one accelerator, got {item!r}; {_ACCEL_FORMAT}"
+                )
+            out.append(_parse_one_accelerator(item, value))
+        return out
+    if isinstance(value, (set, frozenset)):
+        raise SpecError(
+            where, f"write alternatives as a list or a mapping, got a set {value!r}; {_ACCEL_FORMAT}"
+        )
+    return [_parse_one_accelerator(value, value)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -370,16 +403,8 @@ def _resources_as_mapping(value: Resources) -> dict[str, object]:
     return out
 
 
-def _parse_resources(value: object) -> Resources:
-    where = "resources"
-    if value is None:
-        return Resources()
-    if isinstance(value, Resources):
-        value = _resources_as_mapping(value)
-    if not isinstance(value, Mapping):
-        raise SpecError(where, f"must be a mapping such as {{cpus: 4+, accelerators: V100:1}}, got {value!r}")
-    _check_keys(where, value, RESOURCE_KEYS, _SKYPILOT_ONLY_RESOURCES)
-
+def _build_resources(value: Mapping[str, object], accelerators: Accelerator | None) -> Resources:
+    """One alternative: a resources mapping whose keys were checked, with its accelerator chosen."""
     cloud = _opt_str(value.get("cloud"), "resources.cloud", "a cloud name such as aws or kubernetes")
     cloud = _normalise_cloud(cloud, "resources.cloud") if cloud is not None else None
     region = _opt_str(value.get("region"), "resources.region", "a region name")
@@ -420,7 +445,7 @@ def _parse_resources(value: object) -> Resources:
         zone=zone,
         cpus=_parse_quantity(value.get("cpus"), "resources.cpus", _CPUS, "CPUs"),
         memory=_parse_quantity(value.get("memory"), "resources.memory", _MEMORY, "GiB"),
-        accelerators=_parse_accelerators(value.get("accelerators")),
+        accelerators=accelerators,
         instance_type=_opt_str(
             value.get("instance_type"), "resources.instance_type", "an instance type name"
         ),
@@ -429,6 +454,100 @@ def _parse_resources(value: object) -> Resources:
         disk_size=disk_size,
         labels=_parse_labels(value.get("labels")),
     )
+
+
+_RESOURCES_FIX = "must be a mapping such as {cpus: 4+, accelerators: V100:1}"
+_ALT_FIX = "e.g. any_of: [{accelerators: A100:8}, {accelerators: H100:8}]"
+_INFRA_PARTS = ("cloud", "region", "zone")
+
+
+def _overlay(base: Mapping[str, object], entry: Mapping[str, object]) -> dict[str, object]:
+    """``entry``'s keys over ``base``'s; ``infra`` and ``cloud``/``region``/``zone`` say the same thing, so
+    one side's ``infra`` replaces the other side's parts (and the parts replace an ``infra``)."""
+    merged = dict(base)
+    if entry.get("infra") is not None:
+        for key in _INFRA_PARTS:
+            merged.pop(key, None)
+    if any(entry.get(k) is not None for k in _INFRA_PARTS) and merged.get("infra") is not None:
+        infra = merged.pop("infra")
+        try:
+            parts = _parse_infra(infra)
+        except SpecError:
+            merged["infra"] = infra  # keep it, so its own error is reported
+        else:
+            for key, part in zip(_INFRA_PARTS, parts, strict=True):
+                if part is not None:
+                    merged.setdefault(key, part)
+    for key, value in entry.items():
+        merged[key] = value
+    return merged
+
+
+def _renamed(err: SpecError, prefix: str) -> SpecError:
+    """An error of one alternative names it: ``resources.any_of[1].accelerators``."""
+    field_name = err.field
+    if field_name == "resources" or field_name.startswith("resources."):
+        field_name = prefix + field_name[len("resources") :]
+    return SpecError(field_name, err.message)
+
+
+def _parse_resource_options(value: object) -> tuple[Resources, ...]:
+    """Every alternative a task's ``resources`` allows, in the order written (at least one).
+
+    ``any_of`` / ``ordered`` list alternatives (each entry overrides the keys around it), and so do several
+    ``accelerators`` (a mapping or a list). Duplicates collapse; the first the backend can satisfy is used.
+    """
+    where = "resources"
+    if value is None:
+        return (Resources(),)
+    if isinstance(value, Resources):
+        value = _resources_as_mapping(value)
+    if not isinstance(value, Mapping):
+        raise SpecError(where, f"{_RESOURCES_FIX}, got {value!r}")
+    _check_keys(where, value, RESOURCE_KEYS, _SKYPILOT_ONLY_RESOURCES)
+    given = [k for k in ALTERNATIVE_KEYS if value.get(k) is not None]
+    if len(given) > 1:
+        raise SpecError(
+            "resources.ordered",
+            "give any_of or ordered, not both (both list alternatives, tried in order here)",
+        )
+    base = {k: v for k, v in value.items() if k not in ALTERNATIVE_KEYS}
+    entries: list[tuple[str, dict[str, object]]] = [("resources", base)]
+    if given:
+        key = given[0]
+        raw = value[key]
+        if not isinstance(raw, (list, tuple)) or not raw:
+            raise SpecError(f"resources.{key}", f"must be a non-empty list of resources mappings, {_ALT_FIX}")
+        entries = []
+        for i, entry in enumerate(raw):
+            prefix = f"resources.{key}[{i}]"
+            if not isinstance(entry, Mapping):
+                raise SpecError(prefix, f"{_RESOURCES_FIX}, got {_type_name(entry)} {entry!r}; {_ALT_FIX}")
+            for nested in ALTERNATIVE_KEYS:
+                if nested in entry:
+                    raise SpecError(
+                        f"{prefix}.{nested}", "alternatives cannot be nested; list them all in one place"
+                    )
+            _check_keys(prefix, entry, _ENTRY_KEYS, _SKYPILOT_ONLY_RESOURCES)
+            entries.append((prefix, _overlay(base, entry)))
+    out: list[Resources] = []
+    for prefix, entry in entries:
+        try:
+            for acc in _parse_accelerator_options(entry.get("accelerators")):
+                res = _build_resources(entry, acc)
+                if res not in out:
+                    out.append(res)
+        except SpecError as err:
+            raise _renamed(err, prefix) from None
+    return tuple(out)
+
+
+def _parse_resources(value: object) -> Resources:
+    """Exactly one alternative: a ``Resources`` built directly, a backend's choice, one pod's resources."""
+    options = _parse_resource_options(value)
+    if len(options) != 1:
+        raise SpecError("resources", f"expected one set of resources, got {len(options)} alternatives")
+    return options[0]
 
 
 def _resources_to_dict(res: Resources) -> dict[str, Any]:
@@ -552,6 +671,18 @@ class TaskSpec:
     secrets: dict[str, str] = field(default_factory=dict, repr=False)
     workdir: str | None = None
     file_mounts: dict[str, str] = field(default_factory=dict)
+    #: SkyPilot's alternatives (``any_of`` / ``ordered`` / several accelerators), in the order written, when
+    #: there are two or more; ``resources`` is then the first. Empty: ``resources`` is the only choice.
+    alternatives: tuple[Resources, ...] = ()
+
+    @property
+    def resource_choices(self) -> tuple[Resources, ...]:
+        """Every acceptable ``resources``, in order of preference (one when there are no alternatives)."""
+        return self.alternatives or (self.resources,)
+
+    def with_resources(self, resources: Resources) -> TaskSpec:
+        """This task with one of its alternatives chosen (what a backend provisions)."""
+        return replace(self, resources=resources, alternatives=())
 
     def __repr__(self) -> str:
         # Secret names help debugging; their values must never reach a log through repr() or str().
@@ -559,7 +690,7 @@ class TaskSpec:
         return (
             f"TaskSpec(run={self.run!r}, num_nodes={self.num_nodes!r}, name={self.name!r}, "
             f"resources={self.resources!r}, setup={self.setup!r}, envs={self.envs!r}, secrets={secrets!r}, "
-            f"workdir={self.workdir!r}, file_mounts={self.file_mounts!r})"
+            f"workdir={self.workdir!r}, file_mounts={self.file_mounts!r}, alternatives={self.alternatives!r})"
         )
 
     __str__ = __repr__
@@ -570,8 +701,9 @@ class TaskSpec:
         if self.name is not None:
             out["name"] = self.name
         out["num_nodes"] = self.num_nodes
-        resources = _resources_to_dict(self.resources)
-        if resources:
+        if self.alternatives:
+            out["resources"] = {"ordered": [_resources_to_dict(r) for r in self.alternatives]}
+        elif resources := _resources_to_dict(self.resources):
             out["resources"] = resources
         if self.workdir is not None:
             out["workdir"] = self.workdir
@@ -634,7 +766,9 @@ def _merge(base: Mapping[str, object], overrides: Mapping[str, object] | None) -
         if value is None:  # an argument left at its default: keep what the YAML says
             continue
         old = merged.get(key)
-        if key in ("envs", "secrets") and isinstance(old, Mapping) and isinstance(value, Mapping):
+        if key == "resources" and isinstance(old, Mapping) and isinstance(value, (Mapping, Resources)):
+            merged[key] = _merge_resources(old, value)
+        elif key in ("envs", "secrets") and isinstance(old, Mapping) and isinstance(value, Mapping):
             merged[key] = {**old, **value}
         elif key in ("envs", "secrets") and old is not None and not isinstance(old, Mapping):
             continue  # keep the bad base value so its own error is reported
@@ -643,11 +777,38 @@ def _merge(base: Mapping[str, object], overrides: Mapping[str, object] | None) -
     return merged
 
 
+def _merge_resources(
+    base: Mapping[str, object], override: Mapping[str, object] | Resources
+) -> dict[str, object]:
+    """``resources`` given as an argument over the YAML's, key by key: the argument's keys win (also inside
+    the YAML's ``any_of`` / ``ordered`` entries), the YAML's other keys stay; a key given as ``None``
+    removes the YAML's."""
+    if isinstance(override, Resources):
+        override = _resources_to_dict(override)
+    removed = {k for k, v in override.items() if v is None}
+    given = {k: v for k, v in override.items() if v is not None}
+    merged = _overlay({k: v for k, v in base.items() if k not in removed}, given)
+    if any(k in given for k in ALTERNATIVE_KEYS):
+        for key in ALTERNATIVE_KEYS:
+            if key not in given:
+                merged.pop(key, None)  # the argument's alternatives replace the YAML's
+    for key in ALTERNATIVE_KEYS:
+        entries = merged.get(key)
+        if key in given or not isinstance(entries, (list, tuple)):
+            continue
+        merged[key] = [
+            _overlay({k: v for k, v in e.items() if k not in removed}, given) if isinstance(e, Mapping) else e
+            for e in entries
+        ]
+    return merged
+
+
 def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | None = None) -> TaskSpec:
     """Parse a SkyPilot task YAML mapping as is.
 
-    ``overrides`` (Python arguments) replace top-level keys; ``envs``/``secrets`` are merged (override wins).
-    A ``None`` override means "not given" and leaves the YAML value alone.
+    ``overrides`` (Python arguments) replace top-level keys; ``envs``/``secrets`` are merged (override wins),
+    and so is ``resources``, key by key (see :func:`_merge_resources`). A ``None`` override means "not
+    given" and leaves the YAML value alone.
     """
     if not isinstance(obj, Mapping):
         raise SpecError(
@@ -676,11 +837,13 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         raise SpecError(
             f"secrets.{clash[0]}", "is also set in envs; keep it in secrets only (values there are redacted)"
         )
+    options = _parse_resource_options(data.get("resources"))
     return TaskSpec(
         run=run,
         num_nodes=_parse_num_nodes(data.get("num_nodes", 1)),
         name=name,
-        resources=_parse_resources(data.get("resources")),
+        resources=options[0],
+        alternatives=options if len(options) > 1 else (),
         setup=_parse_script(data.get("setup"), "setup", required=False),
         envs=envs,
         secrets=secrets,
@@ -789,40 +952,125 @@ class BackendCapabilities:
     supports_bucket_mounts: bool = False
 
 
-def check_backend(spec: TaskSpec, caps: BackendCapabilities) -> None:
-    """Raise SpecError for the first thing ``caps`` cannot honour; nothing the user asked for is dropped.
+#: why a backend that runs on machines it does not choose cannot honour a field (shown with "remove it")
+_WHY_NOT = {
+    "use_spot": "its machines are not bought, so there are no spot instances to ask for",
+    "instance_type": "it does not choose machines, so there is no instance type to pick",
+    "disk_size": "it does not create disks",
+    "region": "it does not choose where machines are",
+    "zone": "it does not choose where machines are",
+    "image_id": "it runs commands on the machines as they are; images are run by the kubernetes backend "
+    "(a sky_kubernetes connection)",
+}
 
-    ``cloud`` is checked against ``caps.clouds`` (not ``supported_resources``); every other requested
-    resources field must be in ``supported_resources``.
+
+def describe_resources(res: Resources) -> str:
+    """One alternative in a line: ``H100:8, cpus 8+, infra k8s`` (``no particular resources`` if empty)."""
+    parts = []
+    if res.accelerators is not None:
+        parts.append(str(res.accelerators))
+    for key, value in res.requested().items():
+        if key != "accelerators":
+            parts.append(f"{key} {value}")
+    return ", ".join(parts) or "no particular resources"
+
+
+def resource_problems(
+    res: Resources, caps: BackendCapabilities, backends: Mapping[str, str] | None = None
+) -> list[tuple[str, str]]:
+    """(field, why) for every field of ``res`` the backend cannot honour; empty: it can.
+
+    ``backends``: the backends this provider has (kind -> connection type), so an error names one only
+    when it exists.
     """
-    if spec.num_nodes > caps.max_nodes:
-        raise SpecError(
-            "num_nodes",
-            f"the {caps.name} backend runs at most {caps.max_nodes} node(s), got {spec.num_nodes}; "
-            f"lower num_nodes or give the backend more nodes",
-        )
-    requested = spec.resources.requested()
+    problems: list[tuple[str, str]] = []
+    requested = res.requested()
     cloud = requested.pop("cloud", None)
-    if cloud is not None and cloud not in caps.clouds:
+    if isinstance(cloud, str) and cloud not in caps.clouds:
         accepted = ", ".join(sorted(caps.clouds)) or "none"
-        raise SpecError(
-            "resources.cloud",
-            f"the {caps.name} backend cannot run on cloud {cloud!r} (it accepts: {accepted}); "
-            "remove cloud/infra or pick the backend for that cloud",
+        if backends and cloud in backends and cloud != caps.name:
+            hint = f"remove cloud/infra, or run it with a {backends[cloud]} connection (the {cloud} backend)"
+        else:
+            hint = (
+                f"remove cloud/infra to run on the {caps.name} backend's machines; no backend of this "
+                f"provider runs on {cloud!r}"
+            )
+        problems.append(
+            (
+                "resources.cloud",
+                f"the {caps.name} backend cannot run on cloud {cloud!r} (it accepts: {accepted}); {hint}",
+            )
         )
     for key, value in requested.items():
+        if problems and key in ("region", "zone"):
+            continue  # parts of the refused cloud's infra: removing cloud/infra removes them too
         if key not in caps.supported_resources:
-            shown = str(value)
-            raise SpecError(
-                f"resources.{key}",
-                f"the {caps.name} backend cannot honour {key} ({shown}); "
-                f"remove it or pick a backend that supports {key}",
+            why = _WHY_NOT.get(key)
+            reason = f"{why}; remove it" if why else "remove it"
+            problems.append(
+                (f"resources.{key}", f"the {caps.name} backend cannot honour {key} ({value}); {reason}")
             )
+    return problems
+
+
+def _spec_problems(spec: TaskSpec, caps: BackendCapabilities) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    if spec.num_nodes > caps.max_nodes:
+        problems.append(
+            (
+                "num_nodes",
+                f"the {caps.name} backend runs at most {caps.max_nodes} node(s), got {spec.num_nodes}; "
+                "lower num_nodes or give the backend more nodes",
+            )
+        )
     if not caps.supports_bucket_mounts:
         for dest, src in spec.file_mounts.items():
             if is_bucket_source(src):
-                raise SpecError(
-                    f"file_mounts.{dest}",
-                    f"the {caps.name} backend cannot mount bucket {src!r}; copy it in setup "
-                    "(e.g. with aws s3 cp) or pick a backend with bucket mounts",
+                problems.append(
+                    (
+                        f"file_mounts.{dest}",
+                        f"the {caps.name} backend cannot mount bucket {src!r}; copy it in setup "
+                        "(e.g. with aws s3 cp) or pick a backend with bucket mounts",
+                    )
                 )
+    return problems
+
+
+def problems_error(backend: str, problems: Sequence[tuple[str, str]]) -> SpecError:
+    """One error for every problem at once: a single one as it is, several listed with their fields."""
+    if len(problems) == 1:
+        return SpecError(*problems[0])
+    fields_text = ", ".join(f for f, _ in problems)
+    listed = "; ".join(f"{f}: {m}" for f, m in problems)
+    return SpecError(
+        fields_text, f"the {backend} backend cannot honour {len(problems)} fields of this task: {listed}"
+    )
+
+
+def check_backend(
+    spec: TaskSpec, caps: BackendCapabilities, backends: Mapping[str, str] | None = None
+) -> None:
+    """Raise one SpecError naming everything ``caps`` cannot honour (nothing the user asked for is dropped).
+
+    ``cloud`` is checked against ``caps.clouds`` (not ``supported_resources``); every other requested
+    resources field must be in ``supported_resources``. With alternatives (``any_of``, ``ordered``, several
+    accelerators) one that the backend can honour is enough; none is an error listing each one's problems.
+    """
+    problems = _spec_problems(spec, caps)
+    choices = spec.resource_choices
+    per_choice = [resource_problems(r, caps, backends) for r in choices]
+    if len(choices) == 1:
+        problems += per_choice[0]
+    elif all(per_choice):
+        problems.append(
+            (
+                "resources",
+                f"none of the {len(choices)} alternatives can run on the {caps.name} backend: "
+                + "; ".join(
+                    f"#{i + 1} ({describe_resources(r)}): " + ", ".join(m for _, m in p)
+                    for i, (r, p) in enumerate(zip(choices, per_choice, strict=True))
+                ),
+            )
+        )
+    if problems:
+        raise problems_error(caps.name, problems)

@@ -88,6 +88,24 @@ def test_setup_env_uses_setup_names() -> None:
     assert "SKYPILOT_NODE_RANK" not in env and env["X"] == "1"
 
 
+def test_gpu_contract_in_run_and_setup() -> None:
+    """SkyPilot's names: SKYPILOT_NUM_GPUS_PER_NODE (run), SKYPILOT_SETUP_NUM_GPUS_PER_NODE (setup), and
+    CUDA_VISIBLE_DEVICES only where the backend hands the node its devices."""
+    env = _run_env(1, gpus_per_node=4, devices=[4, 5, 6, 7])
+    assert env["SKYPILOT_NUM_GPUS_PER_NODE"] == "4" and env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert "CUDA_VISIBLE_DEVICES" not in _run_env(
+        1, gpus_per_node=4
+    )  # e.g. Kubernetes' device plugin sets it
+    assert "SKYPILOT_SETUP_NUM_GPUS_PER_NODE" not in env
+    setup = setup_env(
+        rank=0, ips=["a", "b"], task_id="t", cluster_info="{}", user_envs={}, gpus_per_node=2, devices=[0, 1]
+    )
+    assert setup["SKYPILOT_SETUP_NUM_GPUS_PER_NODE"] == "2" and setup["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert "SKYPILOT_NUM_GPUS_PER_NODE" not in setup
+    plain = setup_env(rank=0, ips=["a"], task_id="t", cluster_info="{}", user_envs={})
+    assert plain["SKYPILOT_SETUP_NUM_GPUS_PER_NODE"] == "0" and "CUDA_VISIBLE_DEVICES" not in plain
+
+
 def test_fractional_gpu_rounds_up() -> None:
     assert gpus_per_node(0.5) == 1
     assert gpus_per_node(8) == 8

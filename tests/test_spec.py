@@ -85,10 +85,34 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
     ("accel missing name", _res(accelerators=":2"), "resources.accelerators", "H100:8"),
     ("accel three parts", _res(accelerators="V100:1:2"), "resources.accelerators", "NAME[:COUNT]"),
     ("accel empty", _res(accelerators=""), "resources.accelerators", "NAME[:COUNT]"),
-    ("accel dict two", _res(accelerators={"V100": 1, "A100": 1}), "resources.accelerators", "exactly one"),
+    ("accel dict empty", _res(accelerators={}), "resources.accelerators", "at least one"),
+    ("accel list empty", _res(accelerators=[]), "resources.accelerators", "empty list"),
+    (
+        "accel list of pairs",
+        _res(accelerators=[{"V100": 1, "A100": 1}]),
+        "resources.accelerators",
+        "one accelerator",
+    ),
+    ("accel set", _res(accelerators={"V100"}), "resources.accelerators", "as a list or a mapping"),
+    ("any_of not a list", _res(any_of={"accelerators": "A100"}), "resources.any_of", "non-empty list"),
+    ("any_of empty", _res(any_of=[]), "resources.any_of", "non-empty list"),
+    ("any_of entry str", _res(any_of=["A100:8"]), "resources.any_of[0]", "must be a mapping"),
+    ("any_of nested", _res(any_of=[{"ordered": [{}]}]), "resources.any_of[0].ordered", "nested"),
+    (
+        "any_of typo",
+        _res(any_of=[{"accelerator": "A100"}]),
+        "resources.any_of[0].accelerator",
+        "accelerators",
+    ),
+    (
+        "any_of bad value",
+        _res(ordered=[{}, {"accelerators": "A100:0"}]),
+        "resources.ordered[1].accelerators",
+        "greater than 0",
+    ),
+    ("any_of and ordered", _res(any_of=[{}], ordered=[{}]), "resources.ordered", "not both"),
     ("accel dict zero", _res(accelerators={"V100": 0}), "resources.accelerators", "greater than 0"),
     ("accel dict bool", _res(accelerators={"V100": True}), "resources.accelerators", "must be a number"),
-    ("accel list", _res(accelerators=["V100", "A100"]), "resources.accelerators", "pick one"),
     ("accel int", _res(accelerators=8), "resources.accelerators", "NAME[:COUNT]"),
     ("accel bad name", _res(accelerators="V 100:1"), "resources.accelerators", "bad accelerator name"),
     ("cpus zero", _res(cpus="0"), "resources.cpus", "greater than 0"),
@@ -190,7 +214,8 @@ def test_spec_error_pickles() -> None:
 def test_master_port_is_allowed_and_rank_variables_are_complete() -> None:
     assert "MASTER_PORT" not in RANK_VARIABLES
     assert {"SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "MASTER_ADDR", "NODE_RANK", "RANK"} <= RANK_VARIABLES
-    assert len(RANK_VARIABLES) == 13
+    assert "SKYPILOT_SETUP_NUM_GPUS_PER_NODE" in RANK_VARIABLES
+    assert len(RANK_VARIABLES) == 14
     spec = parse_task(_task(envs={"MASTER_PORT": 29501}))
     assert spec.envs == {"MASTER_PORT": "29501"}
 
@@ -420,7 +445,7 @@ def test_overrides_replace_top_level_and_merge_envs() -> None:
     )
     assert spec.num_nodes == 4
     assert spec.run == "echo yaml"
-    assert spec.resources == Resources(cpus="8")  # replaced, not merged
+    assert spec.resources == Resources(cpus="8", accelerators=Accelerator("V100", 1))  # merged key by key
     assert spec.envs == {"A": "yaml", "B": "arg", "C": "1"}
     assert spec.secrets == {"S": "yaml-secret", "T": "arg-secret"}
     assert base["envs"] == {"A": "yaml", "B": "yaml"}  # input not mutated
@@ -576,7 +601,7 @@ K8S = BackendCapabilities(
     [
         (_task(num_nodes=9), LOCAL, "num_nodes", ["at most 8", "local"]),
         (_res(accelerators="V100:0.5"), LOCAL, "resources.accelerators", ["local", "V100:0.5", "remove it"]),
-        (_res(use_spot=True), LOCAL, "resources.use_spot", ["cannot honour use_spot", "pick a backend"]),
+        (_res(use_spot=True), LOCAL, "resources.use_spot", ["cannot honour use_spot", "no spot instances"]),
         (_res(infra="aws/us-east-1"), K8S, "resources.cloud", ["'aws'", "kubernetes", "remove cloud/infra"]),
         (_res(infra="k8s/ctx"), LOCAL, "resources.cloud", ["'kubernetes'", "accepts: local"]),
         (_res(infra="k8s/ctx", zone="z"), K8S, "resources.zone", ["cannot honour zone"]),
@@ -694,3 +719,123 @@ def test_default_cluster_names_are_dns_1123_labels(dag_id: str) -> None:
     assert _DNS_LABEL.match(name), name
     assert len(name) <= 63
     check_cluster_name(name)
+
+
+# ------------------------------------------------------------------------------------------- alternatives (issue 10)
+
+
+@pytest.mark.parametrize(
+    ("resources", "expected"),
+    [
+        # SkyPilot's "any of these" mapping and "in this order" list: tried in the order written here
+        ({"accelerators": {"A100": 8, "H100": 8}}, ["A100:8", "H100:8"]),
+        ({"accelerators": ["L4:1", "A10G", {"T4": 2}]}, ["L4:1", "A10G:1", "T4:2"]),
+        ({"accelerators": ["L4", "L4:1"]}, ["L4:1"]),  # duplicates collapse
+        ({"any_of": [{"accelerators": "H100:8"}, {"accelerators": "A100:8"}]}, ["H100:8", "A100:8"]),
+        (
+            {"ordered": [{"accelerators": ["A100:8", "H100:8"]}, {"accelerators": "T4"}]},
+            ["A100:8", "H100:8", "T4:1"],
+        ),
+    ],
+)
+def test_accelerator_alternatives_in_order(resources: dict[str, object], expected: list[str]) -> None:
+    spec = parse_task(_res(**resources))
+    assert [str(r.accelerators) for r in spec.resource_choices] == expected
+    assert spec.resources == spec.resource_choices[0]
+    assert parse_task(yaml.safe_load(yaml.safe_dump(spec.to_dict()))) == spec
+
+
+def test_any_of_entries_override_the_keys_around_them() -> None:
+    spec = parse_task(
+        _res(
+            cpus="4+",
+            infra="k8s",
+            any_of=[{"accelerators": "H100:8"}, {"accelerators": "A100:8", "cpus": 16, "infra": "ssh/pool"}],
+        )
+    )
+    first, second = spec.resource_choices
+    assert (first.cpus, first.cloud, str(first.accelerators)) == ("4+", "kubernetes", "H100:8")
+    assert (second.cpus, second.cloud, second.region, str(second.accelerators)) == (
+        "16",
+        "ssh",
+        "pool",
+        "A100:8",
+    )
+    chosen = spec.with_resources(second)
+    assert chosen.resources == second and chosen.resource_choices == (second,)
+    assert parse_task(yaml.safe_load(yaml.safe_dump(chosen.to_dict()))) == chosen
+
+
+def test_a_single_alternative_is_no_alternative() -> None:
+    assert parse_task(_res(any_of=[{"accelerators": "H100:8"}])) == parse_task(_res(accelerators="H100:8"))
+    assert parse_task(_res(accelerators=["H100:8"])).alternatives == ()
+
+
+def test_resources_argument_merges_key_by_key_into_the_yaml(tmp_path: Path) -> None:
+    """The argument used to replace the YAML's whole ``resources`` and silently drop its accelerators."""
+    path = tmp_path / "t.yaml"
+    path.write_text("resources:\n  accelerators: H100:8\n  cpus: 8+\n  infra: k8s\nrun: x\n")
+    spec = load_task_yaml(path, overrides={"resources": {"cpus": 32}})
+    assert spec.resources == Resources(cloud="kubernetes", cpus="32", accelerators=Accelerator("H100", 8))
+    # a key set to None removes the YAML's; cloud replaces the YAML's infra
+    spec = load_task_yaml(path, overrides={"resources": {"accelerators": None, "cloud": "local"}})
+    assert spec.resources == Resources(cloud="local", cpus="8+")
+    # a Resources object merges the same way (only what it sets)
+    assert load_task_yaml(
+        path, overrides={"resources": Resources(memory="64")}
+    ).resources.accelerators == Accelerator("H100", 8)
+
+
+def test_resources_argument_wins_inside_the_yaml_alternatives() -> None:
+    base = _res(cpus=2, any_of=[{"accelerators": "H100:8", "cpus": 4}, {"accelerators": "A100:8"}])
+    spec = parse_task(base, overrides={"resources": {"cpus": 16}})
+    assert [(r.cpus, str(r.accelerators)) for r in spec.resource_choices] == [
+        ("16", "H100:8"),
+        ("16", "A100:8"),
+    ]
+    spec = parse_task(base, overrides={"resources": {"accelerators": "L4:1"}})
+    assert [(r.cpus, str(r.accelerators)) for r in spec.resource_choices] == [("4", "L4:1"), ("2", "L4:1")]
+    spec = parse_task(base, overrides={"resources": {"accelerators": "L4:1", "cpus": 1}})
+    assert spec.alternatives == () and str(spec.resources.accelerators) == "L4:1"  # the same twice: one
+    spec = parse_task(base, overrides={"resources": {"ordered": [{"accelerators": "T4"}]}})
+    assert spec.resources == Resources(cpus="2", accelerators=Accelerator("T4", 1))
+
+
+SSH = BackendCapabilities(
+    name="ssh",
+    max_nodes=4,
+    supported_resources=frozenset({"cpus", "memory", "accelerators", "labels"}),
+    clouds=frozenset({"ssh"}),
+)
+KINDS = {"local": "sky_local", "ssh": "sky_ssh", "kubernetes": "sky_kubernetes"}
+
+
+def test_check_backend_names_every_field_it_cannot_honour_at_once() -> None:
+    spec = parse_task(_res(infra="gcp/us-central1", use_spot=True, image_id="docker:x", accelerators="T4"))
+    with pytest.raises(SpecError) as info:
+        check_backend(spec, SSH, KINDS)
+    err = info.value
+    assert err.field == "resources.cloud, resources.use_spot, resources.image_id"
+    assert "cannot honour 3 fields" in err.message
+    assert "cloud 'gcp'" in err.message and "no backend of this provider runs on 'gcp'" in err.message
+    assert "no spot instances" in err.message and "images are run by the kubernetes backend" in err.message
+    assert "region" not in err.field  # a part of the refused infra, not a field of its own
+    assert "pick a backend that supports" not in err.message  # the old hint named backends that do not exist
+
+
+def test_check_backend_names_an_existing_backend_for_its_cloud() -> None:
+    with pytest.raises(SpecError) as info:
+        check_backend(parse_task(_res(infra="k8s", accelerators="T4")), SSH, KINDS)
+    assert info.value.field == "resources.cloud"
+    assert "sky_kubernetes connection" in info.value.message
+
+
+def test_check_backend_accepts_when_one_alternative_fits_and_lists_all_when_none_does() -> None:
+    fits = parse_task(_res(any_of=[{"infra": "aws", "accelerators": "H100:8"}, {"accelerators": "H100:8"}]))
+    check_backend(fits, SSH, KINDS)
+    none = parse_task(_res(any_of=[{"infra": "aws"}, {"use_spot": True}]))
+    with pytest.raises(SpecError) as info:
+        check_backend(none, SSH, KINDS)
+    assert info.value.field == "resources"
+    assert "none of the 2 alternatives" in info.value.message
+    assert "#1 (cloud aws)" in info.value.message and "#2 (use_spot True)" in info.value.message

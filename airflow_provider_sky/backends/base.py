@@ -308,7 +308,8 @@ def choose_resources(
         raise problems_error(caps.name, last)
     raise SpecError(
         "resources",
-        f"none of the {len(choices)} alternatives can be had on the {caps.name} backend: " + " | ".join(passed),
+        f"none of the {len(choices)} alternatives can be had on the {caps.name} backend: "
+        + " | ".join(passed),
     )
 
 
