@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_sky.backends.base import BackendError
+from airflow_provider_sky.backends.base import BackendError, choose_resources
 from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.spec import SpecError, check_backend, task_from_args
 
@@ -44,13 +44,11 @@ def test_reuse_keeps_rank_order_and_mismatch_is_clear(sky_home: Path) -> None:
 
 
 def test_backend_limits_are_checked_before_provisioning(sky_home: Path) -> None:
-    b = LocalBackend(sky_home)
+    b = LocalBackend(sky_home, accelerators="")  # a machine without GPUs (see test_accelerators.py for GPUs)
     with pytest.raises(SpecError, match="num_nodes"):
         check_backend(task_from_args(num_nodes=5000, run="true"), b.capabilities)
-    with pytest.raises(SpecError, match="accelerators"):
-        check_backend(
-            task_from_args(num_nodes=1, run="true", resources={"accelerators": "V100:1"}), b.capabilities
-        )
+    with pytest.raises(SpecError, match="this machine has no GPUs .*asks for V100:1 per node"):
+        choose_resources(b, task_from_args(num_nodes=1, run="true", resources={"accelerators": "V100:1"}))
     with pytest.raises(SpecError, match="file_mounts"):
         b.provision("x", task_from_args(num_nodes=1, run="true", file_mounts={"/etc/x": str(sky_home)}))
     assert not (sky_home / "local" / "x").exists()

@@ -132,6 +132,11 @@ def kinds() -> tuple[str, ...]:
     return tuple(i.kind for i in _discovered())
 
 
+def conn_types() -> dict[str, str]:
+    """Backend kind -> its connection type, for errors that name a backend (only ones that exist)."""
+    return {i.kind: i.conn_type for i in _discovered()}
+
+
 def by_kind(kind: str) -> BackendInfo:
     for info in _discovered():
         if info.kind == kind:

@@ -14,10 +14,17 @@ from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowNotFoundException
 
 from airflow_provider_sky.backends import Backend, ClusterHandle, Teardown
-from airflow_provider_sky.backends.registry import BackendInfo, all_backends, by_conn_type, by_kind
+from airflow_provider_sky.backends.base import Choice, choose_resources, with_resources_recorded
+from airflow_provider_sky.backends.registry import (
+    BackendInfo,
+    all_backends,
+    by_conn_type,
+    by_kind,
+    conn_types,
+)
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.setup_stage import SetupFailed
-from airflow_provider_sky.spec import TaskSpec, check_backend
+from airflow_provider_sky.spec import TaskSpec
 
 __all__ = ["SetupFailed", "SkyHook"]
 
@@ -146,16 +153,24 @@ class SkyHook(BaseHook):
 
     # -- cluster lifecycle ----------------------------------------------------------------------
 
-    def check(self, spec: TaskSpec) -> None:
-        """Everything the backend cannot honour fails here, before anything is provisioned."""
-        check_backend(spec, self.get_backend().capabilities)
+    def check(self, spec: TaskSpec, name: str | None = None) -> Choice:
+        """Everything the backend cannot honour or satisfy fails here, before anything is provisioned,
+        in one error; else which of the task's resources alternatives it will get (the first it can:
+        for SSH, the first the hosts have; locally, the first this machine's free GPUs allow).
+        ``name``: the cluster, whose own nodes count when it exists."""
+        return choose_resources(self.get_backend(), spec, name, conn_types())
 
-    def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
-        """Create or reuse the cluster; ``holder`` (``<dag_id>/<run_id>``) takes a lease on it, so another
-        run's teardown keeps it while this run uses it."""
-        self.check(spec)
+    def provision(
+        self, name: str, spec: TaskSpec, holder: str | None = None, choice: Choice | None = None
+    ) -> ClusterHandle:
+        """Create or reuse the cluster with the chosen resources (``choice``, else :meth:`check`'s);
+        ``holder`` (``<dag_id>/<run_id>``) takes a lease on it, so another run's teardown keeps it while
+        this run uses it. The handle records the resources chosen (the job task's env reads them)."""
+        if choice is None:
+            choice = self.check(spec, name)
         backend = self.get_backend()
-        return backend.provision(name, spec, holder=holder)
+        handle = backend.provision(name, spec.with_resources(choice.resources), holder=holder)
+        return with_resources_recorded(handle, choice.resources)
 
     def sync_files(self, handle: ClusterHandle, spec: TaskSpec) -> None:
         """``workdir`` and ``file_mounts`` to every node, before setup."""

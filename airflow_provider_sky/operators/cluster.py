@@ -8,6 +8,7 @@ from typing import Any
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_provider_sky.backends.base import GPU_DEVICES, GPU_NAME, MACHINE_GPUS, Choice
 from airflow_provider_sky.gang import job_id_for
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT
@@ -21,6 +22,7 @@ from airflow_provider_sky.operators._spec import (
 )
 from airflow_provider_sky.operators.down import log_teardown, unclean_message
 from airflow_provider_sky.setup_stage import SetupFailed, run_setup
+from airflow_provider_sky.spec import TaskSpec
 
 
 class SkyClusterOperator(SkySpecMixin, BaseOperator):
@@ -112,17 +114,18 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         name = resolve_cluster_name(self.cluster_name, context)
         self._holder = run_holder(context)
         hook = SkyHook(self.sky_conn_id)
-        hook.check(spec)
         if self.rank_tasks:
             check_airflow_room(spec.num_nodes, self.triggerers)
+        choice = hook.check(spec, name)
         self.log.info(
-            "Provisioning cluster %s: %s node(s) on the %s backend",
+            "Provisioning cluster %s: %s node(s) on the %s backend; %s",
             name,
             spec.num_nodes,
             hook.get_backend().kind,
+            choice.note(),
         )
         try:
-            return self._provision_and_setup(hook, name, spec, context)
+            return self._provision_and_setup(hook, name, spec, context, choice)
         except BaseException:
             if self._provisioning:  # only a cluster we hold; a refused reuse leaves the other alone
                 self._down_after_failure(name)
@@ -130,13 +133,26 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         finally:
             self._provisioning = None
 
-    def _provision_and_setup(self, hook: SkyHook, name: str, spec: Any, context: Context) -> dict[str, Any]:
+    def _provision_and_setup(
+        self, hook: SkyHook, name: str, spec: TaskSpec, context: Context, choice: Choice
+    ) -> dict[str, Any]:
         # a backend cleans up its own half-made cluster; the lease keeps other runs' teardowns off it
-        handle = hook.provision(name, spec, holder=self._holder if self.lease else None)
+        handle = hook.provision(name, spec, holder=self._holder if self.lease else None, choice=choice)
         self._provisioning = name
         hook.sync_files(handle, spec)
         for rank, node in enumerate(handle.nodes):
-            self.log.info("node rank %s: %s", rank, node.ip)
+            gpus = node.extra.get(GPU_DEVICES)
+            if gpus is not None:
+                self.log.info(
+                    "node rank %s: %s, GPUs %s (CUDA_VISIBLE_DEVICES=%s; the machine has %s)",
+                    rank,
+                    node.ip,
+                    node.extra.get(GPU_NAME),
+                    ",".join(str(d) for d in gpus),
+                    node.extra.get(MACHINE_GPUS, "?"),
+                )
+            else:
+                self.log.info("node rank %s: %s", rank, node.ip)
         if spec.setup:
             ti = context["ti"]
             job_id = job_id_for(ti.dag_id, ti.run_id, ti.task_id, ti.map_index, ti.try_number)

@@ -25,6 +25,11 @@ BACKEND = BackendInfo(
             "label": "State directory",
             "description": "Where local nodes live (default $AIRFLOW_HOME/sky)",
             "schema": {"type": ["string", "null"]},
-        }
+        },
+        "accelerators": {
+            "label": "GPUs of this machine",
+            "description": "e.g. H100:8; empty: found with nvidia-smi / rocm-smi",
+            "schema": {"type": ["string", "null"]},
+        },
     },
 )

@@ -5,6 +5,10 @@ so a rank can bind its own address; 254 clusters of up to 4,096 nodes, clear of 
 SSH test hosts use) and the directory ``<state>/local/<cluster>/node-<i>`` as its home. Cluster
 records (with the rank order and the leases, see ``backends.base``) live in
 ``<state>/local/clusters/<name>.json`` and change only under an ``fcntl`` lock.
+
+GPUs: the machine's (``nvidia-smi`` / ``rocm-smi``, or the connection's ``accelerators`` extra) are split
+among the nodes of a cluster that asks for them, each node its own devices (``CUDA_VISIBLE_DEVICES``), and
+devices held by another cluster of this machine are not handed out again until it is torn down.
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_sky import runtime
+from airflow_provider_sky.accelerators import Inventory, detect_local, indices_text, pack, parse_declared
 from airflow_provider_sky.backends.base import (
+    GPU_DEVICES,
+    GPU_NAME,
+    MACHINE_GPUS,
     Backend,
     BackendError,
     ClusterHandle,
@@ -31,13 +39,15 @@ from airflow_provider_sky.backends.base import (
     check_reusable,
     finish_teardown,
     new_record,
+    node_has,
     nodes_to_clean,
     teardown_result,
     unclean_reason,
+    with_resources_recorded,
 )
 from airflow_provider_sky.gang import rank_order
 from airflow_provider_sky.runners.local import LocalRunner
-from airflow_provider_sky.spec import BackendCapabilities, SpecError, TaskSpec
+from airflow_provider_sky.spec import Accelerator, BackendCapabilities, Resources, SpecError, TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -65,21 +75,36 @@ class LocalBackend(Backend):
 
     kind = "local"
     shared_machine = True
+    assigns_devices = True
     capabilities = BackendCapabilities(
         name="local",
         max_nodes=LOCAL_MAX_NODES,
-        supported_resources=frozenset({"cpus", "memory", "labels", "cloud"}),
+        supported_resources=frozenset({"cpus", "memory", "labels", "cloud", "accelerators"}),
         clouds=frozenset({"local"}),
     )
 
-    def __init__(self, state_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self, state_dir: str | os.PathLike[str] | None = None, accelerators: str | None = None
+    ) -> None:
         self.state_dir = Path(state_dir) if state_dir else default_state_dir()
         self.base = self.state_dir / "local"
         self.records = self.base / "clusters"
+        self._inventory: Inventory | None = None
+        if accelerators is not None:
+            try:
+                self._inventory = parse_declared(accelerators, "accelerators")
+            except ValueError as exc:
+                raise BackendError(str(exc)) from None
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> LocalBackend:
-        return cls(config.get("state_dir"))
+        return cls(config.get("state_dir"), config.get("accelerators"))
+
+    def inventory(self) -> Inventory:
+        """This machine's GPUs: declared in the connection, else found with nvidia-smi / rocm-smi (once)."""
+        if self._inventory is None:
+            self._inventory = detect_local()
+        return self._inventory
 
     def test_connection(self) -> str:
         """The state directory must be writable: nodes, logs and cluster records live there."""
@@ -93,7 +118,10 @@ class LocalBackend(Backend):
                 f"state_dir: {str(self.state_dir)!r} is not writable ({exc.strerror}); "
                 "set the connection's state_dir to a directory this user can write"
             ) from None
-        return f"local backend: up to {LOCAL_MAX_NODES} nodes on this machine, state in {self.state_dir}"
+        return (
+            f"local backend: up to {LOCAL_MAX_NODES} nodes on this machine, GPUs: "
+            f"{self.inventory().describe()}, state in {self.state_dir}"
+        )
 
     def config(self) -> dict[str, Any]:
         return {"state_dir": str(self.state_dir)}
@@ -129,6 +157,57 @@ class LocalBackend(Backend):
         record = self._load(name)
         return ClusterHandle.from_dict(record) if record is not None else None
 
+    def _gpus_in_use(self, exclude: str | None) -> dict[int, str]:
+        """Device -> the cluster holding it, over every other cluster of this machine."""
+        used: dict[int, str] = {}
+        for path in self.records.glob("*.json"):
+            if path.stem == exclude:
+                continue
+            with contextlib.suppress(ValueError, KeyError, OSError, TypeError):
+                for node in json.loads(path.read_text())["nodes"]:
+                    for device in (node.get("extra") or {}).get(GPU_DEVICES) or ():
+                        used.setdefault(int(device), path.stem)
+        return used
+
+    def _allocate(self, acc: Accelerator, num_nodes: int, exclude: str | None) -> tuple[str, list[list[int]]]:
+        """(canonical name, devices per node) for ``num_nodes`` x ``acc``, or SpecError saying what the
+        machine has and who holds the rest."""
+        inv = self.inventory()
+        matching = inv.matching(acc.name)
+        where = "resources.accelerators"
+        if not matching:
+            raise SpecError(
+                where,
+                f"the local backend: this machine has {inv.describe()}; the task asks for {acc} per node. "
+                "Ask for a GPU it has, or declare the machine's GPUs in the sky_local connection's extra "
+                '"accelerators" (e.g. "H100:8")',
+            )
+        used = self._gpus_in_use(exclude)
+        free = [d.index for d in matching if d.index not in used]
+        got = pack(free, acc.count, num_nodes)
+        if got.problem:
+            holders: dict[str, list[int]] = {}
+            for d in matching:
+                if d.index in used:
+                    holders.setdefault(used[d.index], []).append(d.index)
+            held = "; ".join(f"cluster {c!r} holds {indices_text(ds)}" for c, ds in holders.items())
+            raise SpecError(
+                where,
+                f"the local backend: {num_nodes} node(s) x {acc} {got.problem} {matching[0].name} on this "
+                f"machine ({inv.describe()})" + (f"; {held} (tear it down to free them)" if held else ""),
+            )
+        return matching[0].name, got.per_node
+
+    def fit(self, resources: Resources, num_nodes: int, name: str | None = None) -> list[tuple[str, str]]:
+        """Enough free GPUs of the type asked on this machine, for every node."""
+        if resources.accelerators is None:
+            return []
+        try:
+            self._allocate(resources.accelerators, num_nodes, name)
+        except SpecError as err:
+            return [(err.field, err.message)]
+        return []
+
     def _free_block(self) -> int:
         used = set()
         for path in self.records.glob("*.json"):
@@ -154,13 +233,29 @@ class LocalBackend(Backend):
         return self._wait_out_teardown(attempt, 0.2)
 
     def _provision_locked(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
+        acc = spec.resources.accelerators
         existing = self._load(name)
         if existing is not None:
             check_reusable(existing, name, spec.num_nodes)
+            have = ClusterHandle.from_dict(existing)
+            short = [n for n in have.nodes if not node_has(n, acc) or (acc and GPU_NAME not in n.extra)]
+            if short:
+                given = short[0].extra.get(GPU_NAME)
+                held = f"{given}:{len(short[0].extra.get(GPU_DEVICES) or ())}" if given else "no GPUs"
+                raise BackendError(
+                    f"cluster {name!r} exists with {held} per node but the task asks for {acc}: "
+                    "tear it down first or use another cluster name"
+                )
             record = add_lease(existing, holder)
             if record != existing:
                 self._store(name, record)
             return ClusterHandle.from_dict(record)
+        gpus: tuple[str, list[list[int]]] | None = None
+        if acc is not None:
+            try:
+                gpus = self._allocate(acc, spec.num_nodes, name)
+            except SpecError as err:
+                raise BackendError(f"{err.field}: {err.message}") from None
         block = self._free_block()
         cluster_dir = self.base / name
         ips = [node_ip(block, i) for i in range(spec.num_nodes)]
@@ -168,7 +263,16 @@ class LocalBackend(Backend):
         for i, ip in enumerate(rank_order(ips, head=ips[0])):
             home = cluster_dir / f"node-{i}"
             home.mkdir(parents=True, exist_ok=True)
-            nodes.append(Node(ip=ip, node_id=f"node-{i}", root=str(home / ".sky"), home=str(home)))
+            extra: dict[str, Any] = {}
+            if gpus is not None:
+                extra = {
+                    GPU_NAME: gpus[0],
+                    GPU_DEVICES: gpus[1][i],
+                    MACHINE_GPUS: self.inventory().describe(),
+                }
+            nodes.append(
+                Node(ip=ip, node_id=f"node-{i}", root=str(home / ".sky"), home=str(home), extra=extra)
+            )
         handle = ClusterHandle(
             name=name,
             backend=self.kind,
@@ -176,6 +280,7 @@ class LocalBackend(Backend):
             cloud="local",
             extra={"block": block, "dir": str(cluster_dir)},
         )
+        handle = with_resources_recorded(handle, spec.resources)
         self._store(name, new_record(handle, holder))
         return handle
 
