@@ -240,6 +240,9 @@ def _parse_one_accelerator(value: object, original: object) -> Accelerator:
         ((key, raw),) = value.items()
         if not isinstance(key, str):
             raise SpecError(where, f"accelerator name must be a string, got {key!r}; {_ACCEL_FORMAT}")
+        if raw is None and ":" in key:
+            # YAML reads the flow set {H100:8, H200:8} as keys 'H100:8' and 'H200:8' without values
+            return _parse_one_accelerator(key, original)
         name = key.strip()
         count = 1.0 if raw is None else _parse_count(raw, original)
     else:
@@ -403,6 +406,29 @@ def _resources_as_mapping(value: Resources) -> dict[str, object]:
     return out
 
 
+_DISK = re.compile(r"^(\d+)\s*(?:(?P<unit>[GT])(?:IB|I|B)?)?$", re.IGNORECASE)
+
+
+def _parse_disk_size(value: object) -> int | None:
+    """GB as a whole number: ``256``, or with SkyPilot's units, ``1024GB`` / ``1TB``."""
+    if value is None:
+        return None
+    fix = (
+        f"must be a positive whole number of GB, e.g. 256, or with a unit, e.g. 1024GB or 1TB; got {value!r}"
+    )
+    if isinstance(value, bool):
+        raise SpecError("resources.disk_size", fix)
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str) and (m := _DISK.match(value.strip())):
+        size = int(m.group(1)) * (1024 if (m.group("unit") or "G").upper() == "T" else 1)
+    else:
+        raise SpecError("resources.disk_size", fix)
+    if size <= 0:
+        raise SpecError("resources.disk_size", fix)
+    return size
+
+
 def _build_resources(value: Mapping[str, object], accelerators: Accelerator | None) -> Resources:
     """One alternative: a resources mapping whose keys were checked, with its accelerator chosen."""
     cloud = _opt_str(value.get("cloud"), "resources.cloud", "a cloud name such as aws or kubernetes")
@@ -431,13 +457,7 @@ def _build_resources(value: Mapping[str, object], accelerators: Accelerator | No
     if not isinstance(use_spot, bool):
         raise SpecError("resources.use_spot", f"must be true or false, got {use_spot!r}")
 
-    disk_size = value.get("disk_size")
-    if disk_size is not None and (
-        isinstance(disk_size, bool) or not isinstance(disk_size, int) or disk_size <= 0
-    ):
-        raise SpecError(
-            "resources.disk_size", f"must be a positive whole number of GB, e.g. 256, got {disk_size!r}"
-        )
+    disk_size = _parse_disk_size(value.get("disk_size"))
 
     return Resources(
         cloud=cloud,
@@ -1066,8 +1086,8 @@ def check_backend(
             (
                 "resources",
                 f"none of the {len(choices)} alternatives can run on the {caps.name} backend: "
-                + "; ".join(
-                    f"#{i + 1} ({describe_resources(r)}): " + ", ".join(m for _, m in p)
+                + " | ".join(
+                    f"#{i + 1} ({describe_resources(r)}): " + "; ".join(m for _, m in p)
                     for i, (r, p) in enumerate(zip(choices, per_choice, strict=True))
                 ),
             )

@@ -129,7 +129,8 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
     ("memory double plus", _res(memory="4++"), "resources.memory", "4+"),
     ("memory bytes unit", _res(memory="16B"), "resources.memory", "positive number"),
     ("disk_size zero", _res(disk_size=0), "resources.disk_size", "positive whole number"),
-    ("disk_size string", _res(disk_size="100"), "resources.disk_size", "positive whole number"),
+    ("disk_size string", _res(disk_size="100 apples"), "resources.disk_size", "positive whole number"),
+    ("disk_size MB", _res(disk_size="512MB"), "resources.disk_size", "1024GB or 1TB"),
     ("disk_size float", _res(disk_size=10.5), "resources.disk_size", "positive whole number"),
     ("disk_size bool", _res(disk_size=True), "resources.disk_size", "positive whole number"),
     ("use_spot string", _res(use_spot="yes"), "resources.use_spot", "true or false"),
@@ -743,6 +744,17 @@ def test_accelerator_alternatives_in_order(resources: dict[str, object], expecte
     assert [str(r.accelerators) for r in spec.resource_choices] == expected
     assert spec.resources == spec.resource_choices[0]
     assert parse_task(yaml.safe_load(yaml.safe_dump(spec.to_dict()))) == spec
+
+
+def test_yaml_flow_set_of_accelerators_and_disk_size_units() -> None:
+    """``{H100:8, H200:8}`` is, to YAML, a mapping of keys without values; SkyPilot reads it as a set."""
+    spec = parse_task(
+        yaml.safe_load("run: x\nresources:\n  accelerators: {H100:8, H200:8}\n  disk_size: 1024GB\n")
+    )
+    assert [str(r.accelerators) for r in spec.resource_choices] == ["H100:8", "H200:8"]
+    assert spec.resources.disk_size == 1024
+    assert parse_task(_res(disk_size="1TB")).resources.disk_size == 1024
+    assert parse_task(_res(disk_size="256")).resources.disk_size == 256
 
 
 def test_any_of_entries_override_the_keys_around_them() -> None:

@@ -79,7 +79,7 @@ class LocalBackend(Backend):
     capabilities = BackendCapabilities(
         name="local",
         max_nodes=LOCAL_MAX_NODES,
-        supported_resources=frozenset({"cpus", "memory", "labels", "cloud", "accelerators"}),
+        supported_resources=frozenset({"cpus", "memory", "labels", "cloud", "accelerators", "disk_size"}),
         clouds=frozenset({"local"}),
     )
 
@@ -198,15 +198,32 @@ class LocalBackend(Backend):
             )
         return matching[0].name, got.per_node
 
+    def _disk_problem(self, disk_size: int | None) -> str:
+        """The disk holding the nodes' homes must be at least ``disk_size`` GB (every node shares it)."""
+        if not disk_size:
+            return ""
+        where = self.state_dir
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        total = shutil.disk_usage(where).total
+        if disk_size * 1024**3 > total * 1.05:
+            return (
+                f"the local backend: the disk of {self.state_dir} has {total / 1024**3:.0f} GiB, the task "
+                f"asks for {disk_size} GB"
+            )
+        return ""
+
     def fit(self, resources: Resources, num_nodes: int, name: str | None = None) -> list[tuple[str, str]]:
-        """Enough free GPUs of the type asked on this machine, for every node."""
-        if resources.accelerators is None:
-            return []
-        try:
-            self._allocate(resources.accelerators, num_nodes, name)
-        except SpecError as err:
-            return [(err.field, err.message)]
-        return []
+        """Enough free GPUs of the type asked on this machine, for every node, and disk enough."""
+        problems = []
+        if disk := self._disk_problem(resources.disk_size):
+            problems.append(("resources.disk_size", disk))
+        if resources.accelerators is not None:
+            try:
+                self._allocate(resources.accelerators, num_nodes, name)
+            except SpecError as err:
+                problems.append((err.field, err.message))
+        return problems
 
     def _free_block(self) -> int:
         used = set()
@@ -234,6 +251,8 @@ class LocalBackend(Backend):
 
     def _provision_locked(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
         acc = spec.resources.accelerators
+        if disk := self._disk_problem(spec.resources.disk_size):
+            raise BackendError(f"resources.disk_size: {disk}")
         existing = self._load(name)
         if existing is not None:
             check_reusable(existing, name, spec.num_nodes)
