@@ -11,6 +11,11 @@ its process dies. Node ``i``'s login user is ``sky<k>n<i>`` (created once with `
 killing "every process of that node's user" never touches another cluster. All nodes of a cluster share
 one port, free on every address (``port=None``), or the port you pass (e.g. 22).
 
+Fake GPUs (``gpus={i: [...]}`` / ``rocm_gpus={i: [...]}``): node ``i`` gets the fake ``nvidia-smi`` /
+``rocm-smi`` of ``tests/fakes`` in ``~/.fake-bin`` of its user, its GPU list in ``~/.fake-nvidia-smi-gpus``
+/ ``~/.fake-rocm-smi-gpus``, and its sshd puts ``~/.fake-bin`` first on the sessions' PATH (``SetEnv``).
+Nodes not named have no GPU tool at all, as before.
+
 Needs root and ``openssh-server`` (``/usr/sbin/sshd``, ``ssh-keygen``).
 """
 
@@ -27,6 +32,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -76,6 +82,9 @@ SKIP_REASON, FIX_COMMAND = _skip()
 needs_sshd = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON or "sshd hosts available")
 
 LOCK_DIR = Path(tempfile.gettempdir()) / "sky-sshd-blocks"
+FAKES = Path(__file__).resolve().parent / "fakes"
+#: what a session's PATH is without SetEnv (OpenSSH's default for a non-root user)
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/games"
 BLOCKS = range(20, 250)
 
 
@@ -196,6 +205,9 @@ class SSHDNode:
     home: str
     host_pubkey: str  # "ssh-ed25519 AAAA..." for pinning
     dir: Path
+    #: fake GPUs of this host: lines for the fake nvidia-smi / rocm-smi ("NVIDIA H100 80GB HBM3, 81559")
+    gpus: tuple[str, ...] = ()
+    rocm_gpus: tuple[str, ...] = ()
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     log: IO[bytes] | None = field(default=None, repr=False)
 
@@ -215,7 +227,15 @@ class SSHDNode:
 class SSHDCluster:
     """N real sshd daemons; use as a context manager (``stop()`` runs on errors too)."""
 
-    def __init__(self, n: int, base_dir: str | os.PathLike[str], *, port: int | None = None) -> None:
+    def __init__(
+        self,
+        n: int,
+        base_dir: str | os.PathLike[str],
+        *,
+        port: int | None = None,
+        gpus: Mapping[int, Sequence[str]] | None = None,
+        rocm_gpus: Mapping[int, Sequence[str]] | None = None,
+    ) -> None:
         if not 1 <= n <= 250:
             raise ValueError("1 <= n <= 250")
         if os.geteuid() != 0:
@@ -224,6 +244,8 @@ class SSHDCluster:
             raise RuntimeError(f"{SSHD} missing: apt-get install -y openssh-server")
         self.n = n
         self.requested_port = port
+        self.gpus = {i: tuple(v) for i, v in (gpus or {}).items()}
+        self.rocm_gpus = {i: tuple(v) for i, v in (rocm_gpus or {}).items()}
         self.block: int | None = None
         self._block_lock: IO[str] | None = None
         self.dir = Path(tempfile.mkdtemp(prefix="sshd-cluster-", dir=base_dir))
@@ -261,7 +283,17 @@ class SSHDCluster:
             node_dir = self.dir / f"node{i}"
             node_dir.mkdir()
             host_pub = _keygen(node_dir / "ssh_host_ed25519_key", f"{user}-hostkey")
-            node = SSHDNode(i, host, port, user, pw.pw_dir, host_pub, node_dir)
+            node = SSHDNode(
+                i,
+                host,
+                port,
+                user,
+                pw.pw_dir,
+                host_pub,
+                node_dir,
+                self.gpus.get(i, ()),
+                self.rocm_gpus.get(i, ()),
+            )
             self._reset_home(node, pw)
             self._write_config(node)
             self.nodes.append(node)
@@ -412,6 +444,27 @@ class SSHDCluster:
         for path in (home, ssh_dir, ssh_dir / "authorized_keys", home / "node"):
             os.chown(path, pw.pw_uid, pw.pw_gid)
         os.chmod(ssh_dir / "authorized_keys", 0o600)
+        if node.gpus or node.rocm_gpus:
+            self._install_fake_gpus(node, pw)
+
+    @staticmethod
+    def _install_fake_gpus(node: SSHDNode, pw: pwd.struct_passwd) -> None:
+        """The fake GPU tools in the user's own ``~/.fake-bin`` (the test tree may not be readable by
+        them), with this host's GPU lists; ``_write_config`` puts the directory on the sessions' PATH."""
+        home = Path(pw.pw_dir)
+        bin_dir = home / ".fake-bin"
+        bin_dir.mkdir(mode=0o755)
+        made = [bin_dir]
+        for tool, lines in (("nvidia-smi", node.gpus), ("rocm-smi", node.rocm_gpus)):
+            if not lines:
+                continue
+            shutil.copyfile(FAKES / f"{tool}-fake", bin_dir / tool)
+            os.chmod(bin_dir / tool, 0o755)
+            listing = home / f".fake-{tool}-gpus"
+            listing.write_text("".join(f"{line}\n" for line in lines))
+            made += [bin_dir / tool, listing]
+        for path in made:
+            os.chown(path, pw.pw_uid, pw.pw_gid)
 
     def _write_config(self, node: SSHDNode) -> None:
         node.config_path.write_text(
@@ -438,6 +491,11 @@ class SSHDCluster:
                     "AllowTcpForwarding no",
                     "Subsystem sftp internal-sftp",
                     "LogLevel VERBOSE",
+                    *(
+                        [f"SetEnv PATH={node.home}/.fake-bin:{DEFAULT_PATH}"]
+                        if node.gpus or node.rocm_gpus
+                        else []
+                    ),
                     "",
                 ]
             )

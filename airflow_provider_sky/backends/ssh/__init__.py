@@ -53,6 +53,12 @@ BACKEND = BackendInfo(
             "label": "Most hosts contacted at once",
             "schema": {"type": ["integer", "null"], "default": 32, "minimum": 1},
         },
+        "accelerators": {
+            "label": "GPUs of the hosts",
+            "description": "For hosts without nvidia-smi / rocm-smi: 'H100:8' for every host, or JSON "
+            '{"10.0.0.1": "H100:8", "10.0.0.2": "A100:4"}; empty: found on each host at provision',
+            "schema": {"type": ["string", "null"], "format": "multiline"},
+        },
         "ssh_conn_id": {
             "label": "Reuse an ssh connection",
             "description": "Take hosts, user and key from this standard ssh connection",

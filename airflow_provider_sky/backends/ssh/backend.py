@@ -3,6 +3,10 @@
 A cluster is a named set of hosts. Its record (rank order, resolved homes, leases) is kept on the head
 node (``backends.headrecord``). Each node's runtime directory is ``~/.sky_airflow/<cluster>``; teardown
 kills everything under it and removes it.
+
+Provisioning probes each host (home, CPUs, memory, GPUs with nvidia-smi / rocm-smi unless the connection
+declares them) and takes, in rank order (head first, then by IP), the first hosts that have what the task
+asks for; when too few do, the error names every host and what it has, and nothing runs.
 """
 
 from __future__ import annotations
@@ -11,13 +15,24 @@ import ipaddress
 import json
 import logging
 import socket
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from airflow_provider_sky import runtime
+from airflow_provider_sky.accelerators import (
+    DETECT_SCRIPT,
+    Inventory,
+    declared_inventory,
+    parse_detect_output,
+)
 from airflow_provider_sky.backends.base import (
+    GPU_DEVICES,
+    GPU_NAME,
+    MACHINE_GPUS,
     Backend,
     BackendError,
     ClusterHandle,
@@ -31,30 +46,53 @@ from airflow_provider_sky.backends.base import (
     nodes_to_clean,
     teardown_result,
     unclean_reason,
+    with_resources_recorded,
 )
 from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
 from airflow_provider_sky.backends.ssh.config import DEFAULT_MAX_PARALLEL, parse_ssh_config
 from airflow_provider_sky.gang import rank_order
 from airflow_provider_sky.runners.ssh import SSHNodeConfig, SSHRunner, wait_for_ssh
 from airflow_provider_sky.runners.ssh.config import is_policy
-from airflow_provider_sky.spec import BackendCapabilities, TaskSpec
+from airflow_provider_sky.spec import BackendCapabilities, Resources, TaskSpec
 
 log = logging.getLogger(__name__)
 
 _HOME_SCRIPT = 'printf "%s\\n" "$HOME"; nproc 2>/dev/null || echo 0; ' + (
-    "awk '/MemTotal/ {print $2}' /proc/meminfo 2>/dev/null || echo 0"
+    "awk '/MemTotal/ {print $2}' /proc/meminfo 2>/dev/null || echo 0; "
+    # the size of the disk holding the home (KiB), for disk_size
+    "df -Pk \"$HOME\" 2>/dev/null | awk 'NR == 2 {print $2; found = 1} END {if (!found) print 0}'"
 )
+
+
+#: seconds a probe of a host is reused (the check before a provision and the provision itself)
+PROBE_TTL = 30.0
 
 
 @dataclass(frozen=True)
 class HostProbe:
-    """What provisioning learned of one host: where its home is and how big it is."""
+    """What provisioning learned of one host: where its home is, how big it is, its GPUs."""
 
     host: str
     port: int
     home: str
     cpus: int
     mem_kb: int
+    gpus: Inventory = Inventory()
+    disk_kb: int = 0
+
+    def describe(self) -> str:
+        mem = f", {self.mem_kb / 1024 / 1024:.0f} GiB" if self.mem_kb else ""
+        disk = f", {self.disk_kb / 1024 / 1024:.0f} GiB disk" if self.disk_kb else ""
+        return f"{self.gpus.describe()}, {self.cpus} CPUs{mem}{disk}"
+
+
+class _NoFit(Exception):
+    """Fewer hosts than asked have what the task asks for: (field, why) for the error."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
 
 
 def _split_user(entry: str, default_user: str) -> tuple[str, str]:
@@ -78,6 +116,28 @@ def _split_host(entry: str, default_port: int) -> tuple[str, int]:
     return entry, default_port
 
 
+def _asked(res: Resources) -> str:
+    parts = [str(res.accelerators)] if res.accelerators else []
+    if res.cpus:
+        parts.append(f"{res.cpus} CPUs")
+    if res.memory:
+        parts.append(f"{res.memory} GiB")
+    if res.disk_size:
+        parts.append(f"a {res.disk_size} GB disk")
+    return ", ".join(parts) or "no particular resources"
+
+
+_GPU_KEYS = (GPU_NAME, GPU_DEVICES, MACHINE_GPUS)
+
+
+def _without_gpus(extra: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in extra.items() if k not in _GPU_KEYS}
+
+
+def _gpus_of(node: Node | None) -> dict[str, Any]:
+    return {k: v for k, v in (node.extra if node else {}).items() if k in _GPU_KEYS}
+
+
 def _resolve_ip(host: str) -> str:
     try:
         return str(ipaddress.ip_address(host))
@@ -89,6 +149,7 @@ class SSHBackend(Backend):
     """Existing machines reached over SSH (paramiko), one rank per host."""
 
     kind = "ssh"
+    assigns_devices = True
     #: how the head's cluster records are locked: ``auto`` (``flock`` if the head has it) or ``mkdir``
     record_lock = "auto"
 
@@ -108,6 +169,7 @@ class SSHBackend(Backend):
         connect_timeout: float = 10.0,
         ready_timeout: float = 30.0,
         max_parallel: int = DEFAULT_MAX_PARALLEL,
+        accelerators: Any = None,
     ) -> None:
         if not hosts:
             raise BackendError(
@@ -115,6 +177,7 @@ class SSHBackend(Backend):
             )
         self.users: dict[tuple[str, int], str] = {}
         self.endpoints = []
+        names: dict[str, tuple[str, int]] = {}  # every way the accelerators extra may name a host
         for entry in hosts:
             host_user, rest = _split_user(entry, user)
             endpoint = _split_host(rest, port)
@@ -128,6 +191,14 @@ class SSHBackend(Backend):
                 )
             self.users[endpoint] = host_user
             self.endpoints.append(endpoint)
+            for alias in (
+                entry.strip(),
+                rest,
+                endpoint[0],
+                f"{endpoint[0]}:{endpoint[1]}",
+                f"{host_user}@{rest}",
+            ):
+                names.setdefault(alias, endpoint)
         self.user = user
         self.head = _split_host(_split_user(head, user)[1], port) if head else self.endpoints[0]
         if self.head not in self.endpoints:
@@ -152,13 +223,26 @@ class SSHBackend(Backend):
         self.connect_timeout = connect_timeout
         self.ready_timeout = ready_timeout
         self.max_parallel = max(1, int(max_parallel))
+        try:
+            declared = declared_inventory(accelerators, "accelerators", tuple(names))
+        except ValueError as exc:
+            raise BackendError(str(exc)) from None
+        self.declared: dict[tuple[str, int], Inventory] = {}
+        for key, inv in declared.items():
+            if key == "*":
+                for ep in self.endpoints:
+                    self.declared.setdefault(ep, inv)
+            else:
+                self.declared[names[key]] = inv  # a host named explicitly wins over "*"
         self.capabilities = BackendCapabilities(
             name="ssh",
             max_nodes=len(self.endpoints),
-            supported_resources=frozenset({"cpus", "memory", "labels", "cloud"}),
+            supported_resources=frozenset({"cpus", "memory", "labels", "cloud", "accelerators", "disk_size"}),
             clouds=frozenset({"ssh"}),
         )
         self._runners: dict[tuple[str, int], SSHRunner] = {}
+        self._probes: dict[tuple[str, int], tuple[float, HostProbe | Exception]] = {}
+        self._probes_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> SSHBackend:
@@ -178,6 +262,7 @@ class SSHBackend(Backend):
             connect_timeout=s.connect_timeout,
             ready_timeout=s.ready_timeout,
             max_parallel=s.max_parallel,
+            accelerators=s.accelerators,
         )
 
     def test_connection(self) -> str:
@@ -258,8 +343,12 @@ class SSHBackend(Backend):
         return HeadRecords(self._head_runner, self.head[0], self.record_lock)
 
     def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
-        """The cluster record, kept on the head (rank 0's node)."""
-        return [f"{handle.nodes[0].home}/{record_path(handle.name)}"] if rank == 0 else []
+        """The cluster record, kept on the head (rank 0's node unless the head lacked what the task asked
+        for; then no node of the cluster holds it and it stays)."""
+        node = handle.nodes[rank]
+        if (node.extra.get("host"), int(node.extra.get("port", 0))) != self.head:
+            return []
+        return [f"{node.home}/{record_path(handle.name)}"]
 
     def find(self, name: str) -> ClusterHandle | None:
         record = self.records.load(name)
@@ -267,14 +356,39 @@ class SSHBackend(Backend):
 
     # -- lifecycle --------------------------------------------------------------------------------
 
+    def _name(self, endpoint: tuple[str, int]) -> str:
+        return f"{self.users[endpoint]}@{endpoint[0]}:{endpoint[1]}"
+
     def _probe(self, endpoint: tuple[str, int]) -> HostProbe:
+        """Home, CPUs, memory and GPUs of a host (reused for ``PROBE_TTL`` seconds, failures too)."""
+        with self._probes_lock:
+            cached = self._probes.get(endpoint)
+        if cached is not None and time.monotonic() - cached[0] < PROBE_TTL:
+            if isinstance(cached[1], Exception):
+                raise cached[1]
+            return cached[1]
+        try:
+            probe: HostProbe | Exception = self._probe_now(endpoint)
+        except Exception as exc:
+            probe = exc
+        with self._probes_lock:
+            self._probes[endpoint] = (time.monotonic(), probe)
+        if isinstance(probe, Exception):
+            raise probe
+        return probe
+
+    def _probe_now(self, endpoint: tuple[str, int]) -> HostProbe:
         host, port = endpoint
         wait_for_ssh(host, port, self.ready_timeout)
-        res = self._runner_for(host, port).run_script(_HOME_SCRIPT, timeout=self.connect_timeout + 20)
+        declared = self.declared.get(endpoint)
+        script = _HOME_SCRIPT if declared is not None else _HOME_SCRIPT + "\n" + DETECT_SCRIPT
+        res = self._runner_for(host, port).run_script(script, timeout=self.connect_timeout + 40)
         if res.returncode != 0:
-            raise BackendError(f"{self.users[endpoint]}@{host}:{port}: probe failed: {res.error_text}")
+            raise BackendError(f"{self._name(endpoint)}: probe failed: {res.error_text}")
         lines = res.text.split("\n")
-        return HostProbe(host, port, lines[0].strip(), int(lines[1] or 0), int(lines[2] or 0))
+        gpus = declared if declared is not None else parse_detect_output("\n".join(lines[4:]))
+        numbers = [int(x) if x.strip().isdigit() else 0 for x in (lines + ["0"] * 4)[1:4]]
+        return HostProbe(host, port, lines[0].strip(), numbers[0], numbers[1], gpus, numbers[2])
 
     def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
         """Check every host answers and authenticates before anything runs; keep a stored rank order."""
@@ -286,59 +400,161 @@ class SSHBackend(Backend):
             )
         return self._wait_out_teardown(lambda: self._provision_once(name, spec, holder), 0.5)
 
-    def _provision_once(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
-        text = self.records.read(name)
-        if text is not None:
-            existing = json.loads(text)
-            check_reusable(existing, name, spec.num_nodes)
-            chosen = [
-                (n.extra["host"], int(n.extra["port"])) for n in ClusterHandle.from_dict(existing).nodes
-            ]
-        else:
-            resolved = {(_resolve_ip(h), p): (h, p) for h, p in self.endpoints}
-            head = (_resolve_ip(self.head[0]), self.head[1])
-            chosen = [resolved[k] for k in rank_order(list(resolved), head)][: spec.num_nodes]
-        probes = self._map(self._probe, chosen)
+    def _probe_all(self, endpoints: Sequence[tuple[str, int]]) -> list[HostProbe]:
+        """Probes of ``endpoints``; any host not usable is an error naming each, before anything runs."""
+        probes = self._map(self._probe, endpoints)
         errors = [
-            f"{h}:{p}: {e}" for (h, p), e in zip(chosen, probes, strict=True) if isinstance(e, Exception)
+            f"{h}:{p}: {e}" for (h, p), e in zip(endpoints, probes, strict=True) if isinstance(e, Exception)
         ]
         if errors:
             raise BackendError("hosts not usable, nothing was started: " + "; ".join(errors))
-        self._check_resources(spec, probes)
-        # ``chosen`` (and so ``probes``) is in rank order: the stored order on reuse, else head first, then by IP
-        nodes = [
-            Node(
-                ip=_resolve_ip(p.host),
-                node_id=f"node-{i}",
-                root=f"{p.home}/.sky_airflow/{name}",
-                home=p.home,
-                extra={"host": p.host, "port": p.port, "user": self.users[(p.host, p.port)]},
+        return probes
+
+    @staticmethod
+    def _misfit(res: Resources, p: HostProbe) -> tuple[str, str] | None:
+        """(field, what the host lacks) when host ``p`` cannot run one node of ``res``; None when it can.
+        ``cpus``/``memory`` on existing machines are checked, not ignored."""
+        if res.cpus and p.cpus and float(res.cpus.rstrip("+")) > p.cpus:
+            return "resources.cpus", f"has {p.cpus} CPUs, the task asks for {res.cpus}"
+        if res.memory and p.mem_kb and float(res.memory.rstrip("+")) * 1024 * 1024 > p.mem_kb * 1.05:
+            return (
+                "resources.memory",
+                f"has {p.mem_kb / 1024 / 1024:.1f} GiB, the task asks for {res.memory} GiB",
             )
-            for i, p in enumerate(probes)
-        ]
-        fresh = ClusterHandle(name=name, backend=self.kind, nodes=tuple(nodes), cloud="ssh")
+        if res.disk_size and p.disk_kb and res.disk_size * 1024 * 1024 > p.disk_kb * 1.05:
+            return (
+                "resources.disk_size",
+                f"has a {p.disk_kb / 1024 / 1024:.0f} GiB disk at its home, the task asks for {res.disk_size} GB",
+            )
+        acc = res.accelerators
+        if acc is not None and len(p.gpus.matching(acc.name)) < acc.gpus_per_node:
+            return "resources.accelerators", f"has {p.gpus.describe()}, the task asks for {acc}"
+        return None
+
+    def _rank_ordered(self) -> list[tuple[str, int]]:
+        """Every host in rank order: the head first, then by IP (10.0.0.9 before 10.0.0.10)."""
+        resolved = {(_resolve_ip(h), p): (h, p) for h, p in self.endpoints}
+        head = (_resolve_ip(self.head[0]), self.head[1])
+        return [resolved[k] for k in rank_order(list(resolved), head)]
+
+    def _select(self, res: Resources, num_nodes: int) -> list[HostProbe]:
+        """The first ``num_nodes`` hosts in rank order that have what ``res`` asks for, probed.
+
+        The first ``num_nodes`` hosts must answer (as without GPUs); the others are probed only when some of
+        those lack something. Too few: :class:`_NoFit` naming every host and what it has."""
+        order = self._rank_ordered()
+        first = self._probe_all(order[:num_nodes])
+        if not any(self._misfit(res, p) for p in first):
+            return first
+        rest = self._map(self._probe, order[num_nodes:])
+        probes: list[HostProbe | Exception] = [*first, *rest]
+        fitting = [p for p in probes if isinstance(p, HostProbe) and not self._misfit(res, p)]
+        if len(fitting) >= num_nodes:
+            return fitting[:num_nodes]
+        fields: list[str] = []
+        lines = []
+        for ep, p in zip(order, probes, strict=True):
+            if isinstance(p, Exception):
+                lines.append(f"{self._name(ep)}: not usable ({p})")
+                continue
+            misfit = self._misfit(res, p)
+            if misfit and misfit[0] not in fields:
+                fields.append(misfit[0])
+            lines.append(f"{self._name(ep)}: {misfit[1] if misfit else 'fits'} ({p.describe()})")
+        raise _NoFit(
+            ", ".join(fields) or "resources",
+            f"the task asks for {num_nodes} node(s) with {_asked(res)}; {len(fitting)} of "
+            f"{len(order)} hosts have it, so nothing was started: " + "; ".join(lines),
+        )
+
+    def _existing_fits(self, name: str, record: Mapping[str, Any], res: Resources) -> list[HostProbe]:
+        """The probes of an existing cluster's hosts, which must have what ``res`` asks for."""
+        handle = ClusterHandle.from_dict(record)
+        chosen = [(n.extra["host"], int(n.extra["port"])) for n in handle.nodes]
+        probes = self._probe_all(chosen)
+        short = [(p, m) for p in probes if (m := self._misfit(res, p))]
+        if short:
+            raise _NoFit(
+                short[0][1][0],
+                f"cluster {name!r} exists on hosts that lack what the task asks for ({_asked(res)}): "
+                + "; ".join(f"{p.host}:{p.port} {m[1]}" for p, m in short)
+                + ". Tear it down first or use another cluster name",
+            )
+        return probes
+
+    def fit(self, resources: Resources, num_nodes: int, name: str | None = None) -> list[tuple[str, str]]:
+        """Enough hosts with the GPUs, CPUs and memory asked (an existing cluster: its own hosts)."""
+        if resources.accelerators is None and not (resources.cpus or resources.memory or resources.disk_size):
+            return []  # nothing to compare: provisioning probes its hosts as it always did
+        try:
+            text = self.records.read(name) if name else None
+            if text is not None:
+                self._existing_fits(name or "", json.loads(text), resources)
+            else:
+                self._select(resources, num_nodes)
+        except _NoFit as err:
+            return [(err.field, err.message)]
+        return []
+
+    def _node(self, i: int, name: str, p: HostProbe, res: Resources) -> Node:
+        extra: dict[str, Any] = {"host": p.host, "port": p.port, "user": self.users[(p.host, p.port)]}
+        acc = res.accelerators
+        if acc is not None:
+            devices = p.gpus.matching(acc.name)[: acc.gpus_per_node]
+            extra.update(
+                {
+                    GPU_NAME: devices[0].name,
+                    GPU_DEVICES: [d.index for d in devices],
+                    MACHINE_GPUS: p.gpus.describe(),
+                }
+            )
+        return Node(
+            ip=_resolve_ip(p.host),
+            node_id=f"node-{i}",
+            root=f"{p.home}/.sky_airflow/{name}",
+            home=p.home,
+            extra=extra,
+        )
+
+    def _provision_once(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
+        res = spec.resources
+        text = self.records.read(name)
+        try:
+            if text is not None:
+                existing = json.loads(text)
+                check_reusable(existing, name, spec.num_nodes)
+                probes = self._existing_fits(name, existing, res)
+            else:
+                probes = self._select(res, spec.num_nodes)
+        except _NoFit as err:
+            raise BackendError(str(err)) from None
+        # ``probes`` are in rank order: the stored order on reuse, else head first, then by IP
+        nodes = [self._node(i, name, p, res) for i, p in enumerate(probes)]
+        fresh = with_resources_recorded(
+            ClusterHandle(name=name, backend=self.kind, nodes=tuple(nodes), cloud="ssh"), res
+        )
 
         def join(record: dict[str, Any] | None) -> tuple[dict[str, Any], ClusterHandle]:
             if record is None:
                 return new_record(fresh, holder), fresh
             check_reusable(record, name, spec.num_nodes)  # it may have changed since it was read
-            return add_lease(record, holder), ClusterHandle.from_dict(record)
+            # a node is a whole host: its GPUs for this task come from the probe, not from the record
+            stored = ClusterHandle.from_dict(record)
+            by_id = {n.node_id: n for n in nodes}
+            merged = tuple(
+                Node(
+                    n.ip,
+                    n.node_id,
+                    n.root,
+                    n.home,
+                    {**_without_gpus(n.extra), **_gpus_of(by_id.get(n.node_id))},
+                )
+                for n in stored.nodes
+            )
+            handle = with_resources_recorded(replace(stored, nodes=merged), res)
+            return add_lease(record, holder), handle
 
         return self.records.update(name, join)
-
-    def _check_resources(self, spec: TaskSpec, probes: Sequence[HostProbe]) -> None:
-        """``cpus``/``memory`` on existing machines are checked, not ignored: too small is an error."""
-        res = spec.resources
-        for p in probes:
-            if res.cpus and p.cpus and float(res.cpus.rstrip("+")) > p.cpus:
-                raise BackendError(
-                    f"resources.cpus: {p.host}:{p.port} has {p.cpus} CPUs, the task asks for {res.cpus}"
-                )
-            if res.memory and p.mem_kb and float(res.memory.rstrip("+")) * 1024 * 1024 > p.mem_kb * 1.05:
-                raise BackendError(
-                    f"resources.memory: {p.host}:{p.port} has {p.mem_kb / 1024 / 1024:.1f} GiB, the task "
-                    f"asks for {res.memory} GiB"
-                )
 
     def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
         def begin(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, Any]:

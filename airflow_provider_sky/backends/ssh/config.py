@@ -33,6 +33,9 @@ class SSHSettings:
     connect_timeout: float = 10.0
     ready_timeout: float = 30.0
     max_parallel: int = DEFAULT_MAX_PARALLEL
+    #: the hosts' GPUs as declared: ``"H100:8"`` for every host, or ``{host: "H100:8"}`` (JSON text or a
+    #: mapping); hosts not declared are asked with nvidia-smi / rocm-smi at provision
+    accelerators: Any = None
 
 
 def _given(value: Any) -> bool:
@@ -94,6 +97,7 @@ def parse_ssh_config(config: Mapping[str, Any]) -> SSHSettings:
         connect_timeout=number(config, "connect_timeout", 10.0, float),
         ready_timeout=number(config, "ready_timeout", 30.0, float),
         max_parallel=number(config, "max_parallel", DEFAULT_MAX_PARALLEL, int),
+        accelerators=config.get("accelerators"),
     )
 
 
