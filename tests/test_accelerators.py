@@ -341,3 +341,29 @@ def test_a_user_cuda_visible_devices_would_be_silently_overridden_so_it_is_an_er
     assert info.value.field == "envs.CUDA_VISIBLE_DEVICES"
     # without a GPU request the user's own value is theirs
     choose_resources(LocalBackend(sky_home), task_from_args(run="true", envs={"CUDA_VISIBLE_DEVICES": "1"}))
+
+
+def test_kubernetes_gets_the_same_choice_through_the_shared_code() -> None:
+    """The Kubernetes backend is handed the chosen alternative only, so its manifests are those of a task
+    that asked for it alone (no cluster needed: the choice is by capability there; the scheduler places)."""
+    from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
+    from airflow_provider_sky.backends.kubernetes.manifest import pod_manifest
+    from airflow_provider_sky.backends.registry import conn_types
+
+    b = KubernetesBackend.from_config({"namespace": "ns", "image": "busybox"})
+    spec = task_from_args(
+        num_nodes=2,
+        run="true",
+        resources={
+            "any_of": [{"infra": "aws", "accelerators": "H100:8"}, {"infra": "k8s", "accelerators": "A100:8"}]
+        },
+    )
+    choice = choose_resources(b, spec, "k", conn_types())
+    assert (choice.index, str(choice.resources.accelerators)) == (1, "A100:8")
+    assert "#1 (H100:8, cloud aws): the kubernetes backend cannot run on cloud 'aws'" in choice.note()
+    chosen = spec.with_resources(choice.resources)
+    alone = task_from_args(num_nodes=2, run="true", resources={"infra": "k8s", "accelerators": "A100:8"})
+    assert pod_manifest("k", 1, chosen, b.settings.pods) == pod_manifest("k", 1, alone, b.settings.pods)
+    assert pod_manifest("k", 0, chosen, b.settings.pods)["spec"]["containers"][0]["resources"]["limits"] == {
+        "nvidia.com/gpu": "8"
+    }
