@@ -210,6 +210,15 @@ def test_provider_info_hooks_and_factories_come_from_the_registry() -> None:
         assert set(entry["conn-fields"]) <= set(info.extras)
 
 
+def test_provider_description_names_the_backends_that_exist() -> None:
+    """``airflow providers list`` shows this line: it claimed an AWS backend that does not exist."""
+    description = airflow_provider_sky.get_provider_info()["description"]
+    names = {"local": "local", "ssh": "SSH", "kubernetes": "Kubernetes"}
+    assert {i.kind for i in all_backends()} == set(names)
+    assert all(names[i.kind] in description for i in all_backends())
+    assert "AWS" not in description
+
+
 def test_the_local_test_button_names_an_unwritable_state_dir(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
