@@ -245,9 +245,10 @@ addnode() {  # extra node N (2..9): own containerd, CNI bridge and kubelet on 12
   mkdir -p $d/var-log-pods /var/log/pods
   cat > $d/run.sh <<EOF
 mount --bind $d/var-log-pods /var/log/pods
+rm -f $R/containerd$n/containerd.sock $R/containerd$n/containerd.sock.ttrpc
 containerd --config $d/containerd.toml > $L/logs/containerd$n.log 2>&1 &
 echo \$! > $R/containerd$n.pid
-for i in \$(seq 60); do [ -S $R/containerd$n/containerd.sock ] && break; sleep 0.5; done
+for i in \$(seq 120); do ctr --address $R/containerd$n/containerd.sock version >/dev/null 2>&1 && break; sleep 0.5; done
 ctr --address $R/containerd$n/containerd.sock -n k8s.io images import $L/images/pause.tar >/dev/null
 ctr --address $R/containerd$n/containerd.sock -n k8s.io images import $L/images/busybox.tar >/dev/null
 exec $B/kubelet --config=$d/kubelet.yaml --kubeconfig=$P/kubelet$n.kubeconfig --root-dir=$R/kubelet$n --hostname-override=$ip \
@@ -281,8 +282,10 @@ start() {
     --service-account-private-key-file=$P/sa.key --root-ca-file=$P/ca.crt --use-service-account-credentials=true
   bg kube-scheduler $B/kube-scheduler --kubeconfig=$P/scheduler.kubeconfig --authentication-kubeconfig=$P/scheduler.kubeconfig \
     --authorization-kubeconfig=$P/scheduler.kubeconfig --bind-address=127.0.0.1 --port=0 --leader-elect=false
+  rm -f $R/containerd*/containerd.sock $R/containerd*/containerd.sock.ttrpc   # stale ones answer nothing
   bg containerd containerd --config $L/containerd.toml
-  for i in $(seq 60); do [ -S $R/containerd/containerd.sock ] && break; sleep 0.5; done
+  # wait until containerd answers, not until its socket file exists: a killed containerd leaves the file behind
+  for i in $(seq 120); do $CTR version >/dev/null 2>&1 && break; sleep 0.5; done
   $CTR images import $L/images/pause.tar >/dev/null; $CTR images import $L/images/busybox.tar >/dev/null
   bg kubelet $B/kubelet --config=$L/kubelet.yaml --kubeconfig=$P/kubelet.kubeconfig --root-dir=$R/kubelet --hostname-override=localhost \
     --container-runtime=remote --container-runtime-endpoint=unix://$R/containerd/containerd.sock
