@@ -334,11 +334,14 @@ class Proc:
 class Scanner:
     """A job's ``sleep`` processes in the pods, from this machine's /proc.
 
-    Repeated scans read only processes not seen before: a process older than a second that is not one of
-    ours (it had time to exec what it runs) is not looked at again.
+    Repeated scans read only processes not ruled out before: one without the job's marker in its
+    environment, once it is older than :attr:`SETTLE` seconds (a process can still exec into something
+    else before that; on this overloaded machine a fork may wait that long for its exec), is not read
+    again. Processes with the marker (the job's shells) are read on every scan until they run a ``sleep``.
     """
 
     WANTED = (SLEEP_CMD, FAIL_CMD)
+    SETTLE = 5.0
 
     def __init__(self, job_id: str) -> None:
         self.marker = f"SKYPILOT_TASK_ID={job_id}".encode()
@@ -357,20 +360,17 @@ class Scanner:
             if st is None:
                 continue
             try:
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    cmd = fh.read()
-                if cmd not in self.WANTED:
-                    if now - st[1] / HZ > 1.0:
-                        self.boring.add(pid)
-                    continue
                 with open(f"/proc/{pid}/environ", "rb") as fh:
                     env = fh.read().split(b"\0")
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    cmd = fh.read()
             except OSError:
                 continue
             if self.marker not in env:
-                self.boring.add(pid)
+                if now - st[1] / HZ > self.SETTLE:
+                    self.boring.add(pid)
                 continue
-            if st[0] == "Z":
+            if cmd not in self.WANTED or st[0] == "Z":
                 continue
             rank = next((int(e[19:]) for e in env if e.startswith(b"SKYPILOT_NODE_RANK=")), -1)
             found[pid] = Proc(pid, st[1], rank, cmd)
@@ -441,7 +441,7 @@ class ExitTracker(threading.Thread):
     """The fail-fast clock: when the failing rank's ``sleep 2`` exited, and when the last sibling
     ``sleep 10000`` did.
 
-    Scans /proc every 20 ms until every sibling and the failing rank's process were found (only new
+    Scans /proc every 100 ms until every sibling and the failing rank's process were found (only new
     processes are read, see :class:`Scanner`), then waits on a pidfd per process in one ``epoll``: each
     exit is timed when it happens, at no cost while nothing happens. A sibling already gone when found
     counts as gone then. ``last_gone``: the latest sibling exit.
@@ -505,7 +505,7 @@ class ExitTracker(threading.Thread):
                             continue
                         self.known.add(pid)
                         self._watch(proc)
-                for fd, _ in self._ep.poll(0.02 if not self._complete() else 0.2):
+                for fd, _ in self._ep.poll(0.1 if not self._complete() else 0.2):
                     at = time.time()
                     proc = self._fds.pop(fd)
                     self._ep.unregister(fd)
@@ -985,10 +985,12 @@ def _one_size(cl: TestCluster, n: int, reps: int, info: dict[str, Any], log: Log
             try:
                 for key, fn, args in steps:
                     try:
-                        got[key].append(fn(*args))
-                    except Exception as exc:
-                        failures.append(f"N={n} #{i + 1} {key}: {type(exc).__name__}: {exc}")
-                        log(f"  fig6 N={n} #{i + 1} {key} FAILED: {type(exc).__name__}: {exc}")
+                        got[key].append({**fn(*args), "rep": i})
+                    except Exception as exc:  # an invalid sample of this repetition, with its reason
+                        why = f"{type(exc).__name__}: {exc}"
+                        got[key].append({"rep": i, "error": why})
+                        failures.append(f"N={n} #{i + 1} {key}: {why}")
+                        log(f"  fig6 N={n} #{i + 1} {key} FAILED: {why}")
             finally:
                 client.close()
                 td, unclean = teardown(backend, name)
@@ -1004,15 +1006,16 @@ def _one_size(cl: TestCluster, n: int, reps: int, info: dict[str, Any], log: Log
 def _invalid(samples: list[dict[str, Any]], bad: int) -> str:
     if not bad:
         return ""
-    why = Counter(str(s["error"]).split(";")[0].split(" last poll")[0] for s in samples if s["error"])
+    why = Counter(str(s["error"]).split(";")[0].split(" last poll")[0] for s in samples if s.get("error"))
     return f"{bad} of {len(samples)} samples invalid: " + ", ".join(f"{k} ({v}x)" for k, v in why.items())
 
 
 def _rows(n: int, got: dict[str, list[Any]], failures: list[str], info: dict[str, Any]) -> list[Row]:
     prov: list[Provisioned] = got["provision"]
-    start, kstart = got["start"], got["kstart"]
-    ff = [s for s in got["ff"] if not s["error"] and s["gone"] is not None]
-    kff = [s for s in got["kff"] if not s["error"] and s["gone"] is not None]
+    start = [s for s in got["start"] if not s.get("error")]
+    kstart = [s for s in got["kstart"] if not s.get("error")]
+    ff = [s for s in got["ff"] if not s.get("error") and s.get("gone") is not None]
+    kff = [s for s in got["kff"] if not s.get("error") and s.get("gone") is not None]
     bad_ff, bad_kff = len(got["ff"]) - len(ff), len(got["kff"]) - len(kff)
     not_ended = [s for s in got["ff"] if s.get("ended") is False]
     missing = sum(1 for s in start if s.get("status_without_start"))
@@ -1020,7 +1023,8 @@ def _rows(n: int, got: dict[str, list[Any]], failures: list[str], info: dict[str
     def col(samples: list[dict[str, Any]], key: str) -> list[float]:
         return [s[key] for s in samples if s.get(key) is not None]
 
-    pairs = list(zip(start, kstart, strict=False))
+    by_rep = {k["rep"]: k for k in kstart}
+    pairs = [(o, by_rep[o["rep"]]) for o in start if o["rep"] in by_rep]  # same repetition, same pods
     ratio_start = [o["last_start"] / k["last_start"] for o, k in pairs]
     ratio_call = [o["returned"] / k["returned"] for o, k in pairs]
     ff_gone = col(ff, "gone")
@@ -1036,7 +1040,13 @@ def _rows(n: int, got: dict[str, list[Any]], failures: list[str], info: dict[str
             extra={**extra_first, "created": [p.created for p in prov]},
         ),
         Row("6 provision: call -> ready (+homes, record)", n, [p.total for p in prov]),
-        Row("6 start: launch() call", n, col(start, "returned"), extra={"samples": start}),
+        Row(
+            "6 start: launch() call",
+            n,
+            col(start, "returned"),
+            note=_invalid(got["start"], len(got["start"]) - len(start)),
+            extra={"samples": got["start"]},
+        ),
         Row("6 start: launch -> last rank's sleep (/proc)", n, col(start, "last_start")),
         Row("6 start spread first->last (/proc)", n, col(start, "spread")),
         Row(
@@ -1046,7 +1056,13 @@ def _rows(n: int, got: dict[str, list[Any]], failures: list[str], info: dict[str
             note="status clock: whole seconds"
             + (f"; {missing} of {len(start)} polls had ranks without a start" if missing else ""),
         ),
-        Row("6 kubectl exec fan-out: all returned", n, col(kstart, "returned"), extra={"samples": kstart}),
+        Row(
+            "6 kubectl exec fan-out: all returned",
+            n,
+            col(kstart, "returned"),
+            note=_invalid(got["kstart"], len(got["kstart"]) - len(kstart)),
+            extra={"samples": got["kstart"]},
+        ),
         Row("6 kubectl exec fan-out -> last sleep (/proc)", n, col(kstart, "last_start")),
         Row("6 kubectl spread first->last (/proc)", n, col(kstart, "spread")),
         Row(
