@@ -51,6 +51,8 @@ FANOUT_LIMIT = 64
 DEFAULT_LOG_CHUNK = 256 * 1024
 #: how often a gang start looks at the ranks it already started (a failure there stops the start)
 LAUNCH_WATCH_INTERVAL = 0.2
+#: seconds past a fail-fast cancel's SIGKILL (``grace``) after which a rank still running is sent it again
+RECANCEL_AFTER = 2.0
 #: seconds without any poll after which the nodes kill a job (a lost scheduler, a killed ``dags test``)
 DEFAULT_ORPHAN_TIMEOUT = 300.0
 
@@ -201,6 +203,8 @@ class Poll:
     chunks: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     unreachable: dict[int, str] = field(default_factory=dict)
     at: float = 0.0
+    #: ranks whose node holds a cancel for them (it reached them; they may still be ending)
+    cancel_seen: set[int] = field(default_factory=set)
 
 
 class GangClient:
@@ -358,7 +362,7 @@ class GangClient:
 
         watcher = asyncio.ensure_future(watch_start()) if len(launches) > 1 else None
         try:
-            results = await fan_out(one, chunks)
+            results = await fan_out(one, chunks, self.call_limit)
         finally:
             if watcher is not None:
                 await _cancel_bounded([watcher])
@@ -425,6 +429,8 @@ class GangClient:
                 continue
             poll.status.ranks.append(classify(raw, ip, now))
             poll.status.cancel_requested |= raw.cancel_requested
+            if raw.cancel_requested:
+                poll.cancel_seen.add(rank)
             if raw.cancel_reason and not poll.status.cancel_reason:
                 poll.status.cancel_reason = raw.cancel_reason
             if raw.log_chunk:
@@ -504,26 +510,47 @@ class GangClient:
             raise raw
         return raw
 
+    @property
+    def call_limit(self) -> int:
+        """Remote calls in flight at once (the backend's :attr:`Backend.call_limit`, else
+        :data:`FANOUT_LIMIT`)."""
+        return self.backend.call_limit or FANOUT_LIMIT
+
     async def _bounded(self, fn: Callable[[T], Awaitable[R]], calls: list[T]) -> list[R | BaseException]:
-        """Make every call at once, but never wait past ``status_timeout`` for one that hangs.
+        """Make the calls (all at once, or :attr:`Backend.call_limit` at a time), but never wait past
+        ``status_timeout`` for one that hangs.
 
         A dead or black-holed host would otherwise stall every poll of the gang for its connect
         retries. A call without an answer in time is cancelled (its runner kills the script and
         reaps it) and its ranks count as unreachable for the round; nothing is left running in the
-        background, so the next round asks afresh and calls never pile up. Returns each call's
-        result or exception.
+        background, so the next round asks afresh and calls never pile up. With a call limit each
+        call's time counts from its own start: 128 pods polled 16 at a time are not "unreachable"
+        because the server took 8 s for all of them. Returns each call's result or exception.
         """
-        tasks = [asyncio.ensure_future(fn(call)) for call in calls]
+        timeout, limit = self.status_timeout, self.backend.call_limit
+        if limit and len(calls) > limit:
+            sem = asyncio.Semaphore(limit)
+
+            async def one(call: T) -> R:
+                async with sem:
+                    return await asyncio.wait_for(fn(call), timeout)
+
+            tasks = [asyncio.ensure_future(one(call)) for call in calls]
+            deadline = timeout * -(-len(calls) // limit) + CANCEL_WAIT  # every round at its limit
+        else:
+            tasks = [asyncio.ensure_future(fn(call)) for call in calls]
+            deadline = timeout
         try:
             if tasks:
-                await asyncio.wait(tasks, timeout=self.status_timeout)
+                await asyncio.wait(tasks, timeout=deadline)
         finally:
             await _cancel_bounded(tasks)
-        late = RunnerError("", f"no answer within {self.status_timeout:g}s")
+        late = RunnerError("", f"no answer within {timeout:g}s")
         out: list[R | BaseException] = []
         for task in tasks:
             if task.done() and not task.cancelled():
-                out.append(task.exception() or task.result())
+                exc = task.exception()
+                out.append(late if isinstance(exc, asyncio.TimeoutError) else exc or task.result())
             else:  # cancelled, or its cancel did not finish in time (it ends on its own)
                 out.append(late)
         return out
@@ -597,7 +624,7 @@ class GangClient:
                 raise RunnerError(nodes[0].ip, f"cancel script failed: {res.error_text}")
 
         calls = self._calls(job_id, wanted)
-        for chunk, res in zip(calls, await fan_out(one, calls), strict=True):
+        for chunk, res in zip(calls, await fan_out(one, calls, self.call_limit), strict=True):
             if isinstance(res, BaseException):
                 ips = ", ".join(dict.fromkeys(self.node_of(r).ip for r in chunk))
                 log.warning("Could not cancel ranks %s (%s): %s", _span(chunk), ips, res)
@@ -609,9 +636,17 @@ class GangClient:
 
 
 def cancel_reason(status: GangStatus) -> str:
-    """What the siblings of a failed rank read as the reason of their cancel."""
+    """What the siblings of a failed rank read as the reason of their cancel: the rank and why it
+    failed, so a sibling's own log already says what went wrong ("rank 2 failed first: exited with
+    code 1"), whichever watcher told it."""
     cause = status.root_cause()
-    return f"rank {cause.rank} failed first" if cause else "a rank failed"
+    if cause is None:
+        return "a rank failed"
+    return (
+        f"rank {cause.rank} failed first: {cause.reason}"
+        if cause.reason
+        else f"rank {cause.rank} failed first"
+    )
 
 
 @dataclass
@@ -621,6 +656,21 @@ class MonitorState:
     offsets: dict[int, int] = field(default_factory=dict)
     unreachable_since: dict[int, float] = field(default_factory=dict)
     cancel_issued: bool = False
+    #: when each rank was last sent the gang's cancel (fail-fast), to send it again if it lives on
+    cancel_sent: dict[int, float] = field(default_factory=dict)
+
+
+def _cancel_due(poll: Poll, st: MonitorState, grace: float) -> list[int]:
+    """The ranks a failed gang's watcher sends its cancel to now: every unfinished rank that answered
+    this round and was not sent it yet, or was sent it a while ago and still runs."""
+    due = []
+    for r in poll.status.ranks:
+        if r.terminal or r.rank in poll.unreachable:
+            continue
+        wait = grace + RECANCEL_AFTER * (3 if r.rank in poll.cancel_seen else 1)
+        if poll.at - st.cancel_sent.get(r.rank, -math.inf) > wait:
+            due.append(r.rank)
+    return due
 
 
 async def watch(
@@ -658,12 +708,23 @@ async def watch(
             else:
                 st.unreachable_since.pop(r.rank, None)
         just_cancelled = False
-        if fail_fast and poll.status.failed and not st.cancel_issued:
-            st.cancel_issued = just_cancelled = True
-            pending = [r.rank for r in poll.status.ranks if not r.terminal]
+        if fail_fast and poll.status.failed:
+            # every rank still running gets the cancel; one that did not answer this round (its call
+            # would only hang) gets it when it answers, and one the cancel did not reach (its call
+            # failed: an overloaded exec server, a node back from a hang) or that lives on well past
+            # the cancel's SIGKILL gets it again
+            pending = _cancel_due(poll, st, grace)
             if pending:
-                log.info("Rank failed; cancelling ranks %s of job %s", pending, job_id)
+                if st.cancel_issued:
+                    log.info(
+                        "Ranks %s of job %s still run after the cancel; cancelling again", pending, job_id
+                    )
+                else:
+                    log.info("Rank failed; cancelling ranks %s of job %s", pending, job_id)
+                st.cancel_sent.update(dict.fromkeys(pending, poll.at))
                 await client.acancel(job_id, pending, grace, wait=False, reason=cancel_reason(poll.status))
+            just_cancelled = not st.cancel_issued
+            st.cancel_issued = True
             poll.status.cancel_requested = True
         yield poll
         if poll.status.done:

@@ -388,10 +388,11 @@ def test_seed_failed_worker_run(real: RealAirflow) -> None:
         assert other["state"] == "cancelled", other
         if real.kube is None:  # see test_fail_fast: on Kubernetes the outcome is read from XCom
             log = real.log("sky_seed_failed_run", run_id, "seed.rank", i)
-            # the sibling names rank 2 as the cause: with the exit code when its trigger saw rank 2's exit, or
+            # the sibling names rank 2 and its exit code as the cause: as its trigger saw rank 2's exit, or
             # as the launch-side watcher's cancel reason when the gang was over before its trigger's first poll
             assert re.search(
-                r"failed: rank 2 \(\S+\) exited with code 1|cancelled: rank 2 failed first", log
+                r"failed: rank 2 \(\S+\) exited with code 1|cancelled: rank 2 failed first: exited with code 1",
+                log,
             ), log
     assert tis[("seed.gang", -1)]["state"] == "failed"
     assert tis[("seed.down", -1)]["state"] == "success"

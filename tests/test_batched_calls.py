@@ -141,7 +141,7 @@ def test_fail_fast_at_64_ranks_costs_one_call_per_poll(sky_home: Path) -> None:
     assert status.by_rank(5).state == "failed" and status.by_rank(5).exit_code == 7
     others = [r for r in status.ranks if r.rank != 5]
     assert {r.state for r in others} == {"cancelled"}
-    assert {r.reason for r in others} == {"cancelled: rank 5 failed first"}
+    assert {r.reason for r in others} == {"cancelled: rank 5 failed first: exited with code 7"}
     cause = status.root_cause()
     assert cause is not None and cause.rank == 5
     fail_end = status.by_rank(5).end

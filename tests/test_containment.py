@@ -233,7 +233,7 @@ def test_a_rank_failing_during_the_gang_start_stops_it(sky_home: Path) -> None:
     for r in status.ranks:
         if r.rank == 1:
             continue
-        assert r.state == "cancelled" and r.reason == "cancelled: rank 1 failed first", r
+        assert r.state == "cancelled" and r.reason == "cancelled: rank 1 failed first: exited with code 1", r
     for rank in range(8):
         assert (Path(client.node_of(rank).home) / "ran").exists() == (rank < 4), f"rank {rank}"
     assert _wait_for(lambda: all(r.terminal for r in client.peek("job").ranks), 5)

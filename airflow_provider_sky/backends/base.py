@@ -140,6 +140,11 @@ class Backend(ABC):
     #: a process whose end ends a node (a pod's entrypoint): ended when the node goes down idle, so
     #: the node gives its resources back (0: none; the node's directories are removed either way)
     idle_down_kill: int = 0
+    #: remote calls in flight at once for one gang (status, cancel, start); 0: every call at once. A
+    #: backend whose calls all go through one server that does real work per call (Kubernetes' exec:
+    #: a runc exec on the node each) sets it, so that a call's time limit counts from its start,
+    #: not from the back of a queue on an overloaded server
+    call_limit: int = 0
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Backend:

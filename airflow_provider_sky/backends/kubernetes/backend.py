@@ -123,6 +123,8 @@ class KubernetesBackend(Backend):
     #: the pod's entrypoint: when the cluster goes down idle it exits, the pod completes and its
     #: CPU, memory and GPUs go back (the completed pod is deleted by the next teardown or provision)
     idle_down_kill = 1
+    #: each exec is a runc exec on the node (~0.1 s of its CPU): past a few in flight they only queue
+    call_limit = 16
 
     def __init__(self, settings: KubeSettings) -> None:
         self.settings = settings
