@@ -1,0 +1,541 @@
+"""Gangs on AWS EC2: N instances made with boto3 in one request, reached over SSH, all or nothing.
+
+A cluster is the set of instances tagged ``sky-airflow:cluster`` = name and ``sky-airflow:owner`` = the
+connection's owner; the head carries ``sky-airflow:role`` = head. Finding, reusing and terminating go by
+these tags alone (``ec2.py``); the cluster record (leases, homes, pinned host keys) lives on the head
+like on SSH hosts (``headrecord``). Provisioning makes every instance in one ``RunInstances`` (MinCount =
+N, so EC2 gives all or none), waits until they run and their SSH answers, and on any failure terminates
+what it made and removes the security group and key pair it made for the cluster.
+
+Commands reach the nodes through the SSH runner (``runners/ssh``): one paramiko transport per node.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from airflow_provider_sky import runtime
+from airflow_provider_sky.backends.aws import ec2 as api
+from airflow_provider_sky.backends.aws.catalog import NoInstanceType, choose
+from airflow_provider_sky.backends.aws.config import AWSSettings, parse_aws_config
+from airflow_provider_sky.backends.base import (
+    Backend,
+    BackendError,
+    ClusterBusy,
+    ClusterHandle,
+    Node,
+    Teardown,
+    add_lease,
+    begin_teardown,
+    check_reusable,
+    new_record,
+)
+from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
+from airflow_provider_sky.gang import rank_order
+from airflow_provider_sky.runners.base import RunnerError
+from airflow_provider_sky.runners.ssh import SSHNodeConfig, SSHRunner, wait_for_ssh
+from airflow_provider_sky.runners.ssh.keys import load_private_key
+from airflow_provider_sky.spec import BackendCapabilities, Resources, TaskSpec
+
+log = logging.getLogger(__name__)
+
+_HOME_SCRIPT = 'printf "%s\\n" "$HOME"'
+#: nodes probed (SSH banner, login, home) at once
+PROBE_PARALLEL = 16
+#: how long a teardown waits for terminated instances to be gone
+TERMINATE_WAIT = 600.0
+
+
+class AWSBackend(Backend):
+    """EC2 instances of one region, one rank per instance."""
+
+    kind = "aws"
+
+    def __init__(self, settings: AWSSettings) -> None:
+        self.settings = settings
+        self.owner = settings.owner
+        self.capabilities = BackendCapabilities(
+            name="aws",
+            max_nodes=1000,
+            supported_resources=frozenset(
+                {
+                    "cpus",
+                    "memory",
+                    "accelerators",
+                    "instance_type",
+                    "use_spot",
+                    "image_id",
+                    "disk_size",
+                    "labels",
+                    "cloud",
+                    "region",
+                    "zone",
+                }
+            ),
+            clouds=frozenset({"aws"}),
+        )
+        self._client: Any = None
+        self._runners: dict[tuple[str, int], SSHRunner] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> AWSBackend:
+        return cls(parse_aws_config(config))
+
+    @property
+    def ec2(self) -> Any:
+        if self._client is None:
+            self._client = api.make_client(self.settings)
+        return self._client
+
+    @property
+    def region(self) -> str:
+        return str(self.ec2.meta.region_name)
+
+    def close(self) -> None:
+        for r in self._runners.values():
+            r.close()
+        self._runners.clear()
+
+    # -- reaching a node ---------------------------------------------------------------------------
+
+    def endpoint(self, instance: Mapping[str, Any]) -> tuple[str, int, str]:
+        """(host, port, user) Airflow reaches ``instance`` at: its public IP, or its private IP with
+        ``use_private_ips`` (or when it has no public one). Tests replace this with a fake network."""
+        private = instance.get("PrivateIpAddress")
+        public = instance.get("PublicIpAddress")
+        host = private if self.settings.use_private_ips or not public else public
+        if not host:
+            raise BackendError(f"instance {instance.get('InstanceId')} has no IP address yet")
+        return str(host), self.settings.ssh_port, self.settings.ssh_user
+
+    def _ssh_config(self, host: str, port: int, user: str, **more: Any) -> SSHNodeConfig:
+        s = self.settings
+        kwargs: dict[str, Any] = {
+            "user": user,
+            "port": port,
+            "private_key": s.private_key,
+            "key_file": s.key_file,
+            "passphrase": s.passphrase,
+            "connect_timeout": 10.0,
+            "host_key_policy": "skip" if s.host_key_policy == "skip" else "verify",
+        }
+        kwargs.update(more)
+        return SSHNodeConfig(host, **kwargs)
+
+    def runner(self, node: Node) -> SSHRunner:
+        """The node's SSH runner; its host key is the one pinned when the instance was first reached."""
+        host, port = str(node.extra["host"]), int(node.extra["port"])
+        with self._lock:
+            if (host, port) not in self._runners:
+                key = node.extra.get("host_key")
+                cfg = self._ssh_config(
+                    host, port, str(node.extra["user"]), pinned_host_keys=(key,) if key else ()
+                )
+                self._runners[(host, port)] = SSHRunner(cfg)
+            return self._runners[(host, port)]
+
+    def public_key(self) -> str:
+        """The connection's private key's public half (``ssh-ed25519 AAAA...``), for the key pair."""
+        try:
+            pkey = load_private_key(self._ssh_config("key", 22, self.settings.ssh_user))
+        except RunnerError as exc:
+            raise BackendError(f"private_key: {exc}") from None
+        return f"{pkey.get_name()} {pkey.get_base64()}"
+
+    # -- records -------------------------------------------------------------------------------------
+
+    def records(self, head: Node) -> HeadRecords:
+        return HeadRecords(lambda: self.runner(head), f"instance {head.node_id} ({head.extra['host']})")
+
+    def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
+        return [f"{handle.nodes[0].home}/{record_path(handle.name)}"] if rank == 0 else []
+
+    # -- finding -------------------------------------------------------------------------------------
+
+    def _ordered(self, name: str, instances: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Head first (the instance tagged head), workers by private IP: the rank order."""
+        heads = [i for i in instances if api.tags_of(i).get(api.TAG_ROLE) == "head"]
+        if len(heads) != 1:
+            raise ClusterBusy(f"cluster {name!r}: {len(heads)} instances are tagged head (it is being made)")
+        by_ip = {str(i.get("PrivateIpAddress") or i["InstanceId"]): i for i in instances}
+        head_ip = str(heads[0].get("PrivateIpAddress") or heads[0]["InstanceId"])
+        return [by_ip[ip] for ip in rank_order(list(by_ip), head_ip)]
+
+    def _node(self, name: str, instance: Mapping[str, Any], known: Mapping[str, Any] | None) -> Node:
+        """A node from an instance; its home and host key from ``known`` (the record) when there."""
+        host, port, user = self.endpoint(instance)
+        extra = dict((known or {}).get("extra") or {})
+        extra.update(
+            host=host,
+            port=port,
+            user=user,
+            instance_id=instance["InstanceId"],
+            instance_type=instance.get("InstanceType"),
+            zone=(instance.get("Placement") or {}).get("AvailabilityZone"),
+            role=api.tags_of(instance).get(api.TAG_ROLE, "worker"),
+        )
+        pinned = api.tags_of(instance).get(api.TAG_HOST_KEY)
+        if pinned and not extra.get("host_key"):
+            extra["host_key"] = pinned
+        home = str((known or {}).get("home") or "~")
+        return Node(
+            ip=str(instance.get("PrivateIpAddress") or host),
+            node_id=str(instance["InstanceId"]),
+            root=f"{home}/.sky_airflow/{name}",
+            home=home,
+            extra=extra,
+        )
+
+    def _handle(self, name: str, nodes: list[Node]) -> ClusterHandle:
+        return ClusterHandle(
+            name=name,
+            backend=self.kind,
+            nodes=tuple(nodes),
+            cloud="aws",
+            region=self.region,
+            zone=str(nodes[0].extra.get("zone") or "") or None,
+            extra={"instance_type": nodes[0].extra.get("instance_type")},
+        )
+
+    def find(self, name: str) -> ClusterHandle | None:
+        """The cluster when every instance of it runs, addresses as they are now."""
+        instances = api.describe_instances(self.ec2, name, self.owner)
+        if not instances or any(i["State"]["Name"] != "running" for i in instances):
+            return None
+        try:
+            ordered = self._ordered(name, instances)
+        except ClusterBusy:
+            return None
+        head = self._node(name, ordered[0], None)
+        try:
+            record = self.records(head).load(name)
+        except (BackendError, RunnerError):
+            return None
+        if record is None:
+            return None
+        known = {n["node_id"]: n for n in record.get("nodes") or ()}
+        return self._handle(name, [self._node(name, i, known.get(i["InstanceId"])) for i in ordered])
+
+    # -- choosing ------------------------------------------------------------------------------------
+
+    def fit(self, resources: Resources, num_nodes: int, name: str | None = None) -> list[tuple[str, str]]:
+        """An instance type of the catalog has what is asked; the region is the connection's."""
+        problems: list[tuple[str, str]] = []
+        if resources.region and self.settings.region and resources.region != self.settings.region:
+            problems.append(
+                (
+                    "resources.region",
+                    f"the connection works in {self.settings.region}, the task asks for {resources.region}; "
+                    "use a sky_aws connection of that region (region_name)",
+                )
+            )
+        try:
+            choose(resources)
+        except NoInstanceType as exc:
+            problems.append((exc.field, exc.message))
+        return problems
+
+    # -- provisioning --------------------------------------------------------------------------------
+
+    def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
+        runtime.check_job_id(name)
+        problems = self.fit(spec.resources, spec.num_nodes, name)
+        if problems:
+            raise BackendError("; ".join(f"{f}: {m}" for f, m in problems) + "; nothing was created")
+        return self._wait_out_teardown(lambda: self._provision_once(name, spec, holder), 2.0)
+
+    def _provision_once(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
+        instances = api.describe_instances(self.ec2, name, self.owner)
+        if instances:
+            return self._reuse(name, spec, holder, instances)
+        made: dict[str, list[str]] = {"instances": [], "groups": [], "keys": []}
+        try:
+            instances = self._create(name, spec, made)
+            nodes = self._reach(name, self._ordered(name, instances), {})
+            handle = self._handle(name, nodes)
+            # a new instance's disk is new: a record there is not this cluster's, so it is replaced
+            return self.records(nodes[0]).update(name, lambda rec: (new_record(handle, holder), handle))
+        except BaseException as exc:
+            left = self._undo(name, made)
+            if isinstance(exc, BackendError) and not isinstance(exc, ClusterBusy):
+                what = f"{len(made['instances'])} instance(s)" if made["instances"] else "nothing"
+                state = f"; also left: {', '.join(left)}" if left else f"; {what} made, nothing of it is left"
+                raise BackendError(f"cluster {name!r} not provisioned: {exc}{state}") from None
+            raise
+
+    def _create(self, name: str, spec: TaskSpec, made: dict[str, list[str]]) -> list[dict[str, Any]]:
+        """One RunInstances for all N (MinCount = N: EC2 gives every instance or none), then the head
+        tag on the first; what was made is noted in ``made`` as it is made."""
+        s, res, ec2 = self.settings, spec.resources, self.ec2
+        itype = choose(res)
+        image = res.image_id or s.image_id or api.default_image(ec2)
+        if image.startswith("docker:"):
+            raise BackendError(
+                f"resources.image_id: {image!r} is a container image; give an AMI id (ami-...)"
+            )
+        zone = res.zone or s.zone
+        subnet, vpc = api.subnet_vpc(ec2, s.subnet_id, zone)
+        groups = list(s.security_group_ids)
+        if not groups:
+            groups = [api.create_security_group(ec2, name, self.owner, vpc, s.ssh_cidr)]
+            made["groups"] = groups
+        key_name = s.key_name
+        if not key_name:
+            key_name = api.import_key_pair(ec2, name, self.owner, self.public_key())
+            made["keys"] = [key_name]
+        request: dict[str, Any] = {
+            "ImageId": image,
+            "InstanceType": itype.name,
+            "MinCount": spec.num_nodes,
+            "MaxCount": spec.num_nodes,
+            "KeyName": key_name,
+            "TagSpecifications": [
+                api.tag_spec("instance", name, self.owner, "worker"),
+                api.tag_spec("volume", name, self.owner),
+            ],
+            "InstanceInitiatedShutdownBehavior": "terminate",
+        }
+        interface: dict[str, Any] = {"DeviceIndex": 0, "Groups": groups}
+        if subnet:
+            interface["SubnetId"] = subnet
+        if not s.use_private_ips:
+            interface["AssociatePublicIpAddress"] = True
+        request["NetworkInterfaces"] = [interface]
+        if zone and not subnet:
+            request["Placement"] = {"AvailabilityZone": zone}
+        if res.disk_size:
+            request["BlockDeviceMappings"] = [
+                {
+                    "DeviceName": api.root_device(ec2, image),
+                    "Ebs": {
+                        "VolumeSize": int(res.disk_size),
+                        "VolumeType": "gp3",
+                        "DeleteOnTermination": True,
+                    },
+                }
+            ]
+        if res.use_spot:
+            request["InstanceMarketOptions"] = {
+                "MarketType": "spot",
+                "SpotOptions": {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"},
+            }
+        log.info(
+            "cluster %s: launching %s x %s (%s%s) in %s",
+            name,
+            spec.num_nodes,
+            itype.name,
+            image,
+            ", spot" if res.use_spot else "",
+            zone or self.region,
+        )
+        try:
+            launched = ec2.run_instances(**request)["Instances"]
+        except Exception as exc:
+            raise api.client_error(f"launching {spec.num_nodes} x {itype.name}", exc) from None
+        made["instances"] = [str(i["InstanceId"]) for i in launched]
+        head = launched[0]["InstanceId"]
+        try:
+            ec2.create_tags(
+                Resources=[head],
+                Tags=[{"Key": api.TAG_ROLE, "Value": "head"}, {"Key": "Name", "Value": f"sky-{name}-head"}],
+            )
+        except Exception as exc:
+            raise api.client_error(f"tagging the head {head}", exc) from None
+        return self._wait_running(name, made["instances"])
+
+    def _wait_running(self, name: str, ids: list[str]) -> list[dict[str, Any]]:
+        """Until every instance runs (a waiter: one DescribeInstances per poll for all of them); an
+        instance that ends instead is the error, with EC2's reason (capacity, spot interruption)."""
+        timeout = self.settings.provision_timeout
+        delay = 2 if timeout < 120 else 5
+        try:
+            self.ec2.get_waiter("instance_running").wait(
+                InstanceIds=ids, WaiterConfig={"Delay": delay, "MaxAttempts": max(1, int(timeout // delay))}
+            )
+        except Exception as exc:
+            instances = api.describe_instances(self.ec2, name, self.owner)
+            gone = [i for i in self._by_ids(ids) if i["State"]["Name"] in ("shutting-down", "terminated")]
+            if gone:
+                reason = gone[0].get("StateReason") or {}
+                code = str(reason.get("Code") or "")
+                cause = api.CAUSES.get(code, "ended while starting")
+                raise BackendError(
+                    f"instance {gone[0]['InstanceId']} {cause} ({code}): {reason.get('Message', '')}"
+                ) from None
+            waiting = [i["InstanceId"] for i in instances if i["State"]["Name"] != "running"]
+            raise BackendError(
+                f"instances not running after provision_timeout={timeout:g}s: {', '.join(waiting) or exc}"
+            ) from None
+        return self._by_ids(ids)
+
+    def _by_ids(self, ids: list[str]) -> list[dict[str, Any]]:
+        try:
+            pages = self.ec2.get_paginator("describe_instances").paginate(InstanceIds=ids)
+            return [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
+        except Exception as exc:
+            raise api.client_error("describing the new instances", exc) from None
+
+    def _reach(self, name: str, ordered: list[dict[str, Any]], known: Mapping[str, Any]) -> list[Node]:
+        """Wait until each instance's SSH answers (banner probe, within what is left of the provision
+        timeout), log in, read its home and pin its host key (the first one seen, on first contact)."""
+        deadline = time.monotonic() + self.settings.provision_timeout
+        nodes = [self._node(name, i, known.get(i["InstanceId"])) for i in ordered]
+        trust = Path(tempfile.mkdtemp(prefix="sky-aws-hostkeys-"))
+
+        def one(node: Node) -> Node:
+            host, port = str(node.extra["host"]), int(node.extra["port"])
+            try:
+                wait_for_ssh(host, port, max(1.0, deadline - time.monotonic()))
+            except RunnerError as exc:
+                raise BackendError(
+                    f"instance {node.node_id}: SSH did not answer at {host}:{port} within "
+                    f"provision_timeout={self.settings.provision_timeout:g}s ({exc})"
+                ) from None
+            pinned = node.extra.get("host_key")
+            if pinned or self.settings.host_key_policy == "skip":
+                runner = self.runner(node)
+            else:  # first contact: accept the key the instance shows and pin it for its life
+                known_hosts = str(trust / node.node_id)
+                cfg = self._ssh_config(host, port, str(node.extra["user"]), known_hosts=known_hosts)
+                runner = SSHRunner(replace(cfg, host_key_policy="accept-new"))
+            res = runner.run_script(_HOME_SCRIPT, timeout=60)
+            if res.returncode != 0:
+                raise BackendError(f"instance {node.node_id}: probe failed: {res.error_text}")
+            home = res.text.strip() or "~"
+            extra = dict(node.extra)
+            if not pinned and self.settings.host_key_policy != "skip":
+                line = (trust / node.node_id).read_text().split("\n")[0].split()
+                extra["host_key"] = " ".join(line[1:3])
+                self._tag_host_key(node.node_id, extra["host_key"])
+                with self._lock:
+                    self._runners.pop((host, port), None)
+            return Node(node.ip, node.node_id, f"{home}/.sky_airflow/{name}", home, extra)
+
+        try:
+            with ThreadPoolExecutor(min(PROBE_PARALLEL, len(nodes))) as pool:
+                return list(pool.map(one, nodes))
+        finally:
+            shutil.rmtree(trust, ignore_errors=True)
+
+    def _tag_host_key(self, instance_id: str, key: str) -> None:
+        """Pin the host key on the instance itself (a tag lives as long as the instance), so any worker
+        verifies the head before it reads the record there. A key too long for a tag (RSA) is pinned in
+        the record only, and such a head is verified after the first contact by the record's key."""
+        if len(key) > 256:
+            return
+        try:
+            self.ec2.create_tags(Resources=[instance_id], Tags=[{"Key": api.TAG_HOST_KEY, "Value": key}])
+        except Exception as exc:
+            raise api.client_error(f"tagging {instance_id} with its host key", exc) from None
+
+    @staticmethod
+    def _lease(
+        record: dict[str, Any] | None, handle: ClusterHandle, name: str, spec: TaskSpec, holder: str | None
+    ) -> tuple[dict[str, Any], ClusterHandle]:
+        if record is None:
+            return new_record(handle, holder), handle
+        check_reusable(record, name, spec.num_nodes)
+        new = add_lease(record, holder)
+        new["nodes"] = [n for n in handle.to_dict()["nodes"]]  # addresses may change across stop/start
+        return new, handle
+
+    def _reuse(
+        self, name: str, spec: TaskSpec, holder: str | None, instances: list[dict[str, Any]]
+    ) -> ClusterHandle:
+        """Instances of this name exist: start them if stopped, then join (a lease) by the head's record."""
+        states = {i["State"]["Name"] for i in instances}
+        if states & {"shutting-down", "stopping"}:
+            raise ClusterBusy(f"cluster {name!r}: its instances are {', '.join(sorted(states))}")
+        if len(instances) != spec.num_nodes:
+            raise BackendError(
+                f"cluster {name!r} exists with {len(instances)} instances but the task asks for "
+                f"{spec.num_nodes}: tear it down first or use another cluster name"
+            )
+        ids = [str(i["InstanceId"]) for i in instances]
+        stopped = [str(i["InstanceId"]) for i in instances if i["State"]["Name"] == "stopped"]
+        if stopped:
+            log.info("cluster %s: starting %s stopped instance(s)", name, len(stopped))
+            try:
+                self.ec2.start_instances(InstanceIds=stopped)
+            except Exception as exc:
+                raise api.client_error(f"starting the stopped instances of cluster {name!r}", exc) from None
+        if states != {"running"}:
+            instances = self._wait_running(name, ids)
+        ordered = self._ordered(name, instances)
+        head = self._node(name, ordered[0], None)
+        wait_for_ssh(str(head.extra["host"]), int(head.extra["port"]), self.settings.provision_timeout)
+        record = self.records(head).load(name)
+        if record is None:
+            raise ClusterBusy(f"cluster {name!r}: its instances run but it has no record yet")
+        check_reusable(record, name, spec.num_nodes)
+        known = {n["node_id"]: n for n in record.get("nodes") or ()}
+        nodes = self._reach(name, ordered, known)
+        handle = self._handle(name, nodes)
+        return self.records(nodes[0]).update(name, lambda rec: self._lease(rec, handle, name, spec, holder))
+
+    def _undo(self, name: str, made: Mapping[str, list[str]]) -> list[str]:
+        """Remove what a failed provision made; returns what could not be removed."""
+        left: list[str] = []
+        try:
+            # by tags as well: an instance whose id the failed call never returned is still ours
+            tagged = [i["InstanceId"] for i in api.describe_instances(self.ec2, name, self.owner)]
+            api.terminate_and_wait(self.ec2, sorted(set(made["instances"]) | set(tagged)), TERMINATE_WAIT)
+        except BackendError as exc:
+            log.warning("cluster %s: instances left after a failed provision: %s", name, exc)
+            left.extend(made["instances"])
+        left += api.delete_security_groups(self.ec2, made["groups"])
+        left += api.delete_key_pairs(self.ec2, made["keys"])
+        return left
+
+    # -- teardown ------------------------------------------------------------------------------------
+
+    def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
+        """Release ``holder``'s lease on the head; when none remains, terminate every instance tagged for
+        this cluster and owner and remove the cluster's own security group and key pair. Idempotent."""
+        instances = api.describe_instances(self.ec2, name, self.owner)
+        running = [i for i in instances if i["State"]["Name"] == "running"]
+        if running and len(running) == len(instances):
+            try:
+                head = self._node(name, self._ordered(name, instances)[0], None)
+
+                def begin(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
+                    if record is None:
+                        return None, ()
+                    return begin_teardown(record, holder)
+
+                kept_for = self.records(head).update(name, begin)
+            except (BackendError, RunnerError) as exc:  # a broken head: the instances go anyway
+                log.warning("cluster %s: the record on its head could not be read (%s)", name, exc)
+                kept_for = ()
+            if kept_for:
+                log.info("cluster %s kept: still held by %s", name, ", ".join(kept_for))
+                return Teardown(removed=False, kept_for=kept_for)
+        ids = [str(i["InstanceId"]) for i in instances if api.ours(i, name, self.owner)]
+        if ids:
+            log.info("cluster %s: terminating %s instance(s)", name, len(ids))
+        self.close()
+        api.terminate_and_wait(self.ec2, ids, TERMINATE_WAIT)
+        left = api.delete_security_groups(self.ec2, api.cluster_groups(self.ec2, name, self.owner))
+        left += api.delete_key_pairs(self.ec2, api.cluster_key_pairs(self.ec2, name, self.owner))
+        return Teardown(removed=bool(ids) and not left, unclean=tuple(left))
+
+    # -- the Test button -----------------------------------------------------------------------------
+
+    def test_connection(self) -> str:
+        """The credentials work in the region and may launch instances (a dry run), running nothing."""
+        try:
+            zones = self.ec2.describe_availability_zones()["AvailabilityZones"]
+        except Exception as exc:
+            raise api.client_error(f"reaching EC2 in {self.settings.region or 'the region'}", exc) from None
+        self.public_key()
+        return f"EC2 {self.region}: {len(zones)} zones; credentials accepted; SSH key loads"

@@ -1,0 +1,238 @@
+"""EC2 for the AWS backend's tests: moto's server over real HTTP, a fault-injecting proxy in front of it,
+and the fake network that stands in for booted machines.
+
+* ``MotoEC2``: moto's ``ThreadedMotoServer`` on a free loopback port; the backend reaches it only through
+  the connection's ``endpoint_url``, exactly as it would reach AWS. ``reset()`` empties it between tests.
+* ``FaultProxy`` (a test fake of AWS's failures): forwards every request to moto, except that it answers
+  chosen API actions with the error AWS would send (``InsufficientInstanceCapacity``,
+  ``VcpuLimitExceeded``, ...), as AWS's XML error document; moto cannot run out of capacity or quota.
+* ``FakeNetwork`` (a test fake): moto boots nothing and its instance addresses reach nothing, so no test
+  connects to them. The backend's one address hook, ``AWSBackend.endpoint(instance)``, is replaced by one
+  that gives each live moto instance a real sshd host of ``tests/sshd.py`` (its loopback address, port and
+  user). Everything else (tags, waiters, teardown, SSH, the runtime) is the product's own code.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import pwd
+import socket
+import threading
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import boto3
+from moto.server import ThreadedMotoServer
+
+from airflow_provider_sky.backends.aws.ec2 import LIVE_STATES
+from sshd import SSHDCluster, _kill, user_processes
+
+REGION = "us-east-1"
+logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request otherwise
+#: an AMI moto ships with (Ubuntu 16.04, Canonical's account)
+IMAGE = "ami-785db401"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MotoEC2:
+    """moto's server on 127.0.0.1; ``url`` is the endpoint URL a connection gives."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> MotoEC2:
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def reset(self) -> None:
+        urllib.request.urlopen(urllib.request.Request(f"{self.url}/moto-api/reset", method="POST")).read()
+
+    def client(self, url: str | None = None) -> Any:
+        """A boto3 EC2 client of the tests' own (to look at moto, or to make foreign instances)."""
+        return boto3.client(
+            "ec2",
+            region_name=REGION,
+            endpoint_url=url or self.url,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+
+
+@dataclass
+class Fault:
+    """Answer ``action`` with AWS's error ``code`` (HTTP ``status``), from its ``after``-th call on."""
+
+    action: str
+    code: str
+    message: str
+    status: int = 400
+    after: int = 0
+    seen: int = 0
+
+
+class FaultProxy:
+    """A test fake of AWS failing: forwards to moto, answers the faults' actions with their errors."""
+
+    def __init__(self, target: str) -> None:
+        self.target = urllib.parse.urlparse(target)
+        self.faults: list[Fault] = []
+        self.calls: list[str] = []
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                action = urllib.parse.parse_qs(body.decode()).get("Action", [""])[0]
+                fault = proxy._fault(action)
+                if fault is not None:
+                    xml = (
+                        f"<?xml version='1.0' encoding='UTF-8'?><Response><Errors><Error><Code>{fault.code}"
+                        f"</Code><Message>{fault.message}</Message></Error></Errors>"
+                        "<RequestID>fault-proxy</RequestID></Response>"
+                    ).encode()
+                    self.send_response(fault.status)
+                    self.send_header("Content-Type", "text/xml")
+                    self.send_header("Content-Length", str(len(xml)))
+                    self.end_headers()
+                    self.wfile.write(xml)
+                    return
+                conn = http.client.HTTPConnection(proxy.target.hostname, proxy.target.port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                conn.request("POST", self.path, body, headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in (
+                        "content-length",
+                        "transfer-encoding",
+                        "connection",
+                        "server",
+                        "date",
+                    ):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def _fault(self, action: str) -> Fault | None:
+        with self._lock:
+            self.calls.append(action)
+            for fault in self.faults:
+                if fault.action == action:
+                    fault.seen += 1
+                    if fault.seen > fault.after:
+                        return fault
+        return None
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@dataclass
+class FakeNetwork:
+    """A test fake: each live moto instance is reached at one sshd host of ``hosts`` (first free one)."""
+
+    hosts: SSHDCluster
+    moto: MotoEC2
+    assigned: dict[str, int] = field(default_factory=dict)
+    #: instances whose SSH never answers (their address: a loopback port nothing listens on)
+    dead: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def endpoint(self, backend: Any, instance: Mapping[str, Any]) -> tuple[str, int, str]:
+        iid = str(instance["InstanceId"])
+        if iid in self.dead:
+            return "127.0.0.1", _closed_port(), "nobody"
+        with self._lock:
+            if iid not in self.assigned:
+                live = self._live()
+                held = {i for inst, i in self.assigned.items() if inst in live}
+                free = [i for i in range(len(self.hosts.nodes)) if i not in held]
+                if not free:
+                    raise AssertionError(
+                        f"FakeNetwork: more live instances than the {len(self.hosts.nodes)} hosts"
+                    )
+                self.assigned[iid] = free[0]
+                self._fresh_machine(free[0])
+            node = self.hosts.nodes[self.assigned[iid]]
+        return node.host, node.port, node.user
+
+    def _live(self) -> set[str]:
+        pages = (
+            self.moto.client()
+            .get_paginator("describe_instances")
+            .paginate(Filters=[{"Name": "instance-state-name", "Values": list(LIVE_STATES)}])
+        )
+        return {i["InstanceId"] for p in pages for r in p["Reservations"] for i in r["Instances"]}
+
+    def _fresh_machine(self, index: int) -> None:
+        """A new instance is a new machine: nothing of the host's last instance runs or stays on disk."""
+        node = self.hosts.nodes[index]
+        _kill(user_processes(node.user))
+        self.hosts._reset_home(node, pwd.getpwnam(node.user))
+
+    def power_off_gone(self) -> None:
+        """Hosts whose instance moto no longer has live stop (their processes end), as EC2's would."""
+        live = self._live()
+        for iid, index in self.assigned.items():
+            if iid not in live:
+                _kill(user_processes(self.hosts.nodes[index].user))
+
+    def host_of(self, instance_id: str) -> int:
+        return self.assigned[instance_id]
+
+
+_CLOSED: list[int] = []
+
+
+def _closed_port() -> int:
+    if not _CLOSED:
+        _CLOSED.append(_free_port())  # bound and released: nothing listens there
+    return _CLOSED[0]
+
+
+def ours_left(ec2: Any, name: str) -> dict[str, list[str]]:
+    """Everything tagged for cluster ``name`` that still exists: live instances, groups, key pairs."""
+    f = [{"Name": "tag:sky-airflow:cluster", "Values": [name]}]
+    inst = [
+        i["InstanceId"]
+        for r in ec2.describe_instances(
+            Filters=[*f, {"Name": "instance-state-name", "Values": list(LIVE_STATES)}]
+        )["Reservations"]
+        for i in r["Instances"]
+    ]
+    groups = [g["GroupId"] for g in ec2.describe_security_groups(Filters=f)["SecurityGroups"]]
+    keys = [k["KeyName"] for k in ec2.describe_key_pairs(Filters=f)["KeyPairs"]]
+    return {k: v for k, v in {"instances": inst, "security_groups": groups, "key_pairs": keys}.items() if v}
+
+
+def iter_instances(ec2: Any, **kw: Any) -> Iterator[dict[str, Any]]:
+    for r in ec2.describe_instances(**kw)["Reservations"]:
+        yield from r["Instances"]

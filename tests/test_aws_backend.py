@@ -1,0 +1,286 @@
+"""The AWS EC2 backend against moto's server (real HTTP, reached through the connection's endpoint URL).
+
+moto boots nothing: the instances' SSH is the fake network of ``moto_ec2.FakeNetwork`` (each live moto
+instance is one real sshd host of ``tests/sshd.py``); no test connects to a moto address.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from airflow_provider_sky.backends.aws import AWSBackend
+from airflow_provider_sky.backends.base import BackendError
+from airflow_provider_sky.runners import ssh
+from airflow_provider_sky.spec import task_from_args
+from moto_ec2 import IMAGE, REGION, FakeNetwork, Fault, FaultProxy, MotoEC2, iter_instances, ours_left
+from sshd import SSHDCluster, needs_sshd
+
+pytestmark = needs_sshd
+
+
+@pytest.fixture(scope="module")
+def moto() -> Iterator[MotoEC2]:
+    server = MotoEC2().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHDCluster]:
+    with SSHDCluster(5, tmp_path_factory.mktemp("aws-sshd")) as c:
+        yield c
+        ssh.close_all()
+
+
+@pytest.fixture
+def net(moto: MotoEC2, hosts: SSHDCluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNetwork]:
+    moto.reset()
+    network = FakeNetwork(hosts, moto)
+    monkeypatch.setattr(AWSBackend, "endpoint", lambda self, inst: network.endpoint(self, inst))
+    yield network
+    ssh.close_all()
+    network.power_off_gone()
+
+
+def conn(moto_url: str, hosts: SSHDCluster, **extra: Any) -> dict[str, Any]:
+    """A sky_aws connection's config, as the hook hands it to the backend."""
+    config: dict[str, Any] = {
+        "login": "testing",
+        "password": "testing",
+        "region_name": REGION,
+        "endpoint_url": moto_url,
+        "private_key": hosts.client_key_text,
+        "image_id": IMAGE,
+        "provision_timeout": 30,
+    }
+    config.update(extra)
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def backend(moto_url: str, hosts: SSHDCluster, **extra: Any) -> AWSBackend:
+    return AWSBackend.from_config(conn(moto_url, hosts, **extra))
+
+
+def _tags(instance: dict[str, Any]) -> dict[str, str]:
+    return {t["Key"]: t["Value"] for t in instance.get("Tags") or ()}
+
+
+def test_lifecycle_provision_find_reuse_stop_start_terminate(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
+) -> None:
+    ec2 = moto.client()
+    b = backend(moto.url, hosts)
+    spec = task_from_args(num_nodes=4, run="true", resources={"cpus": "4+"})
+    t0 = time.monotonic()
+    h = b.provision("train", spec, holder="dag/run-a")
+    took = time.monotonic() - t0
+    instances = {i["InstanceId"]: i for i in iter_instances(ec2)}
+    assert len(instances) == 4 and all(i["State"]["Name"] == "running" for i in instances.values())
+    assert {i["InstanceType"] for i in instances.values()} == {"c6i.xlarge"}  # the cheapest with 4+ vCPUs
+    roles = [_tags(instances[n.node_id])["sky-airflow:role"] for n in h.nodes]
+    assert roles == ["head", "worker", "worker", "worker"]
+    assert all(_tags(i)["sky-airflow:owner"] == "airflow-provider-sky" for i in instances.values())
+    # SKYPILOT_NODE_IPS: private IPs, workers after the head sorted by IP
+    workers = [n.ip for n in h.nodes[1:]]
+    assert workers == sorted(workers, key=lambda ip: tuple(int(p) for p in ip.split(".")))
+    assert [n.ip for n in h.nodes] == [instances[n.node_id]["PrivateIpAddress"] for n in h.nodes]
+    assert h.cloud == "aws" and h.region == REGION
+    # each node is its own machine (its own sshd host), and a command runs there
+    homes = {b.runner(n).run_script('printf %s "$HOME"').text for n in h.nodes}
+    assert len(homes) == 4
+    # volumes and the security group are tagged too
+    vols = ec2.describe_volumes(Filters=[{"Name": "tag:sky-airflow:cluster", "Values": ["train"]}])["Volumes"]
+    assert len(vols) == 4
+    assert ours_left(ec2, "train").keys() == {"instances", "security_groups", "key_pairs"}
+
+    # found again by its tags, from a fresh backend (another worker)
+    found = backend(moto.url, hosts).find("train")
+    assert found is not None and [n.node_id for n in found.nodes] == [n.node_id for n in h.nodes]
+
+    # reused by another run: the same instances, a second lease
+    h2 = backend(moto.url, hosts).provision("train", spec, holder="dag/run-b")
+    assert [n.node_id for n in h2.nodes] == [n.node_id for n in h.nodes]
+    assert len(list(iter_instances(ec2))) == 4
+
+    # stopped (by hand, in the console) and provisioned again: started, the head still rank 0
+    ec2.stop_instances(InstanceIds=list(instances))
+    ec2.get_waiter("instance_stopped").wait(InstanceIds=list(instances), WaiterConfig={"Delay": 1})
+    assert backend(moto.url, hosts).find("train") is None  # not usable while stopped
+    h3 = backend(moto.url, hosts).provision("train", spec, holder="dag/run-c")
+    assert h3.nodes[0].node_id == h.nodes[0].node_id
+    assert {n.node_id for n in h3.nodes} == set(instances)
+
+    # run a's teardown keeps the cluster (b and c hold it); the last one removes everything of ours
+    assert backend(moto.url, hosts).terminate("train", holder="dag/run-a").kept_for == (
+        "dag/run-b",
+        "dag/run-c",
+    )
+    assert backend(moto.url, hosts).terminate("train", holder="dag/run-b").kept_for == ("dag/run-c",)
+    assert ours_left(ec2, "train")["instances"]
+    down = backend(moto.url, hosts).terminate("train", holder="dag/run-c")
+    assert down.removed and not down.unclean
+    assert ours_left(ec2, "train") == {}
+    assert all(i["State"]["Name"] == "terminated" for i in iter_instances(ec2))
+    # idempotent: again, nothing to do
+    assert backend(moto.url, hosts).terminate("train").removed is False
+    print(f"provision of 4 on moto + sshd: {took:.2f}s")
+
+
+def test_foreign_instances_survive_every_teardown(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
+) -> None:
+    ec2 = moto.client()
+
+    def foreign(tags: dict[str, str]) -> str:
+        spec = (
+            [{"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}]
+            if tags
+            else []
+        )
+        kw: dict[str, Any] = {"TagSpecifications": spec} if spec else {}
+        return str(
+            ec2.run_instances(ImageId=IMAGE, MinCount=1, MaxCount=1, **kw)["Instances"][0]["InstanceId"]
+        )
+
+    theirs = [
+        foreign({}),  # untagged
+        foreign({"sky-airflow:cluster": "other", "sky-airflow:owner": "airflow-provider-sky"}),
+        foreign(
+            {"sky-airflow:cluster": "mine", "sky-airflow:owner": "someone-else"}
+        ),  # same name, other owner
+        foreign({"sky-airflow:cluster": "mine"}),  # our cluster tag but no owner tag
+        foreign({"Name": "sky-mine-head", "sky-airflow:role": "head"}),
+    ]
+    b = backend(moto.url, hosts)
+    h = b.provision("mine", task_from_args(num_nodes=2, run="true"), holder="d/r")
+    assert not set(theirs) & {n.node_id for n in h.nodes}
+    assert b.terminate("mine", holder="d/r").removed
+    assert b.terminate("mine").removed is False
+    assert b.terminate("other-never-made").removed is False
+    states = {i["InstanceId"]: i["State"]["Name"] for i in iter_instances(ec2, InstanceIds=theirs)}
+    assert states == dict.fromkeys(theirs, "running")
+    assert ours_left(ec2, "mine") == {"instances": [theirs[2], theirs[3]]}  # tagged mine, not ours
+
+
+@pytest.mark.parametrize(
+    ("action", "code", "status", "cause"),
+    [
+        ("RunInstances", "InsufficientInstanceCapacity", 500, "insufficient capacity"),
+        ("RunInstances", "VcpuLimitExceeded", 400, "quota"),
+        ("CreateTags", "UnauthorizedOperation", 400, "permission denied"),  # after the instances exist
+    ],
+)
+def test_a_failure_part_way_leaves_nothing_of_ours(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork, action: str, code: str, status: int, cause: str
+) -> None:
+    proxy = FaultProxy(moto.url)
+    try:
+        proxy.faults.append(Fault(action, code, f"the server says {code}", status))
+        b = backend(proxy.url, hosts)
+        with pytest.raises(BackendError) as err:
+            b.provision("partial", task_from_args(num_nodes=3, run="true"), holder="d/r")
+        text = str(err.value)
+        assert f"{cause} ({code})" in text and "nothing of it is left" in text
+        ec2 = moto.client()
+        assert ours_left(ec2, "partial") == {}
+        if action == "CreateTags":
+            assert "3 instance(s) made" in text
+            assert sorted(i["State"]["Name"] for i in iter_instances(ec2)) == ["terminated"] * 3
+    finally:
+        proxy.stop()
+
+
+def test_ssh_that_never_answers_terminates_everything(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
+) -> None:
+    ec2 = moto.client()
+    b = backend(moto.url, hosts, provision_timeout=2)
+    real = net.endpoint
+
+    def second_is_dead(backend_: Any, inst: Any) -> Any:
+        ids = sorted(i["InstanceId"] for i in iter_instances(ec2))
+        if inst["InstanceId"] == ids[-1]:
+            net.dead.add(inst["InstanceId"])
+        return real(backend_, inst)
+
+    net.endpoint = second_is_dead  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    with pytest.raises(
+        BackendError, match=r"SSH did not answer at 127\.0\.0\.1:\d+ within provision_timeout=2s"
+    ):
+        b.provision("nossh", task_from_args(num_nodes=2, run="true"))
+    assert time.monotonic() - t0 < 30
+    assert ours_left(ec2, "nossh") == {}
+
+
+@pytest.mark.parametrize(
+    ("resources", "field"),
+    [
+        ({"accelerators": "Z100:3"}, "resources.accelerators"),
+        ({"accelerators": "A100:3"}, "resources.accelerators"),
+        ({"instance_type": "m6i.large", "accelerators": "H100:8"}, "resources.instance_type"),
+        ({"cpus": "3"}, "resources.cpus"),
+        ({"region": "eu-west-1"}, "resources.region"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_field_before_anything_is_made(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork, resources: dict[str, Any], field: str
+) -> None:
+    proxy = FaultProxy(moto.url)
+    try:
+        b = backend(proxy.url, hosts)
+        spec = task_from_args(num_nodes=2, run="true", resources=resources)
+        assert [f for f, _ in b.fit(spec.resources, 2)] == [field]
+        with pytest.raises(BackendError, match=field.replace(".", r"\.")):
+            b.provision("bad", spec)
+        assert [c for c in proxy.calls if not c.startswith("Describe")] == []
+    finally:
+        proxy.stop()
+
+
+def test_instance_request_spot_disk_and_given_groups_and_key(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
+) -> None:
+    ec2 = moto.client()
+    vpc = ec2.describe_vpcs()["Vpcs"][0]["VpcId"]
+    group = ec2.create_security_group(GroupName="mine", Description="x", VpcId=vpc)["GroupId"]
+    pub = backend(moto.url, hosts).public_key()
+    ec2.import_key_pair(KeyName="my-key", PublicKeyMaterial=pub.encode())
+    b = backend(moto.url, hosts, security_group_ids=group, key_name="my-key")
+    spec = task_from_args(
+        num_nodes=2, run="true", resources={"accelerators": "A100:8", "use_spot": True, "disk_size": 512}
+    )
+    h = b.provision("gpu", spec)
+    inst = list(iter_instances(ec2, InstanceIds=[n.node_id for n in h.nodes]))
+    assert {i["InstanceType"] for i in inst} == {"p4d.24xlarge"}
+    assert {i.get("InstanceLifecycle") for i in inst} == {"spot"}
+    assert {i["KeyName"] for i in inst} == {"my-key"}
+    # (moto lists a network interface's groups there, not in the instance's SecurityGroups)
+    assert {g["GroupId"] for i in inst for g in i["NetworkInterfaces"][0]["Groups"]} == {group}
+    vols = ec2.describe_volumes(
+        Filters=[{"Name": "attachment.instance-id", "Values": [inst[0]["InstanceId"]]}]
+    )
+    assert [v["Size"] for v in vols["Volumes"]] == [512]
+    assert b.terminate("gpu").removed
+    # what the connection gave is the user's: kept
+    assert [g["GroupId"] for g in ec2.describe_security_groups(GroupIds=[group])["SecurityGroups"]] == [group]
+    assert [k["KeyName"] for k in ec2.describe_key_pairs()["KeyPairs"]] == ["my-key"]
+
+
+def test_the_runner_is_built_for_the_instance_address_user_and_key(moto: MotoEC2, hosts: SSHDCluster) -> None:
+    """Without the fake network: the address a node is reached at, as a user gets it (nothing connects)."""
+    moto.reset()
+    ec2 = moto.client()
+    inst = ec2.run_instances(ImageId=IMAGE, MinCount=1, MaxCount=1)["Instances"][0]
+    for extra, host in (({}, inst["PublicIpAddress"]), ({"use_private_ips": True}, inst["PrivateIpAddress"])):
+        b = backend(moto.url, hosts, ssh_user="ec2-user", **extra)
+        node = b._node("c", inst, {"home": "/home/ec2-user", "extra": {"host_key": "ssh-ed25519 AAAAC3Nz"}})
+        cfg = b.runner(node).config
+        assert (cfg.host, cfg.port, cfg.user) == (host, 22, "ec2-user")
+        assert cfg.private_key == hosts.client_key_text and cfg.key_file is None
+        assert cfg.host_key_policy == "verify" and cfg.pinned_host_keys == ("ssh-ed25519 AAAAC3Nz",)
+        assert node.ip == inst["PrivateIpAddress"] and node.root == "/home/ec2-user/.sky_airflow/c"
