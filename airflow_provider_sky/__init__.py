@@ -14,7 +14,7 @@ def get_provider_info() -> dict[str, Any]:
     return {
         "package-name": "airflow-provider-sky",
         "name": "Sky (multi-node gangs)",
-        "description": "Run multi-node jobs (gangs) that fail fast: local, SSH and Kubernetes backends.",
+        "description": "Run multi-node jobs (gangs) that fail fast: local, SSH, Kubernetes and AWS EC2 backends.",
         "versions": [__version__],
         "operators": [
             {

@@ -147,7 +147,7 @@ def test_the_local_backend_reads_no_standard_field() -> None:
 def test_a_connection_of_another_type_names_the_types_to_use() -> None:
     with pytest.raises(
         ConnectionConfigError,
-        match="connection 'c' has type 'ssh'; use one of sky_local, sky_kubernetes, sky_ssh",
+        match="connection 'c' has type 'ssh'; use one of sky_local, sky_aws, sky_kubernetes, sky_ssh",
     ):
         by_conn_type("ssh", "c")
 
@@ -211,12 +211,11 @@ def test_provider_info_hooks_and_factories_come_from_the_registry() -> None:
 
 
 def test_provider_description_names_the_backends_that_exist() -> None:
-    """``airflow providers list`` shows this line: it claimed an AWS backend that does not exist."""
+    """``airflow providers list`` shows this line: it once claimed an AWS backend before there was one."""
     description = airflow_provider_sky.get_provider_info()["description"]
-    names = {"local": "local", "ssh": "SSH", "kubernetes": "Kubernetes"}
+    names = {"local": "local", "ssh": "SSH", "kubernetes": "Kubernetes", "aws": "AWS EC2"}
     assert {i.kind for i in all_backends()} == set(names)
     assert all(names[i.kind] in description for i in all_backends())
-    assert "AWS" not in description
 
 
 def test_the_local_test_button_names_an_unwritable_state_dir(tmp_path: Path) -> None:
