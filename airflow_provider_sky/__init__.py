@@ -30,6 +30,8 @@ def get_provider_info() -> dict[str, Any]:
         "sensors": [{"integration-name": "Sky", "python-modules": ["airflow_provider_sky.sensors.gang"]}],
         "triggers": [{"integration-name": "Sky", "python-modules": ["airflow_provider_sky.triggers.gang"]}],
         "hooks": [{"integration-name": "Sky", "python-modules": ["airflow_provider_sky.hooks.sky"]}],
+        # @task.sky: Airflow's `task` object looks the name up here (ProvidersManager.taskflow_decorators)
+        "task-decorators": [{"class-name": "airflow_provider_sky.decorators.sky.sky_task", "name": "sky"}],
         "integrations": [
             {"integration-name": "Sky", "external-doc-url": "https://docs.skypilot.co/", "tags": ["software"]}
         ],

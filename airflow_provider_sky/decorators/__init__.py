@@ -1,0 +1,1 @@
+"""TaskFlow decorators (``@task.sky``), registered in the provider info as ``task-decorators``."""
