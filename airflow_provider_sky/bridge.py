@@ -47,13 +47,13 @@ from typing import IO, Any
 
 from airflow_provider_sky.backends import ClusterHandle, make_backend
 from airflow_provider_sky.gang import RankStatus
+from airflow_provider_sky.hang import HangWatch, watch_gang
 from airflow_provider_sky.jobs import (
     DEFAULT_ORPHAN_TIMEOUT,
     GangClient,
     LaunchError,
     MonitorState,
     Poll,
-    watch,
 )
 
 log = logging.getLogger("airflow_provider_sky.bridge")
@@ -147,6 +147,7 @@ async def bridge_watch(
     bridge_timeout: float = DEFAULT_ORPHAN_TIMEOUT,
     stale_after: float | None = None,
     clock: Callable[[], float] = time.monotonic,
+    hang_timeout: float = 0.0,
 ) -> str:
     """Watch the job (fail-fast included) while nobody else does. Returns why it stopped.
 
@@ -154,19 +155,21 @@ async def bridge_watch(
     ``bridge_timeout`` seconds. ``"gone"``: the cluster was torn down.
     """
     st = MonitorState()
+    hangs = HangWatch(hang_timeout)  # silence timers kept across the re-entries below
     hand = Handover(stale_after if stale_after is not None else 2 * poll_interval, clock)
     quiet_since = clock()
     terminal: set[int] = set()
     last_find = 0.0
     while True:
         async with contextlib.aclosing(
-            watch(
+            watch_gang(
                 client,
                 job_id,
                 poll_interval=poll_interval,
                 grace=grace,
                 lost_after=lost_after,
                 state=st,
+                hangs=hangs,
                 mark=False,
             )
         ) as polls:
@@ -229,6 +232,7 @@ class BridgeRequest:
     grace: float = 3.0
     lost_after: float = 10.0
     bridge_timeout: float = DEFAULT_ORPHAN_TIMEOUT
+    hang_timeout: float = 0.0
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__, default=dict).encode()
@@ -270,6 +274,7 @@ async def serve(req: BridgeRequest, answer: Callable[[dict[str, Any]], None]) ->
             grace=req.grace,
             lost_after=req.lost_after,
             bridge_timeout=req.bridge_timeout,
+            hang_timeout=req.hang_timeout,
         )
         log.info("Bridge of job %s ends: %s", req.job_id, outcome)
         return 0

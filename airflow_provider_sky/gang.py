@@ -49,6 +49,9 @@ UNKNOWN = RankState.UNKNOWN
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED, LOST})
 BAD = frozenset({FAILED, LOST})
 
+#: how a hung rank's reason starts ("hung: no output for 600 s (ranks 1, 3)", see ``hang.py``)
+HUNG_PREFIX = "hung: "
+
 ORPHANED_REASON = (
     "orphaned: nothing polled this job for its orphan_timeout (Airflow lost track of it), so the node's "
     "dead-man's switch killed its processes"
@@ -175,6 +178,8 @@ class RankStatus:
     log_size: int = 0
     #: when any watcher last polled this rank, by that watcher's clock (None: never)
     polled_at: float | None = None
+    #: mtime of the rank's progress file (node clock), None without one: a hang watch's sign of life
+    progress: float | None = None
 
     def __post_init__(self) -> None:
         # a plain value ("failed", from JSON or an older caller) becomes the member; a bad one raises
@@ -195,12 +200,16 @@ def classify(raw: RawRankStatus, ip: str, observed_at: float) -> RankStatus:
     """Map what a node reports to a user-facing state: a cancelled sibling is never a bare 137."""
     st = RankStatus(raw.rank, ip, RUNNING, raw.exit_code, raw.start, raw.end, "", raw.log_size)
     st.polled_at = raw.polled_at
+    st.progress = raw.progress
     cancelled = "cancelled: " + raw.cancel_reason if raw.cancel_reason else "cancelled"
     if raw.state in ("exited", "badexit"):
         if raw.state == "exited" and raw.exit_code == 0:
             st.state, st.reason = SUCCEEDED, "succeeded"
         elif raw.orphaned:
             st.state, st.reason = FAILED, ORPHANED_REASON
+        elif raw.hung:  # killed by the hang watch: the cause, not a cancelled sibling
+            reason = raw.cancel_reason
+            st.state, st.reason = FAILED, reason if reason.startswith(HUNG_PREFIX) else HUNG_PREFIX.strip()
         elif raw.cancel_requested:
             st.state, st.reason = CANCELLED, cancelled
         elif raw.state == "badexit":
@@ -274,6 +283,8 @@ class GangStatus:
             return ""
         if cause.state == LOST:
             head = f"rank {cause.rank} ({cause.ip}) was lost: {cause.reason}"
+        elif cause.reason.startswith(HUNG_PREFIX):
+            head = f"rank {cause.rank} ({cause.ip}) {cause.reason}"
         else:
             head = f"rank {cause.rank} ({cause.ip}) exited with code {cause.exit_code}"
             if cause.reason != f"exited with code {cause.exit_code}":
@@ -286,7 +297,14 @@ class GangStatus:
             if r.rank != cause.rank:
                 groups.setdefault(states[r.rank], []).append(r.rank)
         tail = "; ".join(f"{_ranks_text(v)} {k}" for k, v in sorted(groups.items()))
-        codes = [r.exit_code if states[r.rank] != CANCELLED else "cancelled" for r in self.ranks]
+        codes = [
+            "cancelled"
+            if states[r.rank] == CANCELLED
+            else "hung"
+            if r.reason.startswith(HUNG_PREFIX)
+            else r.exit_code
+            for r in self.ranks
+        ]
         msg = f"Job {self.job_id} failed: {head}"
         if tail:
             msg += f"; {tail}"

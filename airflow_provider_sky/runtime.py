@@ -5,7 +5,8 @@ Per (job id, rank) a directory ``<root>/jobs/<job id>/<rank>/`` holds ``cmd.sh``
 ``mask`` (the secrets' output filter, deleted once the filter has opened it), ``rank.sh`` (the
 wrapper), ``pid`` (wrapper), ``pgid`` (the user's process group), ``start``, ``end``, ``exit``
 (written to a temp file, then renamed), ``cancel`` (marker holding the reason), ``polled`` (the
-last watcher's clock), ``orphaned`` and ``log``. Every process of a rank carries its mark in its
+last watcher's clock), ``orphaned``, ``progress`` (``$SKY_PROGRESS_FILE``: the rank touches it to
+show it is alive), ``hang/`` (made when a watcher found it hung) and ``log``. Every process of a rank carries its mark in its
 environment (:data:`MARKED_FUNCS`). The scripts travel on stdin and take only validated ids,
 integers and paths as arguments, so nothing a user wrote is ever on a command line.
 """
@@ -82,9 +83,9 @@ oomk() {
 }
 oom0=$(oomk)
 if command -v setsid >/dev/null 2>&1; then
-  SKY_PROVIDER_MARK="$d/" setsid "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null &
+  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" setsid "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null &
 else
-  SKY_PROVIDER_MARK="$d/" "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null &
+  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null &
 fi
 child=$!
 echo "$child" > "$d/pgid.tmp" && mv "$d/pgid.tmp" "$d/pgid"
@@ -148,7 +149,7 @@ lsz=''; lname=''; read -r lsz lname <&3 || :
 while [ $# -ge 5 ]; do
   root=$1; j=$2; r=$3; off=$4; max=$5; shift 5
   d="$root/jobs/$j/$r"
-  ex=-; st=-; en=-; sz=-; c=0; n=0; pl=-; o=0; xn=0; cn=0; m=0
+  ex=-; st=-; en=-; sz=-; c=0; n=0; pl=-; o=0; xn=0; cn=0; m=0; pg=-; h=0
   e1=${early%"${early#?}"}; early=${early#?}
   if [ -n "$lname" ] && [ "$lname" = "$d/log" ]; then
     sz=$lsz; lsz=''; lname=''; read -r lsz lname <&3 || :
@@ -158,6 +159,9 @@ while [ $# -ge 5 ]; do
   else
     [ -f "$d/cancel" ] && c=1
     [ -f "$d/orphaned" ] && o=1
+    [ -d "$d/hang" ] && h=1
+    # the rank's progress file (SKY_PROGRESS_FILE): its mtime, a fork only for ranks that touch one
+    [ -f "$d/progress" ] && pg=$(date -r "$d/progress" +%s 2>/dev/null)
     [ -f "$d/start" ] && read -r st < "$d/start"
     [ -f "$d/polled" ] && read -r pl < "$d/polled"
     [ "$now" = - ] || printf '%s\n' "$now" > "$d/polled"
@@ -189,8 +193,9 @@ while [ $# -ge 5 ]; do
   case "$st" in ''|*[!0-9.]*) st=-;; esac
   case "$en" in ''|*[!0-9.]*) en=-;; esac
   case "$pl" in ''|*[!0-9.]*) pl=-;; esac
+  case "$pg" in ''|*[!0-9]*) pg=-;; esac
   if [ "$sz" -gt "$off" ] && [ "$max" -gt 0 ]; then n=$((sz - off)); [ "$n" -gt "$max" ] && n=$max; fi
-  printf '@ %s %s %s %s %s %s %s %s %s %s %s %s %s %s\n' "$j" "$r" "$state" "$ex" "$st" "$en" "$sz" "$c" "$n" "$pl" "$o" "$xn" "$cn" "$m"
+  printf '@ %s %s %s %s %s %s %s %s %s %s %s %s %s %s %s %s\n' "$j" "$r" "$state" "$ex" "$st" "$en" "$sz" "$c" "$n" "$pl" "$o" "$xn" "$cn" "$m" "$pg" "$h"
   if [ "$n" -gt 0 ]; then tail -c +$((off + 1)) "$d/log" | head -c "$n"; fi
   if [ "$xn" -gt 0 ]; then head -c "$xn" "$d/exit"; fi
   if [ "$cn" -gt 0 ]; then head -c "$cn" "$d/cancel"; fi
@@ -714,6 +719,10 @@ class RawRankStatus:
     cancel_reason: str = ""
     #: SIGKILLed while its memory cgroup counted an OOM kill: out of memory, not a person's kill
     oom: bool = False
+    #: mtime (node clock, whole seconds) of the rank's progress file, None without one
+    progress: float | None = None
+    #: a watcher found the rank hung and dumped its stacks (``hang.DUMP_SCRIPT``)
+    hung: bool = False
 
 
 def _num(text: str) -> float | None:
@@ -737,9 +746,9 @@ def parse_status(output: bytes, offsets: Mapping[tuple[str, int], int] | None = 
             raise StatusParseError(f"truncated status output: {output[pos : pos + 200]!r}")
         header = output[pos:nl].decode("utf-8", "replace").split(" ")
         pos = nl + 1
-        if len(header) != 15 or header[0] != "@":
+        if len(header) != 17 or header[0] != "@":
             raise StatusParseError(f"unexpected status line: {' '.join(header)[:200]!r}")
-        _, job_id, rank_s, state, ex, st, en, sz, c, n_s, pl, o, xn_s, cn_s, m = header
+        _, job_id, rank_s, state, ex, st, en, sz, c, n_s, pl, o, xn_s, cn_s, m, pg, h = header
         n, xn, cn = int(n_s), int(xn_s), int(cn_s)
         chunk = output[pos : pos + n]
         pos += n
@@ -766,6 +775,8 @@ def parse_status(output: bytes, offsets: Mapping[tuple[str, int], int] | None = 
                 exit_text=exit_text,
                 cancel_reason=cancel_reason,
                 oom=m == "1",
+                progress=_num(pg),
+                hung=h == "1",
             )
         )
     return out

@@ -65,6 +65,7 @@ RANK_VARIABLES: frozenset[str] = frozenset(
         "NNODES",
         "NODE_RANK",
         "RANK",
+        "SKY_PROGRESS_FILE",
     }
 )
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from airflow.sdk import TaskGroup
 
+from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT
 from airflow_provider_sky.operators.cluster import SkyClusterOperator
@@ -30,6 +31,7 @@ def sky_gang(
     orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT,
     idle_down: float | None = None,
     triggerers: int = 1,
+    hang_timeout: float | None = None,
     **spec_fields: Any,
 ) -> TaskGroup:
     """Build the whole gang pattern in a TaskGroup from a SkyPilot YAML, a dict, or the fields.
@@ -43,9 +45,12 @@ def sky_gang(
     cluster down once nothing has run on it for that many seconds (SkyPilot's autodown, for
     ``down=False``); None: never. ``triggerers``: how many triggerers share the watch; the cluster
     task checks before provisioning that Airflow can map and watch one rank task per node.
+    ``hang_timeout``: a running rank silent (no output, no touch of ``$SKY_PROGRESS_FILE``) for that
+    many seconds is hung: its stacks are dumped into its log and the gang fails fast; None: off.
     """
     spec_args: dict[str, Any] = {"task_yaml": task_yaml, "task_config": task_config, **spec_fields}
     watch: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
+    hang: dict[str, Any] = {"hang_timeout": check_hang_timeout(hang_timeout) or None}
     with TaskGroup(group_id=group_id) as group:
         cluster = SkyClusterOperator(
             task_id="cluster",
@@ -65,6 +70,7 @@ def sky_gang(
             lost_after=lost_after,
             orphan_timeout=orphan_timeout,
             idle_down=idle_down,
+            **hang,
             **spec_args,
             **watch,
         )
@@ -74,6 +80,7 @@ def sky_gang(
             cluster_task_id=cluster.task_id,
             job_task_id=job.task_id,
             lost_after=lost_after,
+            **hang,
             **watch,
         ).expand_kwargs(job.output)
         gang = SkyGangSensor.in_triggerer(
@@ -82,6 +89,7 @@ def sky_gang(
             cluster_task_id=cluster.task_id,
             job_task_id=job.task_id,
             lost_after=lost_after,
+            **hang,
             **watch,
         )
         job >> [ranks, gang]

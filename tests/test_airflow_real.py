@@ -43,7 +43,7 @@ from leaks import processes_under
 from sshd import SSHDCluster, needs_sshd
 
 REPO = Path(__file__).resolve().parent.parent
-DAGS = ("sky_fail_fast", "sky_hello", "sky_segfault", "sky_failed_setup", "sky_yaml")
+DAGS = ("sky_fail_fast", "sky_hello", "sky_segfault", "sky_failed_setup", "sky_yaml", "sky_hang")
 #: the seed YAMLs verbatim (tests/dags/sky_seed_yamls.py), on every stack
 SEED_DAGS = ("sky_seed_failed_run", "sky_seed_failed_setup")
 RUN_TIMEOUT = 180.0
@@ -357,6 +357,34 @@ def test_failed_setup(real: RealAirflow) -> None:
     assert "Tearing down cluster" in log, log
     assert state == "failed"
     real.assert_cleaned_up("sky_failed_setup", run_id)
+
+
+def test_hang(real: RealAirflow) -> None:
+    """Issue 11: ranks 1 and 3 fall silent; after hang_timeout (10 s) + one poll their stacks are in their
+    logs and every rank task fails, the hung ones as the cause, the others cancelled."""
+    run_id, state = real.finished("sky_hang")
+    assert state == "failed"
+    tis = real.tis("sky_hang", run_id)
+    hung = "hung: no output for 10 s (ranks 1, 3)"
+    for r in range(4):
+        assert tis[("train.rank", r)]["state"] == "failed"
+        summary = real.stack.xcom("sky_hang", run_id, "train.rank", "sky_rank", r)
+        if r in (1, 3):
+            assert summary["state"] == "failed" and summary["reason"] == hung, summary
+            # the triggers watch from their first poll, which comes after the job task: bounded by
+            # hang_timeout + one poll from there, and never before hang_timeout
+            assert 10.0 <= summary["end"] - summary["start"] < 10.0 + 15.0, summary
+        else:  # rank 0 printed, rank 2 touched its progress file: both alive, cancelled
+            assert summary["state"] == "cancelled" and hung in summary["reason"], summary
+    if real.kube is None:  # see test_fail_fast: the triggerer may file a burst's last lines elsewhere
+        for r in (1, 3):
+            log = real.log("sky_hang", run_id, "train.rank", r)
+            assert f"rank {r} {hung}; stack dump of its processes" in log, log
+            assert re.search(r"thread \d+ \((python3|sleep)\): state S \(sleeping\), wchan ", log), log
+            assert f"end of the stack dump of rank {r}" in log, log
+    assert tis[("train.gang", -1)]["state"] == "failed"
+    assert tis[("train.down", -1)]["state"] == "success"
+    real.assert_cleaned_up("sky_hang", run_id)
 
 
 def test_yaml(real: RealAirflow) -> None:

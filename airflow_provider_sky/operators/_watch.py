@@ -10,6 +10,7 @@ from airflow.configuration import conf
 from airflow.triggers.base import BaseTrigger, StartTriggerArgs
 
 from airflow_provider_sky.gang import GangStatus
+from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import run_sync
 from airflow_provider_sky.triggers.gang import xcom_ref
@@ -70,7 +71,8 @@ def start_in_triggerer(
 
 
 class GangWatchMixin:
-    """Holds how a task watches a job (connection, poll interval, cancel grace, lost-node timeout).
+    """Holds how a task watches a job (connection, poll interval, cancel grace, lost-node and hang
+    timeouts).
 
     Every watcher of one job must use the same settings: the triggers share one poll per job and
     interval, so one rank task polling at another rate would start a second poll of every node.
@@ -81,15 +83,23 @@ class GangWatchMixin:
     poll_interval: float
     grace: float
     lost_after: float
+    hang_timeout: float
 
     def _init_watch(
-        self, cluster: Any, sky_conn_id: str | None, poll_interval: float, grace: float, lost_after: float
+        self,
+        cluster: Any,
+        sky_conn_id: str | None,
+        poll_interval: float,
+        grace: float,
+        lost_after: float,
+        hang_timeout: float | None = None,
     ) -> None:
         self.cluster = cluster
         self.sky_conn_id = sky_conn_id
         self.poll_interval = poll_interval
         self.grace = grace
         self.lost_after = lost_after
+        self.hang_timeout = check_hang_timeout(hang_timeout)
 
     def _peek(self, job_id: Any, ranks: Sequence[int] | None = None) -> GangStatus:
         """The job's state now (every rank, or only ``ranks``; no mark left on the nodes)."""
@@ -119,4 +129,5 @@ class GangWatchMixin:
             "poll_interval": self.poll_interval,
             "grace": self.grace,
             "lost_after": self.lost_after,
+            "hang_timeout": self.hang_timeout,
         }

@@ -11,6 +11,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_sky.bridge import Bridge, BridgeError, BridgeRequest, log_path_for, start_bridge
 from airflow_provider_sky.gang import job_id_for
+from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, LaunchError
 from airflow_provider_sky.operators._spec import SkySpecMixin, pop_spec_fields
@@ -41,6 +42,9 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         (default: ``orphan_timeout``, or 300 s when that is off).
     :param idle_down: tear the cluster down on its nodes once nothing has run on it for that many
         seconds (SkyPilot's autodown, for a cluster kept with ``down=False``); None: never.
+    :param hang_timeout: a running rank that printed nothing (nor touched ``$SKY_PROGRESS_FILE``) for
+        that many seconds is hung: its stacks go into its log and the gang fails fast; None: off.
+        Give the rank tasks and the gang sensor the same value (``sky_gang`` does).
     """
 
     template_fields: Sequence[str] = ("task_yaml", "task_config", "spec_overrides", "cluster")
@@ -61,6 +65,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         idle_down: float | None = None,
         bridge: bool = True,
         bridge_timeout: float | None = None,
+        hang_timeout: float | None = None,
         **kwargs: Any,
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
@@ -75,6 +80,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         self.idle_down = idle_down
         self.bridge = bridge
         self.bridge_timeout = bridge_timeout
+        self.hang_timeout = check_hang_timeout(hang_timeout)
         self._launched_here = False
         #: pid of the bridge this task started (None: none), for tests and benchmarks
         self.bridge_pid: int | None = None
@@ -156,6 +162,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
             grace=float(self.grace),
             lost_after=float(self.lost_after),
             bridge_timeout=float(timeout),
+            hang_timeout=self.hang_timeout,
         )
         return req, state_dir
 

@@ -9,6 +9,7 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.triggers.base import StartTriggerArgs
 
+from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.operators._watch import GangWatchMixin, start_in_triggerer
 from airflow_provider_sky.triggers.gang import SkyRankTrigger, rank_outcome, rank_summary
@@ -58,6 +59,7 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
         poll_interval: float = 0.5,
         grace: float = 3.0,
         lost_after: float = 10.0,
+        hang_timeout: float | None = None,
         **kwargs: Any,
     ) -> Any:
         """``partial()`` of rank tasks that start and end in the triggerer, never on a worker.
@@ -65,7 +67,12 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
         The rank comes from the map index (the job task returns one entry per rank, in rank order).
         Under ``dag.test()`` the tasks run ``execute`` as usual.
         """
-        watch: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
+        watch: dict[str, Any] = {
+            "sky_conn_id": sky_conn_id,
+            "poll_interval": poll_interval,
+            "grace": grace,
+            "hang_timeout": check_hang_timeout(hang_timeout),
+        }
         start = start_in_triggerer(
             SkyRankTrigger,
             cluster_task_id=cluster_task_id,
@@ -89,6 +96,7 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
         poll_interval: float = 0.5,
         grace: float = 3.0,
         lost_after: float = 10.0,
+        hang_timeout: float | None = None,
         start_from_trigger: bool = False,
         start_trigger_args: StartTriggerArgs | None = None,
         **kwargs: Any,
@@ -98,7 +106,7 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
             raise ValueError(_NO_RETRIES)
         kwargs["retries"] = 0
         super().__init__(**kwargs)
-        self._init_watch(cluster, sky_conn_id, poll_interval, grace, lost_after)
+        self._init_watch(cluster, sky_conn_id, poll_interval, grace, lost_after, hang_timeout)
         self.rank = rank
         self.job_id = job_id
         self.ip = ip

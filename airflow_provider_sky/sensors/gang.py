@@ -9,6 +9,7 @@ from airflow.sdk import BaseSensorOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.triggers.base import StartTriggerArgs
 
+from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.operators._watch import GangWatchMixin, start_in_triggerer
 from airflow_provider_sky.triggers.gang import SkyGangTrigger, gang_outcome
@@ -34,13 +35,14 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
         poll_interval: float = 0.5,
         grace: float = 3.0,
         lost_after: float = 10.0,
+        hang_timeout: float | None = None,
         start_from_trigger: bool = False,
         start_trigger_args: StartTriggerArgs | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("retries", 0)
         super().__init__(**kwargs)
-        self._init_watch(cluster, sky_conn_id, poll_interval, grace, lost_after)
+        self._init_watch(cluster, sky_conn_id, poll_interval, grace, lost_after, hang_timeout)
         self.ranks = ranks
         self.job_id = job_id
         self.start_from_trigger = start_from_trigger
@@ -58,12 +60,18 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
         poll_interval: float = 0.5,
         grace: float = 3.0,
         lost_after: float = 10.0,
+        hang_timeout: float | None = None,
         **kwargs: Any,
     ) -> SkyGangSensor:
         """A gang sensor that starts and ends in the triggerer (no worker, no resume hold): the run
         can fail as soon as the triggerer has seen the failure. Under ``dag.test()`` it runs
         ``execute`` as usual, reading the job id from the job task's XCom."""
-        watch: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
+        watch: dict[str, Any] = {
+            "sky_conn_id": sky_conn_id,
+            "poll_interval": poll_interval,
+            "grace": grace,
+            "hang_timeout": check_hang_timeout(hang_timeout),
+        }
         start = start_in_triggerer(
             SkyGangTrigger,
             cluster_task_id=cluster_task_id,

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from airflow.triggers.base import BaseEventTrigger, TaskFailedEvent, TaskSuccessEvent, TriggerEvent
 
 from airflow_provider_sky.gang import BAD, CANCELLED, FAILED, SUCCEEDED, GangStatus
+from airflow_provider_sky.hang import watch_gang
 from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.jobs import GangClient, Poll, watch
+from airflow_provider_sky.jobs import GangClient, Poll
 from airflow_provider_sky.logtext import LineSplitter
 from airflow_provider_sky.runners.base import RunnerError
 
@@ -127,6 +128,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         lost_after: float = 10.0,
         fire_after: float | None = None,
         end_from_trigger: bool = False,
+        hang_timeout: float = 0.0,
     ) -> None:
         super().__init__()
         #: a handle, or (a task started in the triggerer) an ``xcom_ref`` to the cluster task's handle
@@ -136,6 +138,8 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         self.poll_interval = float(poll_interval)
         self.grace = float(grace)
         self.lost_after = float(lost_after)
+        #: seconds a running rank may stay silent before the shared poll calls it hung (0: off)
+        self.hang_timeout = float(hang_timeout or 0)
         self.fire_after = None if fire_after is None else float(fire_after)
         #: end the task from here (TaskSuccessEvent / TaskFailedEvent) instead of resuming it on a worker
         self.end_from_trigger = bool(end_from_trigger)
@@ -161,6 +165,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
             "poll_interval": self.poll_interval,
             "grace": self.grace,
             "lost_after": self.lost_after,
+            "hang_timeout": self.hang_timeout,
             "fire_after": self.fire_after,
             "end_from_trigger": self.end_from_trigger,
         }
@@ -181,23 +186,25 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
             self.cluster["name"],
             self.job_id,
             self.poll_interval,
+            self.hang_timeout,
         )
 
     @classmethod
     async def open_shared_stream(
         cls, kwargs: dict[str, Any]
     ) -> AsyncGenerator[tuple[Poll, GangClient], None]:
-        """Poll the job (fail-fast included) and yield ``(Poll, client)``; once done, repeat the end."""
+        """Poll the job (fail-fast and hang detection included) and yield ``(Poll, client)``; once done, repeat the end."""
         client = await SkyHook(kwargs["sky_conn_id"]).aclient(kwargs["cluster"])
         try:
             # secrets never travel in trigger kwargs: the nodes mask them before output reaches the log
             last: Poll | None = None
-            async for poll in watch(
+            async for poll in watch_gang(
                 client,
                 kwargs["job_id"],
                 poll_interval=kwargs["poll_interval"],
                 grace=kwargs["grace"],
                 lost_after=kwargs["lost_after"],
+                hang_timeout=float(kwargs.get("hang_timeout") or 0),
             ):
                 last = poll
                 yield poll, client

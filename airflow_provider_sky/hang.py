@@ -1,0 +1,166 @@
+"""Hang detection: a rank alive but silent for ``hang_timeout`` seconds is hung; its stacks are dumped
+into its log, then the gang fails fast with "hung: no output for 600 s (ranks 1, 3)".
+
+Why here and not in the rank tasks: like fail-fast, the decision runs in the shared poll (the triggers'
+and the bridge's :func:`jobs.watch`), which already reads every rank's log size each interval, so hang
+detection costs no extra remote call until a rank is found hung. A sign of life is any new log byte,
+or a newer mtime of the rank's progress file (``$SKY_PROGRESS_FILE``, for ranks that print little).
+Silence is timed by the watcher's own clock from its first poll of the rank (no clock comparison
+between machines): a watcher that starts later (a triggerer restart) counts from then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from airflow_provider_sky.gang import HUNG_PREFIX
+from airflow_provider_sky.jobs import GangClient, MonitorState, Poll, fan_out, watch
+from airflow_provider_sky.runtime import MARKED_FUNCS, check_job_id
+
+log = logging.getLogger(__name__)
+
+#: the env var naming a rank's progress file (touch it to show the rank is alive without printing)
+PROGRESS_ENV = "SKY_PROGRESS_FILE"
+#: seconds a stack dump may take on one node (py-spy attaches to each process)
+DUMP_TIMEOUT = 60.0
+
+#: Dump the stacks of every process of each listed rank into the rank's own log, once: ``mkdir
+#: $d/hang`` is the lock (two watchers finding the same hang dump it once) and the marker the
+#: status script reports. ``py-spy dump`` where the node has it (Python processes), else each
+#: thread's state, ``wchan`` and kernel stack from /proc (the stack needs root). Arguments:
+#: ``reason``, then ``root job rank`` per rank; prints ``DUMPED <rank>`` per rank dumped here.
+DUMP_SCRIPT = (
+    MARKED_FUNCS
+    + r"""
+reason=$1; shift
+pyspy=$(command -v py-spy 2>/dev/null || :)
+to=''; command -v timeout >/dev/null 2>&1 && to='timeout 20'
+while [ $# -ge 3 ]; do
+  d="$1/jobs/$2/$3"; r=$3; shift 3
+  [ -d "$d" ] && [ ! -f "$d/exit" ] || continue
+  mkdir "$d/hang" 2>/dev/null || continue
+  {
+  echo "==== airflow-provider-sky: rank $r $reason; stack dump of its processes ===="
+  for p in $(marked "$d/"); do
+    [ -d "/proc/$p" ] || continue
+    echo "--- process $p ($(cat "/proc/$p/comm" 2>/dev/null)): $(tr '\000' ' ' < "/proc/$p/cmdline" 2>/dev/null | head -c 300)"
+    if [ -n "$pyspy" ] && $to "$pyspy" dump --pid "$p" 2>/dev/null; then continue; fi
+    for t in /proc/"$p"/task/[0-9]*; do
+      s=$(sed -n 's/^State:[[:space:]]*//p' "$t/status" 2>/dev/null)
+      w=$(cat "$t/wchan" 2>/dev/null); [ -n "$w" ] || w='?'
+      echo "thread ${t##*/} ($(cat "$t/comm" 2>/dev/null)): state $s, wchan $w"
+      k=$(cat "$t/stack" 2>/dev/null)
+      if [ -n "$k" ]; then printf '%s\n' "$k" | sed 's/^/    /'; else echo "    (kernel stack not readable here: needs root)"; fi
+    done
+  done
+  echo "==== end of the stack dump of rank $r ===="
+  } >> "$d/log" 2>&1
+  echo "DUMPED $r"
+done
+"""
+)
+
+
+def check_hang_timeout(value: Any, where: str = "hang_timeout") -> float:
+    """``hang_timeout`` as seconds (0: off), or a ValueError naming the field: checked when the DAG is
+    parsed, so a typo never reaches a provisioned cluster."""
+    if value is None or value is False:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: expected seconds as a number (e.g. 600) or None for off, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{where}: must be a number of seconds >= 0 (0 or None: off), got {value!r}")
+    return float(value)
+
+
+def hang_reason(timeout: float, ranks: Sequence[int]) -> str:
+    """ "hung: no output for 600 s (ranks 1, 3)": every hung rank's reason, and the siblings' cancel."""
+    rs = sorted(ranks)
+    which = ("rank " if len(rs) == 1 else "ranks ") + ", ".join(str(r) for r in rs)
+    return f"{HUNG_PREFIX}no output for {timeout:g} s ({which})"
+
+
+@dataclass
+class HangWatch:
+    """Per rank: its last sign of life (log size, progress mtime) and when this watcher saw it change."""
+
+    timeout: float
+    seen: dict[int, tuple[int, float | None]] = field(default_factory=dict)
+    since: dict[int, float] = field(default_factory=dict)
+    fired: bool = False
+
+    def hung(self, poll: Poll) -> list[int]:
+        """The ranks silent for ``timeout`` seconds at this poll (none once the gang is cancelled)."""
+        if self.fired or not self.timeout or poll.status.cancel_requested or poll.status.failed:
+            return []
+        out = []
+        for r in poll.status.ranks:
+            if r.terminal or r.rank in poll.unreachable:
+                continue  # an unreachable node is lost_after's to judge, not ours
+            sign = (r.log_size, r.progress)
+            if self.seen.get(r.rank) != sign:
+                self.seen[r.rank], self.since[r.rank] = sign, poll.at
+            elif poll.at - self.since[r.rank] >= self.timeout:
+                out.append(r.rank)
+        return out
+
+    async def fire(self, client: GangClient, job_id: str, poll: Poll, ranks: list[int], grace: float) -> None:
+        """Dump the hung ranks' stacks into their logs, then cancel every rank still running."""
+        self.fired = True
+        reason = hang_reason(self.timeout, ranks)
+        log.warning("Job %s: %s; dumping their stacks, then cancelling the gang", job_id, reason)
+        await dump_stacks(client, job_id, ranks, reason)
+        pending = [r.rank for r in poll.status.ranks if not r.terminal]
+        await client.acancel(job_id, pending, grace, wait=False, reason=reason)
+        poll.status.cancel_requested = True
+        poll.status.cancel_reason = reason
+
+
+async def dump_stacks(client: GangClient, job_id: str, ranks: Sequence[int], reason: str) -> None:
+    """Run :data:`DUMP_SCRIPT` on the hung ranks' machines (one call per machine, bounded)."""
+    check_job_id(job_id)
+
+    async def one(chunk: list[int]) -> None:
+        args = [reason]
+        for r in chunk:
+            args += [client.node_of(r).root, job_id, str(r)]
+        res = await client.runner(client.node_of(chunk[0])).arun_script(
+            DUMP_SCRIPT, args, timeout=DUMP_TIMEOUT
+        )
+        if res.returncode != 0:
+            raise RuntimeError(res.error_text)
+
+    calls = client._calls(job_id, ranks)
+    for chunk, res in zip(calls, await fan_out(one, calls, client.call_limit), strict=True):
+        if isinstance(res, BaseException):
+            log.warning("Could not dump the stacks of ranks %s: %s", chunk, res)
+
+
+async def watch_gang(
+    client: GangClient,
+    job_id: str,
+    *,
+    hang_timeout: float = 0.0,
+    hangs: HangWatch | None = None,
+    state: MonitorState | None = None,
+    grace: float = 3.0,
+    **kwargs: Any,
+) -> AsyncGenerator[Poll, None]:
+    """:func:`jobs.watch` plus hang detection: the loop every watcher of a gang runs.
+
+    ``hangs`` carries the silence timers across calls (the bridge re-enters the watch after a lapse).
+    """
+    st = state or MonitorState()
+    hw = hangs or HangWatch(hang_timeout)
+    async with contextlib.aclosing(watch(client, job_id, grace=grace, state=st, **kwargs)) as polls:
+        async for poll in polls:
+            hung = hw.hung(poll)
+            if hung:
+                await hw.fire(client, job_id, poll, hung, grace)
+                st.cancel_issued = True
+            yield poll

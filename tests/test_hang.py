@@ -1,0 +1,122 @@
+"""Hang detection (issue 11): a rank alive but silent for ``hang_timeout`` is hung; its stacks go into its
+log and the gang fails fast naming the hung ranks. Real processes on the local backend under
+``dag.test()`` (the real scheduler and SSH hosts: ``test_airflow_real.py::test_hang``)."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from airflow_provider_sky.gang import GangStatus, RankStatus
+from airflow_provider_sky.hang import HangWatch, check_hang_timeout, hang_reason
+from airflow_provider_sky.jobs import Poll
+from leaks import bridges, processes_under
+from test_dag_test import _out, _run, _states, _xcom
+
+HUNG = "hung: no output for 10 s (ranks 1, 3)"
+
+
+@pytest.fixture(autouse=True)
+def _db(airflow_db: Path) -> None:
+    """dag.test() needs the metadata DB."""
+
+
+def test_sky_hang_dumps_the_stacks_and_fails_naming_the_hung_ranks(
+    sky_home: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    t0 = time.time()
+    dr, tis = _run("sky_hang")
+    took = time.time() - t0
+    out = _out(capfd)
+    assert str(dr.state) == "failed"
+    assert _states(tis, "rank") == {0: "failed", 1: "failed", 2: "failed", 3: "failed"}
+    assert tis[("gang", -1)].state == "failed" and tis[("down", -1)].state == "success"
+    hung = {r: _xcom(dr, "train.rank", "sky_rank", r) for r in (1, 3)}
+    for r, summary in hung.items():
+        assert summary["state"] == "failed" and summary["reason"] == HUNG, summary
+        # silent from its first line on: found within hang_timeout + one poll (+ the dump, the kill)
+        ran = summary["end"] - summary["start"]
+        print(f"\nrank {r}: hung after its first line, killed {ran:.2f}s after its start (hang_timeout 10 s)")
+        assert 10.0 <= ran < 10.0 + 0.5 + 2.5, summary
+    # alive: rank 0 printed every second, rank 2 only touched $SKY_PROGRESS_FILE
+    for r in (0, 2):
+        summary = _xcom(dr, "train.rank", "sky_rank", r)
+        assert summary["state"] == "cancelled" and summary["reason"] == f"cancelled: {HUNG}", summary
+    # every rank task says why: the first hung rank to end is the root cause, the other one failed too
+    assert re.search(
+        r"failed: rank ([13]) \(\S+\) hung: no output for 10 s \(ranks 1, 3\); ranks 0, 2 cancelled; "
+        r"rank [13] failed\. Return code list: \['cancelled', 'hung', 'cancelled', 'hung'\]",
+        out,
+    )
+    # the stack dump is in the hung ranks' logs: each thread's state, wchan and kernel stack (root here)
+    for r in (1, 3):
+        assert f"==== airflow-provider-sky: rank {r} {HUNG}; stack dump of its processes ====" in out
+        assert f"==== end of the stack dump of rank {r} ====" in out
+    assert re.search(r"thread \d+ \(python3\): state S \(sleeping\), wchan \w+", out), out[-3000:]
+    assert "futex" in out  # Python waiting on its lock, in the kernel stack
+    assert "stack dump of rank 0" not in out and "stack dump of rank 2" not in out
+    print(f"sky_hang under dag.test(): the whole run took {took:.1f}s")
+    assert not [p for p in processes_under(sky_home) if "python3" in p[1] or "sleep" in p[1]]
+    assert not bridges(sky_home)
+
+
+def _poll(at: float, sizes: dict[int, int], progress: dict[int, float] | None = None) -> Poll:
+    ranks = [
+        RankStatus(r, f"10.0.0.{r}", "running", log_size=s, progress=(progress or {}).get(r))
+        for r, s in sizes.items()
+    ]
+    return Poll(GangStatus("j", ranks), at=at)
+
+
+def test_silence_is_timed_from_the_last_sign_of_life() -> None:
+    """Output and progress-file touches reset a rank's timer; unreachable or ended ranks are not judged."""
+    hw = HangWatch(10.0)
+    assert hw.hung(_poll(0.0, {0: 5, 1: 5, 2: 0})) == []
+    assert hw.hung(_poll(6.0, {0: 9, 1: 5, 2: 0}, {2: 100.0})) == []
+    p = _poll(10.0, {0: 9, 1: 5, 2: 0}, {2: 100.0})
+    p.unreachable[1] = "no answer"
+    assert hw.hung(p) == []  # rank 1 is silent 10 s, but its node did not answer: lost_after's to judge
+    assert hw.hung(_poll(10.5, {0: 9, 1: 5, 2: 0}, {2: 100.0})) == [1]
+    assert hw.hung(_poll(16.0, {0: 9, 1: 5, 2: 0}, {2: 100.0})) == [0, 1, 2]
+    done = _poll(17.0, {0: 9, 1: 5, 2: 0})
+    done.status.ranks[1].state = "succeeded"
+    assert 1 not in hw.hung(done)
+    hw.fired = True
+    assert hw.hung(_poll(30.0, {0: 9, 1: 5, 2: 0})) == []  # once per gang
+    assert HangWatch(0.0).hung(_poll(1e9, {0: 1})) == []  # off
+
+
+def test_reason_names_every_hung_rank() -> None:
+    assert hang_reason(600, [3, 1]) == "hung: no output for 600 s (ranks 1, 3)"
+    assert hang_reason(90.5, [2]) == "hung: no output for 90.5 s (rank 2)"
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("600", "hang_timeout: expected seconds as a number (e.g. 600) or None for off, got '600'"),
+        (-1, "hang_timeout: must be a number of seconds >= 0 (0 or None: off), got -1"),
+        (float("nan"), "hang_timeout: must be a number of seconds >= 0"),
+        (True, "hang_timeout: expected seconds as a number"),
+    ],
+)
+def test_a_bad_hang_timeout_fails_when_the_dag_is_parsed(value: object, error: str) -> None:
+    import pendulum
+    from airflow.sdk import DAG
+
+    from airflow_provider_sky.taskgroup import sky_gang
+
+    assert check_hang_timeout(None) == 0.0 and check_hang_timeout(600) == 600.0
+    with pytest.raises(ValueError, match=re.escape(error)):
+        with DAG("bad_hang", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC")):
+            sky_gang("g", num_nodes=2, run="true", hang_timeout=value)
+
+
+def test_the_progress_file_is_the_providers_name() -> None:
+    from airflow_provider_sky.spec import SpecError, task_from_args
+
+    with pytest.raises(SpecError, match="envs.SKY_PROGRESS_FILE: is set by the provider"):
+        task_from_args(num_nodes=1, run="true", envs={"SKY_PROGRESS_FILE": "/tmp/x"})
