@@ -15,6 +15,11 @@ _SIGNAL_WORDS: dict[int, str] = {
 }
 
 
+#: a rank SIGKILLed while its memory cgroup counted an OOM kill (``memory.events`` / ``memory.oom_control``
+#: around the rank), or a container Kubernetes reports ``OOMKilled``: never read as a cancel or a person's kill
+OOM_REASON = "out of memory (killed by the OOM killer)"
+
+
 def signal_of(code: int) -> int | None:
     """The signal behind an exit code: shells report 128+N, Python's subprocess reports -N."""
     if code < 0:
@@ -34,7 +39,7 @@ def _signal_name(signum: int) -> str:
 def describe_exit(code: int | None, k8s_reason: str | None = None) -> str:
     """Plain-words reason for an exit code, as SkyPilot prints "(likely due to Segmentation Fault)"."""
     if k8s_reason == "OOMKilled":
-        return "out of memory (OOMKilled: the out-of-memory killer ended it at the memory limit)"
+        return OOM_REASON
     if code is None:
         return "no exit code"
     if code == 0:

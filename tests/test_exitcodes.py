@@ -32,7 +32,7 @@ def test_exit_codes_read_as_words(code: int, words: str) -> None:
 
 
 def test_kubernetes_oom_reason_wins_over_the_code() -> None:
-    assert "out of memory" in describe_exit(137, k8s_reason="OOMKilled")
+    assert describe_exit(137, k8s_reason="OOMKilled") == "out of memory (killed by the OOM killer)"
 
 
 def test_signal_of_only_for_signal_range() -> None:
