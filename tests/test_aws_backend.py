@@ -284,3 +284,43 @@ def test_the_runner_is_built_for_the_instance_address_user_and_key(moto: MotoEC2
         assert cfg.private_key == hosts.client_key_text and cfg.key_file is None
         assert cfg.host_key_policy == "verify" and cfg.pinned_host_keys == ("ssh-ed25519 AAAAC3Nz",)
         assert node.ip == inst["PrivateIpAddress"] and node.root == "/home/ec2-user/.sky_airflow/c"
+
+
+def test_example_dags_on_ec2_leave_nothing_after_a_failing_gang_or_a_failed_setup(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork, airflow_db: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sky_default`` is a sky_aws connection on moto: the examples run unchanged under dag.test(), and
+    every run's teardown leaves nothing of ours (instances, security groups, key pairs)."""
+    import json
+
+    from test_dag_test import _run, _states
+
+    extra = {k: v for k, v in conn(moto.url, hosts).items() if k not in ("login", "password")}
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SKY_DEFAULT",
+        json.dumps({"conn_type": "sky_aws", "login": "testing", "password": "testing", "extra": extra}),
+    )
+    ec2 = moto.client()
+    owner = [{"Name": "tag:sky-airflow:owner", "Values": ["airflow-provider-sky"]}]
+
+    def nothing_of_ours_left() -> None:
+        live = [i["InstanceId"] for i in iter_instances(ec2) if i["State"]["Name"] != "terminated"]
+        assert live == []
+        assert ec2.describe_security_groups(Filters=owner)["SecurityGroups"] == []
+        assert ec2.describe_key_pairs(Filters=owner)["KeyPairs"] == []
+
+    dr, tis = _run("sky_hello")
+    assert str(dr.state) == "success" and set(_states(tis, "rank").values()) == {"success"}
+    launched = list(iter_instances(ec2))
+    assert len(launched) == 4
+    nothing_of_ours_left()
+
+    dr, tis = _run("sky_fail_fast")
+    assert str(dr.state) == "failed" and tis[("down", -1)].state == "success"
+    assert _states(tis, "rank")[2] == "failed"
+    nothing_of_ours_left()
+
+    dr, tis = _run("sky_failed_setup")
+    assert str(dr.state) == "failed" and tis[("cluster", -1)].state == "failed"
+    nothing_of_ours_left()  # the cluster task removes what it made when its setup fails
+    assert len(list(iter_instances(ec2))) == 11  # clusters of 4, 4 and 3, all terminated
