@@ -19,6 +19,7 @@ import logging
 import pwd
 import socket
 import threading
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping
@@ -236,3 +237,51 @@ def ours_left(ec2: Any, name: str) -> dict[str, list[str]]:
 def iter_instances(ec2: Any, **kw: Any) -> Iterator[dict[str, Any]]:
     for r in ec2.describe_instances(**kw)["Reservations"]:
         yield from r["Instances"]
+
+
+@dataclass
+class Lifecycle:
+    """What one provision → find → terminate of N instances cost: seconds and EC2 API calls by action."""
+
+    n: int
+    provision_s: float
+    find_s: float
+    terminate_s: float
+    provision_calls: dict[str, int]
+    find_calls: dict[str, int]
+    terminate_calls: dict[str, int]
+
+    @property
+    def calls(self) -> int:
+        return (
+            sum(self.provision_calls.values())
+            + sum(self.find_calls.values())
+            + sum(self.terminate_calls.values())
+        )
+
+
+def measure_lifecycle(moto: MotoEC2, config: Mapping[str, Any], n: int, name: str = "bench") -> Lifecycle:
+    """Provision ``n`` nodes, find the cluster from a fresh backend, terminate it; every EC2 call goes
+    through a counting ``FaultProxy`` (no faults). ``config``: the sky_aws connection's, endpoint aside.
+    Used by the tests (calls must not grow per instance) and by ``make bench``'s AWS figure."""
+    from collections import Counter
+
+    from airflow_provider_sky.backends.aws import AWSBackend
+    from airflow_provider_sky.spec import task_from_args
+
+    proxy = FaultProxy(moto.url)
+    try:
+        cfg = {**config, "endpoint_url": proxy.url}
+
+        def phase(fn: Any) -> tuple[float, dict[str, int]]:
+            start, mark = time.monotonic(), len(proxy.calls)
+            fn()
+            return time.monotonic() - start, dict(Counter(proxy.calls[mark:]))
+
+        spec = task_from_args(num_nodes=n, run="true")
+        p_s, p_calls = phase(lambda: AWSBackend.from_config(cfg).provision(name, spec, holder="bench/run"))
+        f_s, f_calls = phase(lambda: AWSBackend.from_config(cfg).find(name))
+        t_s, t_calls = phase(lambda: AWSBackend.from_config(cfg).terminate(name, holder="bench/run"))
+        return Lifecycle(n, p_s, f_s, t_s, p_calls, f_calls, t_calls)
+    finally:
+        proxy.stop()

@@ -16,7 +16,17 @@ from airflow_provider_sky.backends.aws import AWSBackend
 from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.spec import task_from_args
-from moto_ec2 import IMAGE, REGION, FakeNetwork, Fault, FaultProxy, MotoEC2, iter_instances, ours_left
+from moto_ec2 import (
+    IMAGE,
+    REGION,
+    FakeNetwork,
+    Fault,
+    FaultProxy,
+    MotoEC2,
+    iter_instances,
+    measure_lifecycle,
+    ours_left,
+)
 from sshd import SSHDCluster, needs_sshd
 
 pytestmark = needs_sshd
@@ -324,3 +334,30 @@ def test_example_dags_on_ec2_leave_nothing_after_a_failing_gang_or_a_failed_setu
     assert str(dr.state) == "failed" and tis[("cluster", -1)].state == "failed"
     nothing_of_ours_left()  # the cluster task removes what it made when its setup fails
     assert len(list(iter_instances(ec2))) == 11  # clusters of 4, 4 and 3, all terminated
+
+
+def test_the_lifecycle_makes_a_few_batched_calls_not_one_per_instance(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
+) -> None:
+    """A polite client: one RunInstances, one TerminateInstances, waiters polling all instances at once.
+    The only call per instance is the host-key tag, once per provision."""
+    config = conn(moto.url, hosts)
+    two = measure_lifecycle(moto, config, 2, "calls2")
+    four = measure_lifecycle(moto, config, 4, "calls4")
+    for life in (two, four):
+        assert (
+            life.provision_calls.get("RunInstances") == 1
+            and life.terminate_calls.get("TerminateInstances") == 1
+        )
+        assert life.provision_calls["CreateTags"] == 1 + life.n  # the head's role, each host key
+        assert life.find_calls == {"DescribeInstances": 1}
+    grown = {
+        k: four.provision_calls[k] - v for k, v in two.provision_calls.items() if four.provision_calls[k] != v
+    }
+    assert grown == {"CreateTags": 2}
+    assert four.terminate_calls == two.terminate_calls
+    print(
+        f"\nlifecycle on moto + sshd: N=4 provision {four.provision_s:.2f}s ({sum(four.provision_calls.values())} calls: "
+        f"{four.provision_calls}), find {four.find_s:.2f}s, terminate {four.terminate_s:.2f}s "
+        f"({four.terminate_calls}); N=2 {two.calls} calls, N=4 {four.calls} calls"
+    )
