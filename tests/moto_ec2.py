@@ -269,6 +269,7 @@ def measure_lifecycle(moto: MotoEC2, config: Mapping[str, Any], n: int, name: st
     from airflow_provider_sky.backends.aws import AWSBackend
     from airflow_provider_sky.spec import task_from_args
 
+    moto.client().describe_vpcs()  # moto builds a region's EC2 on its first call (seconds): not timed
     proxy = FaultProxy(moto.url)
     try:
         cfg = {**config, "endpoint_url": proxy.url}
