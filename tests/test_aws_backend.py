@@ -361,3 +361,40 @@ def test_the_lifecycle_makes_a_few_batched_calls_not_one_per_instance(
         f"{four.provision_calls}), find {four.find_s:.2f}s, terminate {four.terminate_s:.2f}s "
         f"({four.terminate_calls}); N=2 {two.calls} calls, N=4 {four.calls} calls"
     )
+
+
+def test_the_test_button_through_a_linked_aws_connection(
+    moto: MotoEC2, hosts: SSHDCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a user sets it up: ``aws_default`` (credentials, region, endpoint URL) reused by a sky_aws
+    connection that adds the SSH key; the Test button reaches EC2 and loads the key, starting nothing."""
+    import json
+
+    from airflow_provider_sky.hooks.sky import SkyAWSHook  # type: ignore[attr-defined]
+
+    moto.reset()
+    aws = {
+        "conn_type": "aws",
+        "login": "testing",
+        "password": "testing",
+        "extra": {"region_name": REGION, "endpoint_url": moto.url},
+    }
+    monkeypatch.setenv("AIRFLOW_CONN_AWS_TEST", json.dumps(aws))
+    sky = {"conn_type": "sky_aws", "extra": {"aws_conn_id": "aws_test", "private_key": hosts.client_key_text}}
+    monkeypatch.setenv("AIRFLOW_CONN_SKY_T", json.dumps(sky))
+    ok, message = SkyAWSHook("sky_t").test_connection()
+    assert ok, message
+    assert message.startswith(f"EC2 {REGION}: ") and "SSH key loads" in message
+    assert list(iter_instances(moto.client())) == []
+    # an endpoint nobody answers at: the button says so, naming the region
+    aws["extra"] = {"region_name": REGION, "endpoint_url": "http://127.0.0.1:9"}
+    monkeypatch.setenv("AIRFLOW_CONN_AWS_TEST", json.dumps(aws))
+    ok, message = SkyAWSHook("sky_t").test_connection()
+    assert not ok and f"reaching EC2 in {REGION}" in message
+    # a key that does not load names the field, and no secret is in the message
+    sky["extra"]["private_key"] = "not a key"
+    aws["extra"]["endpoint_url"] = moto.url
+    monkeypatch.setenv("AIRFLOW_CONN_AWS_TEST", json.dumps(aws))
+    monkeypatch.setenv("AIRFLOW_CONN_SKY_T", json.dumps(sky))
+    ok, message = SkyAWSHook("sky_t").test_connection()
+    assert not ok and message.startswith("private_key: ") and "testing" not in message
