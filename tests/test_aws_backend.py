@@ -398,3 +398,26 @@ def test_the_test_button_through_a_linked_aws_connection(
     monkeypatch.setenv("AIRFLOW_CONN_SKY_T", json.dumps(sky))
     ok, message = SkyAWSHook("sky_t").test_connection()
     assert not ok and message.startswith("private_key: ") and "testing" not in message
+
+
+def test_reap_terminates_a_cluster_gone_idle_and_nothing_else(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
+) -> None:
+    """After the nodes' idle_down removed the cluster's record, the instances would keep billing: reap
+    finds the cluster by its tags and terminates it; a cluster in use and foreign instances stay."""
+    ec2 = moto.client()
+    b = backend(moto.url, hosts)
+    spec = task_from_args(num_nodes=2, run="true")
+    idle = b.provision("idle", spec, holder="d/r1")
+    b.provision("busy", spec, holder="d/r2")
+    foreign = ec2.run_instances(ImageId=IMAGE, MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+    assert b.reap(min_age=3600) == []  # launched just now: could be a provision in progress
+    assert b.reap(min_age=0) == []  # both hold their records
+    # what the head's node keeper removes at idle_down
+    (path,) = b.idle_down_paths(idle, 0)
+    assert b.runner(idle.nodes[0]).run_script(f"rm {path}").returncode == 0
+    assert backend(moto.url, hosts).reap(min_age=0) == ["idle"]
+    assert ours_left(ec2, "idle") == {}
+    assert len(ours_left(ec2, "busy")["instances"]) == 2
+    assert next(iter_instances(ec2, InstanceIds=[foreign]))["State"]["Name"] == "running"
+    assert b.terminate("busy", holder="d/r2").removed

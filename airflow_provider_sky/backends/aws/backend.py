@@ -529,6 +529,51 @@ class AWSBackend(Backend):
         left += api.delete_key_pairs(self.ec2, api.cluster_key_pairs(self.ec2, name, self.owner))
         return Teardown(removed=bool(ids) and not left, unclean=tuple(left))
 
+    # -- orphans -------------------------------------------------------------------------------------
+
+    def reap(self, min_age: float = 900.0) -> list[str]:
+        """Terminate the clusters of this owner that nobody uses any more, found by their tags alone.
+
+        A cluster is an orphan when all its instances run, they were launched over ``min_age`` seconds ago
+        (a provision in progress has no record yet) and its head answers but holds no record of it: the
+        nodes' ``idle_down`` removed it, or its provision died before writing it. A cluster whose head
+        does not answer is left alone (it may be a network problem, not an orphan). Returns the names
+        terminated. Meant for a periodic maintenance task (see the README), so nothing keeps billing.
+        """
+        filters = [
+            {"Name": f"tag:{api.TAG_OWNER}", "Values": [self.owner]},
+            {"Name": "instance-state-name", "Values": list(api.LIVE_STATES)},
+        ]
+        try:
+            pages = self.ec2.get_paginator("describe_instances").paginate(Filters=filters)
+            found = [i for p in pages for r in p["Reservations"] for i in r["Instances"]]
+        except Exception as exc:
+            raise api.client_error("listing this owner's instances", exc) from None
+        clusters: dict[str, list[dict[str, Any]]] = {}
+        for inst in found:
+            name = api.tags_of(inst).get(api.TAG_CLUSTER)
+            if name and api.ours(inst, name, self.owner):
+                clusters.setdefault(name, []).append(inst)
+        now = time.time()
+        reaped = []
+        for name, instances in sorted(clusters.items()):
+            if any(i["State"]["Name"] != "running" for i in instances):
+                continue
+            launched = max(i["LaunchTime"].timestamp() for i in instances)
+            if now - launched < min_age:
+                continue
+            try:
+                head = self._node(name, self._ordered(name, instances)[0], None)
+                if self.records(head).read(name) is not None:
+                    continue
+            except (BackendError, RunnerError) as exc:
+                log.info("cluster %s: head not reachable, not reaped (%s)", name, exc)
+                continue
+            log.warning("cluster %s: no record on its head (idle or orphaned): terminating it", name)
+            self.terminate(name, holder=None)
+            reaped.append(name)
+        return reaped
+
     # -- the Test button -----------------------------------------------------------------------------
 
     def test_connection(self) -> str:
