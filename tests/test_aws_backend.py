@@ -416,6 +416,12 @@ def test_reap_terminates_a_cluster_gone_idle_and_nothing_else(
     # what the head's node keeper removes at idle_down
     (path,) = b.idle_down_paths(idle, 0)
     assert b.runner(idle.nodes[0]).run_script(f"rm {path}").returncode == 0
+    # a provision of that name meanwhile adopts it (as it would a stopped cluster) once it is not new
+    b2 = backend(moto.url, hosts, provision_timeout=0.5)
+    time.sleep(0.6)
+    again = b2.provision("idle", spec, holder="d/r3")
+    assert [n.node_id for n in again.nodes] == [n.node_id for n in idle.nodes]
+    assert b.runner(idle.nodes[0]).run_script(f"rm {path}").returncode == 0
     assert backend(moto.url, hosts).reap(min_age=0) == ["idle"]
     assert ours_left(ec2, "idle") == {}
     assert len(ours_left(ec2, "busy")["instances"]) == 2

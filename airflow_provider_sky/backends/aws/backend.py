@@ -475,10 +475,12 @@ class AWSBackend(Backend):
         head = self._node(name, ordered[0], None)
         wait_for_ssh(str(head.extra["host"]), int(head.extra["port"]), self.settings.provision_timeout)
         record = self.records(head).load(name)
-        if record is None:
+        launched = max(i["LaunchTime"].timestamp() for i in instances)
+        if record is None and time.time() - launched < self.settings.provision_timeout:
             raise ClusterBusy(f"cluster {name!r}: its instances run but it has no record yet")
-        check_reusable(record, name, spec.num_nodes)
-        known = {n["node_id"]: n for n in record.get("nodes") or ()}
+        if record is not None:  # else: gone idle (idle_down removed it), adopted with a new record
+            check_reusable(record, name, spec.num_nodes)
+        known = {n["node_id"]: n for n in (record or {}).get("nodes") or ()}
         nodes = self._reach(name, ordered, known)
         handle = self._handle(name, nodes)
         return self.records(nodes[0]).update(name, lambda rec: self._lease(rec, handle, name, spec, holder))
