@@ -22,7 +22,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -92,6 +92,8 @@ class FaultProxy:
     def __init__(self, target: str) -> None:
         self.target = urllib.parse.urlparse(target)
         self.faults: list[Fault] = []
+        #: action -> a function run before that call is forwarded (to change moto's state meanwhile)
+        self.before: dict[str, Callable[[], None]] = {}
         self.calls: list[str] = []
         self._lock = threading.Lock()
         proxy = self
@@ -104,6 +106,9 @@ class FaultProxy:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 action = urllib.parse.parse_qs(body.decode()).get("Action", [""])[0]
                 fault = proxy._fault(action)
+                hook = proxy.before.pop(action, None)
+                if hook is not None:
+                    hook()
                 if fault is not None:
                     xml = (
                         f"<?xml version='1.0' encoding='UTF-8'?><Response><Errors><Error><Code>{fault.code}"

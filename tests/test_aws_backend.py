@@ -204,6 +204,30 @@ def test_a_failure_part_way_leaves_nothing_of_ours(
         proxy.stop()
 
 
+def test_an_instance_that_ends_while_starting_fails_the_provision_naming_it(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
+) -> None:
+    """EC2 ends an instance before it runs (capacity at boot, a spot reclaim): played by terminating one
+    between the launch and the wait. The error names the instance and EC2's reason; nothing is left."""
+    ec2 = moto.client()
+    proxy = FaultProxy(moto.url)
+    try:
+
+        def end_one() -> None:
+            ids = sorted(i["InstanceId"] for i in iter_instances(ec2))
+            ec2.terminate_instances(InstanceIds=ids[:1])
+
+        proxy.before["CreateTags"] = end_one  # the head's tag: after RunInstances, before the waiter
+        with pytest.raises(BackendError) as err:
+            backend(proxy.url, hosts).provision("ends", task_from_args(num_nodes=3, run="true"))
+        text = str(err.value)
+        assert "ended while starting (Client.UserInitiatedShutdown)" in text, text
+        assert "3 instance(s) made, nothing of it is left" in text
+        assert ours_left(ec2, "ends") == {}
+    finally:
+        proxy.stop()
+
+
 def test_ssh_that_never_answers_terminates_everything(
     moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
 ) -> None:
