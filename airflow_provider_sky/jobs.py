@@ -245,7 +245,8 @@ class GangClient:
         ips = h.ips
         # the alternative the cluster was provisioned with; its GPU count is what SkyPilot exports
         acc = chosen_resources(spec, h).accelerators
-        gpus = gpus_per_node(acc.count if acc else None)
+        # none asked: the GPUs of the node's machine type, when its backend chose one (EC2's instance type)
+        gpus = gpus_per_node(acc.count) if acc else int(h.extra.get("node_gpus") or 0)
         out = []
         for rank, node in enumerate(h.nodes):
             devices = node_devices(node, acc)

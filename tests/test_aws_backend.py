@@ -299,7 +299,18 @@ def test_instance_request_spot_disk_and_given_groups_and_key(
         Filters=[{"Name": "attachment.instance-id", "Values": [inst[0]["InstanceId"]]}]
     )
     assert [v["Size"] for v in vols["Volumes"]] == [512]
+    # every rank is told the node's GPUs, also when the task names the instance type alone
+    from airflow_provider_sky.jobs import GangClient
+
+    def gpus(handle: Any, task: Any) -> set[str]:
+        launches = GangClient(b, handle).rank_launches(task, "j", "run")
+        return {x.env["SKYPILOT_NUM_GPUS_PER_NODE"] for x in launches}
+
+    assert gpus(h, spec) == {"8"}
     assert b.terminate("gpu").removed
+    alone = task_from_args(num_nodes=2, run="true", resources={"instance_type": "g4dn.12xlarge"})
+    assert gpus(b.provision("gpu2", alone), alone) == {"4"}
+    assert b.terminate("gpu2").removed
     # what the connection gave is the user's: kept
     assert [g["GroupId"] for g in ec2.describe_security_groups(GroupIds=[group])["SecurityGroups"]] == [group]
     assert [k["KeyName"] for k in ec2.describe_key_pairs()["KeyPairs"]] == ["my-key"]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_sky import runtime
+from airflow_provider_sky.backends.aws import catalog
 from airflow_provider_sky.backends.aws import ec2 as api
 from airflow_provider_sky.backends.aws.catalog import NoInstanceType, choose
 from airflow_provider_sky.backends.aws.config import AWSSettings, parse_aws_config
@@ -204,7 +205,11 @@ class AWSBackend(Backend):
             cloud="aws",
             region=self.region,
             zone=str(nodes[0].extra.get("zone") or "") or None,
-            extra={"instance_type": nodes[0].extra.get("instance_type")},
+            extra={
+                "instance_type": nodes[0].extra.get("instance_type"),
+                # SKYPILOT_NUM_GPUS_PER_NODE when the task names an instance type but no accelerators
+                "node_gpus": catalog.gpus_of(str(nodes[0].extra.get("instance_type") or "")),
+            },
         )
 
     def find(self, name: str) -> ClusterHandle | None:

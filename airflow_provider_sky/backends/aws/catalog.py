@@ -86,6 +86,12 @@ def _fits(quantity: str | None, have: float) -> bool:
     return abs(have - float(quantity)) < 1e-9
 
 
+def gpus_of(instance_type: str) -> int:
+    """How many GPUs a catalog type has (0 for a type not in the catalog)."""
+    known = BY_NAME.get(instance_type)
+    return known.gpus if known else 0
+
+
 class NoInstanceType(ValueError):
     """Nothing in the catalog fits: (field, message) for the error."""
 
