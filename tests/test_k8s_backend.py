@@ -109,6 +109,39 @@ def test_fail_fast_kills_every_sibling(backend: KubernetesBackend) -> None:
     assert _pods(backend, "ff") == []
 
 
+def test_a_64_pod_gang_fails_fast_without_healthy_pods_called_lost(backend: KubernetesBackend) -> None:
+    """At 64 pods one round of execs (one runc exec each on this 2-core machine) outlasts the poll's
+    time limit when they are all made at once: healthy pods were reported "stopped answering", then
+    lost, the cancel missed them and the watch never ended. Calls go 16 at a time, each timed from its
+    own start, and a rank that outlives the cancel gets it again."""
+    n = 64
+    run = f'if [ "$SKYPILOT_NODE_RANK" = "{n - 1}" ]; then sleep 3; exit 1; fi; sleep 10000'
+    spec = task_from_args(num_nodes=n, run=run)
+    h = backend.provision("wide", spec)
+    try:
+        c = GangClient(backend, h)
+        c.launch(spec, "job")
+        seen_unreachable: set[int] = set()
+
+        async def go() -> Any:
+            last = None
+            async for poll in watch(c, "job", poll_interval=0.5):
+                seen_unreachable.update(poll.unreachable)
+                last = poll
+            return last
+
+        poll = asyncio.run(asyncio.wait_for(go(), 150))
+        states = {r.rank: r.state for r in poll.status.ranks}
+        assert states.pop(n - 1) == "failed"
+        assert set(states.values()) == {"cancelled"}, states
+        assert not seen_unreachable, f"healthy pods reported not answering: {sorted(seen_unreachable)}"
+        left = c.peek("job")
+        assert all(r.terminal for r in left.ranks)
+    finally:
+        backend.terminate("wide")
+    assert _pods(backend, "wide") == []
+
+
 def test_a_deleted_pod_is_lost_and_the_gang_fails_fast(backend: KubernetesBackend) -> None:
     spec = task_from_args(num_nodes=3, run="sleep 10000")
     h = backend.provision("loss", spec)

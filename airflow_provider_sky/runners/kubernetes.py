@@ -93,6 +93,11 @@ def _exit_code(error_channel: bytes | str, host: str) -> int:
     raise RunnerError(host, f"exec failed: {status.get('message') or status}")
 
 
+def _drop_outcome(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 class KubernetesRunner(CommandRunner):
     """Scripts in one container of one pod, each call its own exec stream."""
 
@@ -207,6 +212,9 @@ class KubernetesRunner(CommandRunner):
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             cancel.set()
+            # the thread ends on its own ("call abandoned", or the closed socket's error): nobody awaits
+            # it now, so take its outcome here instead of asyncio's "exception was never retrieved"
+            fut.add_done_callback(_drop_outcome)
             raise
 
     # -- files: a tar stream over exec --------------------------------------------------------------------
