@@ -462,3 +462,33 @@ def test_reap_terminates_a_cluster_gone_idle_and_nothing_else(
     assert len(ours_left(ec2, "busy")["instances"]) == 2
     assert next(iter_instances(ec2, InstanceIds=[foreign]))["State"]["Name"] == "running"
     assert b.terminate("busy", holder="d/r2").removed
+
+
+def test_leftovers_of_an_unfinished_teardown_are_cleared_and_the_zone_is_honoured(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
+) -> None:
+    """A teardown that could not delete the group or key pair (e.g. the API failed half way) does not
+    block the next provision of that name; ``zone`` puts every instance there."""
+    ec2 = moto.client()
+    vpc = ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"][0]["VpcId"]
+    tags = [
+        {"Key": "sky-airflow:cluster", "Value": "left"},
+        {"Key": "sky-airflow:owner", "Value": "airflow-provider-sky"},
+    ]
+    ec2.create_security_group(
+        GroupName="sky-airflow-left",
+        Description="left",
+        VpcId=vpc,
+        TagSpecifications=[{"ResourceType": "security-group", "Tags": tags}],
+    )
+    b = backend(moto.url, hosts, zone="us-east-1b")
+    ec2.import_key_pair(
+        KeyName="sky-airflow-left",
+        PublicKeyMaterial=b.public_key().encode(),
+        TagSpecifications=[{"ResourceType": "key-pair", "Tags": tags}],
+    )
+    h = b.provision("left", task_from_args(num_nodes=2, run="true"))
+    assert {n.extra["zone"] for n in h.nodes} == {"us-east-1b"} and h.zone == "us-east-1b"
+    assert len(ours_left(ec2, "left")["security_groups"]) == 1
+    assert b.terminate("left").removed
+    assert ours_left(ec2, "left") == {}

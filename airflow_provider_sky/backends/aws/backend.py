@@ -290,6 +290,9 @@ class AWSBackend(Backend):
             )
         zone = res.zone or s.zone
         subnet, vpc = api.subnet_vpc(ec2, s.subnet_id, zone)
+        # a group or key pair of this cluster left by a teardown that could not finish: no instance uses it
+        api.delete_security_groups(ec2, api.cluster_groups(ec2, name, self.owner))
+        api.delete_key_pairs(ec2, api.cluster_key_pairs(ec2, name, self.owner))
         groups = list(s.security_group_ids)
         if not groups:
             groups = [api.create_security_group(ec2, name, self.owner, vpc, s.ssh_cidr)]
@@ -310,14 +313,10 @@ class AWSBackend(Backend):
             ],
             "InstanceInitiatedShutdownBehavior": "terminate",
         }
-        interface: dict[str, Any] = {"DeviceIndex": 0, "Groups": groups}
-        if subnet:
-            interface["SubnetId"] = subnet
+        interface: dict[str, Any] = {"DeviceIndex": 0, "Groups": groups, "SubnetId": subnet}
         if not s.use_private_ips:
             interface["AssociatePublicIpAddress"] = True
         request["NetworkInterfaces"] = [interface]
-        if zone and not subnet:
-            request["Placement"] = {"AvailabilityZone": zone}
         if res.disk_size:
             request["BlockDeviceMappings"] = [
                 {

@@ -164,8 +164,9 @@ def root_device(ec2: Any, image_id: str) -> str:
     return str(images[0].get("RootDeviceName") or "/dev/sda1")
 
 
-def subnet_vpc(ec2: Any, subnet_id: str | None, zone: str | None) -> tuple[str | None, str]:
-    """(subnet, VPC): the given subnet, else the default VPC (one of its subnets in ``zone`` if asked)."""
+def subnet_vpc(ec2: Any, subnet_id: str | None, zone: str | None) -> tuple[str, str]:
+    """(subnet, VPC): the given subnet, else a default subnet of the default VPC (in ``zone`` if asked;
+    else the first by zone name): the network interface the instances get names its subnet."""
     try:
         if subnet_id:
             subnets = ec2.describe_subnets(SubnetIds=[subnet_id])["Subnets"]
@@ -176,17 +177,21 @@ def subnet_vpc(ec2: Any, subnet_id: str | None, zone: str | None) -> tuple[str |
     if not vpcs:
         raise BackendError("subnet_id: the region has no default VPC; give the connection's subnet_id")
     vpc = str(vpcs[0]["VpcId"])
-    if not zone:
-        return None, vpc
+    filters = [{"Name": "vpc-id", "Values": [vpc]}, {"Name": "default-for-az", "Values": ["true"]}]
+    if zone:
+        filters.append({"Name": "availability-zone", "Values": [zone]})
     try:
-        subnets = ec2.describe_subnets(
-            Filters=[{"Name": "vpc-id", "Values": [vpc]}, {"Name": "availability-zone", "Values": [zone]}]
-        )["Subnets"]
+        subnets = ec2.describe_subnets(Filters=filters)["Subnets"]
     except Exception as exc:
-        raise client_error(f"finding a subnet in zone {zone}", exc) from None
+        raise client_error(f"finding a subnet{f' in zone {zone}' if zone else ''}", exc) from None
     if not subnets:
-        raise BackendError(f"zone: the default VPC has no subnet in {zone!r}; give another zone or subnet_id")
-    return str(subnets[0]["SubnetId"]), vpc
+        where = (
+            f"in {zone!r}; give another zone or subnet_id" if zone else "; give the connection's subnet_id"
+        )
+        raise BackendError(
+            f"{'zone' if zone else 'subnet_id'}: the default VPC has no default subnet {where}"
+        )
+    return str(min(subnets, key=lambda n: str(n.get("AvailabilityZone")))["SubnetId"]), vpc
 
 
 def create_security_group(ec2: Any, name: str, owner: str, vpc: str, ssh_cidr: str) -> str:
