@@ -659,6 +659,19 @@ class MonitorState:
     cancel_issued: bool = False
     #: when each rank was last sent the gang's cancel (fail-fast), to send it again if it lives on
     cancel_sent: dict[int, float] = field(default_factory=dict)
+    #: what the backend says of a lost rank's node (asked once per rank)
+    lost_why: dict[int, str | None] = field(default_factory=dict)
+
+
+async def _lost_reason(client: GangClient, rank: int, st: MonitorState) -> str | None:
+    """The backend's word on why a lost rank's node is gone (e.g. an EC2 spot interruption), once."""
+    if rank not in st.lost_why:
+        try:
+            st.lost_why[rank] = await asyncio.to_thread(client.backend.lost_reason, client.handle.nodes[rank])
+        except Exception as exc:  # the explanation is a courtesy: the rank is lost either way
+            log.info("Why rank %s's node is gone could not be asked: %s", rank, exc)
+            st.lost_why[rank] = None
+    return st.lost_why[rank]
 
 
 def _cancel_due(poll: Poll, st: MonitorState, grace: float) -> list[int]:
@@ -704,6 +717,9 @@ async def watch(
                     r.reason = (
                         f"node {r.ip} stopped answering for {lost_after:.0f}s: {poll.unreachable[r.rank]}"
                     )
+                    why = await _lost_reason(client, r.rank, st)
+                    if why:
+                        r.reason += f"; {why}"
                 else:
                     r.state = RUNNING
             else:

@@ -492,3 +492,43 @@ def test_leftovers_of_an_unfinished_teardown_are_cleared_and_the_zone_is_honoure
     assert len(ours_left(ec2, "left")["security_groups"]) == 1
     assert b.terminate("left").removed
     assert ours_left(ec2, "left") == {}
+
+
+def test_a_node_whose_instance_ends_mid_run_is_lost_with_ec2s_reason(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
+) -> None:
+    """A spot reclaim mid-run, played by terminating the instance in moto and killing its sshd host (the
+    machine is gone): the rank is lost, its reason carries the instance's state and EC2's reason, and the
+    gang is cancelled."""
+    import asyncio
+
+    from airflow_provider_sky.jobs import GangClient, watch
+
+    ec2 = moto.client()
+    b = backend(moto.url, hosts)
+    spec = task_from_args(num_nodes=2, run="sleep 10000", resources={"use_spot": True})
+    h = b.provision("spot", spec)
+    client = GangClient(b, h)
+    client.launch(spec, "job")
+    gone = h.nodes[1]
+    index = net.host_of(gone.node_id)
+    try:
+        ec2.terminate_instances(InstanceIds=[gone.node_id])
+        hosts.kill_node(index)
+
+        async def until_done() -> Any:
+            last = None
+            async for poll in watch(client, "job", poll_interval=0.2, lost_after=2.0):
+                last = poll
+            return last
+
+        poll = asyncio.run(asyncio.wait_for(until_done(), 60))
+        lost = poll.status.by_rank(1)
+        assert lost.state == "lost"
+        assert f"instance {gone.node_id} is terminated (Client.UserInitiatedShutdown" in lost.reason
+        assert poll.status.by_rank(0).state == "cancelled"
+    finally:
+        hosts.restart_node(index)
+        ssh.close_all()
+    assert b.terminate("spot").removed
+    assert ours_left(ec2, "spot") == {}

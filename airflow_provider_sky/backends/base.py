@@ -171,6 +171,11 @@ class Backend(ABC):
         whose own nodes count as available when it exists. Default: nothing beyond the capabilities."""
         return []
 
+    def lost_reason(self, node: Node) -> str | None:
+        """Why a node that stopped answering is gone, when the backend can tell (an EC2 instance ended
+        by a spot interruption); None when it cannot. Called once per lost rank, off the event loop."""
+        return None
+
     def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
         """What a node removes besides its runtime directory when the cluster goes down idle (``idle_down``):
         the cluster record, on the node that keeps it."""

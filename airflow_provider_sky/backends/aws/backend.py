@@ -535,6 +535,24 @@ class AWSBackend(Backend):
         left += api.delete_key_pairs(self.ec2, api.cluster_key_pairs(self.ec2, name, self.owner))
         return Teardown(removed=bool(ids) and not left, unclean=tuple(left))
 
+    def lost_reason(self, node: Node) -> str | None:
+        """EC2's word on a node that stopped answering: its instance's state and reason when it no longer
+        runs (``spot interruption: instance i-... is terminated (Server.SpotInstanceTermination: ...)``)."""
+        iid = str(node.extra.get("instance_id") or node.node_id)
+        try:
+            found = self._by_ids([iid])
+        except BackendError:
+            return None
+        if not found or found[0]["State"]["Name"] in ("pending", "running"):
+            return None
+        state = found[0]["State"]["Name"]
+        reason = found[0].get("StateReason") or {}
+        code = str(reason.get("Code") or "")
+        cause = api.CAUSES.get(code)
+        return (
+            f"{cause + ': ' if cause else ''}instance {iid} is {state} ({code}: {reason.get('Message', '')})"
+        )
+
     # -- orphans -------------------------------------------------------------------------------------
 
     def reap(self, min_age: float = 900.0) -> list[str]:
