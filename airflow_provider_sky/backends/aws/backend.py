@@ -301,38 +301,20 @@ class AWSBackend(Backend):
         if not key_name:
             key_name = api.import_key_pair(ec2, name, self.owner, self.public_key())
             made["keys"] = [key_name]
-        request: dict[str, Any] = {
-            "ImageId": image,
-            "InstanceType": itype.name,
-            "MinCount": spec.num_nodes,
-            "MaxCount": spec.num_nodes,
-            "KeyName": key_name,
-            "TagSpecifications": [
-                api.tag_spec("instance", name, self.owner, "worker"),
-                api.tag_spec("volume", name, self.owner),
-            ],
-            "InstanceInitiatedShutdownBehavior": "terminate",
-        }
-        interface: dict[str, Any] = {"DeviceIndex": 0, "Groups": groups, "SubnetId": subnet}
-        if not s.use_private_ips:
-            interface["AssociatePublicIpAddress"] = True
-        request["NetworkInterfaces"] = [interface]
-        if res.disk_size:
-            request["BlockDeviceMappings"] = [
-                {
-                    "DeviceName": api.root_device(ec2, image),
-                    "Ebs": {
-                        "VolumeSize": int(res.disk_size),
-                        "VolumeType": "gp3",
-                        "DeleteOnTermination": True,
-                    },
-                }
-            ]
-        if res.use_spot:
-            request["InstanceMarketOptions"] = {
-                "MarketType": "spot",
-                "SpotOptions": {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"},
-            }
+        request = api.run_request(
+            name,
+            self.owner,
+            n=spec.num_nodes,
+            image=image,
+            instance_type=itype.name,
+            key_name=key_name,
+            groups=groups,
+            subnet=subnet,
+            public_ip=not s.use_private_ips,
+            root_device=api.root_device(ec2, image) if res.disk_size else None,
+            disk_size=res.disk_size,
+            spot=res.use_spot,
+        )
         log.info(
             "cluster %s: launching %s x %s (%s%s) in %s",
             name,

@@ -194,6 +194,47 @@ def subnet_vpc(ec2: Any, subnet_id: str | None, zone: str | None) -> tuple[str, 
     return str(min(subnets, key=lambda n: str(n.get("AvailabilityZone")))["SubnetId"]), vpc
 
 
+def run_request(
+    name: str,
+    owner: str,
+    *,
+    n: int,
+    image: str,
+    instance_type: str,
+    key_name: str,
+    groups: list[str],
+    subnet: str,
+    public_ip: bool,
+    root_device: str | None,
+    disk_size: int | None,
+    spot: bool,
+) -> dict[str, Any]:
+    """The one RunInstances of a cluster: MinCount = MaxCount = N (EC2 gives all or none), every instance
+    and volume tagged at creation, the instance terminated (not stopped) when it shuts itself down."""
+    interface: dict[str, Any] = {"DeviceIndex": 0, "Groups": groups, "SubnetId": subnet}
+    if public_ip:
+        interface["AssociatePublicIpAddress"] = True
+    request: dict[str, Any] = {
+        "ImageId": image,
+        "InstanceType": instance_type,
+        "MinCount": n,
+        "MaxCount": n,
+        "KeyName": key_name,
+        "NetworkInterfaces": [interface],
+        "TagSpecifications": [tag_spec("instance", name, owner, "worker"), tag_spec("volume", name, owner)],
+        "InstanceInitiatedShutdownBehavior": "terminate",
+    }
+    if disk_size and root_device:
+        ebs = {"VolumeSize": int(disk_size), "VolumeType": "gp3", "DeleteOnTermination": True}
+        request["BlockDeviceMappings"] = [{"DeviceName": root_device, "Ebs": ebs}]
+    if spot:
+        request["InstanceMarketOptions"] = {
+            "MarketType": "spot",
+            "SpotOptions": {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"},
+        }
+    return request
+
+
 def create_security_group(ec2: Any, name: str, owner: str, vpc: str, ssh_cidr: str) -> str:
     """The cluster's own group: SSH from ``ssh_cidr``, everything between the cluster's nodes."""
     try:
