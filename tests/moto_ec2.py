@@ -52,6 +52,8 @@ class MotoEC2:
         self.port = _free_port()
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self.url = f"http://127.0.0.1:{self.port}"
+        #: the credentials the tests' own clients use (an admin's while IAM is enforced)
+        self.keys = ("testing", "testing")
 
     def start(self) -> MotoEC2:
         self.server.start()
@@ -63,15 +65,29 @@ class MotoEC2:
     def reset(self) -> None:
         urllib.request.urlopen(urllib.request.Request(f"{self.url}/moto-api/reset", method="POST")).read()
 
-    def client(self, url: str | None = None) -> Any:
-        """A boto3 EC2 client of the tests' own (to look at moto, or to make foreign instances)."""
+    def client(self, url: str | None = None, service: str = "ec2") -> Any:
+        """A boto3 client of the tests' own (to look at moto, or to make foreign instances)."""
         return boto3.client(
-            "ec2",
+            service,
             region_name=REGION,
             endpoint_url=url or self.url,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
+            aws_access_key_id=self.keys[0],
+            aws_secret_access_key=self.keys[1],
         )
+
+    def enforce_iam(self, on: bool) -> None:
+        """moto checks every call against the caller's IAM policies (actions only: moto ignores a
+        statement's Resource and Condition), or stops checking."""
+        body = b"0" if on else b"inf"
+        request = urllib.request.Request(
+            f"{self.url}/moto-api/reset-auth",
+            data=body,
+            method="POST",
+            headers={"Content-Type": "text/plain"},
+        )
+        urllib.request.urlopen(request).read()
+        if not on:
+            self.keys = ("testing", "testing")
 
 
 @dataclass
