@@ -464,11 +464,11 @@ def test_reap_terminates_a_cluster_gone_idle_and_nothing_else(
     assert b.terminate("busy", holder="d/r2").removed
 
 
-def test_leftovers_of_an_unfinished_teardown_are_cleared_and_the_zone_is_honoured(
+def test_leftovers_of_an_unfinished_teardown_hold_provisions_off_until_a_teardown_and_zone_is_honoured(
     moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
 ) -> None:
-    """A teardown that could not delete the group or key pair (e.g. the API failed half way) does not
-    block the next provision of that name; ``zone`` puts every instance there."""
+    """The cluster's group name is the provisions' mutex, so a group a teardown could not delete holds
+    the next provision off, naming it and the fix (another teardown deletes it); ``zone`` is honoured."""
     ec2 = moto.client()
     vpc = ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"][0]["VpcId"]
     tags = [
@@ -487,7 +487,14 @@ def test_leftovers_of_an_unfinished_teardown_are_cleared_and_the_zone_is_honoure
         PublicKeyMaterial=b.public_key().encode(),
         TagSpecifications=[{"ResourceType": "key-pair", "Tags": tags}],
     )
-    h = b.provision("left", task_from_args(num_nodes=2, run="true"))
+    b.busy_wait = 1.0
+    spec = task_from_args(num_nodes=2, run="true")
+    with pytest.raises(BackendError, match="its security group sky-airflow-left exists: another provision"):
+        b.provision("left", spec)
+    assert len(ours_left(ec2, "left")["security_groups"]) == 1  # not ours to delete while provisioning
+    assert b.terminate("left").removed is False  # no instance, but the teardown deletes the leftovers
+    assert ours_left(ec2, "left") == {}
+    h = b.provision("left", spec)
     assert {n.extra["zone"] for n in h.nodes} == {"us-east-1b"} and h.zone == "us-east-1b"
     assert len(ours_left(ec2, "left")["security_groups"]) == 1
     assert b.terminate("left").removed
@@ -586,3 +593,26 @@ def test_the_readme_iam_policy_allows_the_whole_lifecycle(
         assert ours_left(moto.client(), "iam2") == {}
     finally:
         moto.enforce_iam(False)
+
+
+def test_two_concurrent_provisions_of_one_cluster_make_one_set_of_instances(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
+) -> None:
+    """Two runs sharing a cluster_name start at once: one makes the instances, the other waits and joins
+    (a second lease), never a second set of instances."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ec2 = moto.client()
+    spec = task_from_args(num_nodes=2, run="true")
+
+    def one(holder: str) -> Any:
+        return backend(moto.url, hosts).provision("shared", spec, holder=holder)
+
+    with ThreadPoolExecutor(2) as pool:
+        a, b2 = pool.map(one, ["d/a", "d/b"])
+    assert [n.node_id for n in a.nodes] == [n.node_id for n in b2.nodes]
+    assert len(ours_left(ec2, "shared")["instances"]) == 2
+    b = backend(moto.url, hosts)
+    assert b.terminate("shared", holder="d/a").kept_for == ("d/b",)
+    assert b.terminate("shared", holder="d/b").removed
+    assert ours_left(ec2, "shared") == {}

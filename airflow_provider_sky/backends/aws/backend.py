@@ -290,17 +290,22 @@ class AWSBackend(Backend):
             )
         zone = res.zone or s.zone
         subnet, vpc = api.subnet_vpc(ec2, s.subnet_id, zone)
-        # a group or key pair of this cluster left by a teardown that could not finish: no instance uses it
-        api.delete_security_groups(ec2, api.cluster_groups(ec2, name, self.owner))
-        api.delete_key_pairs(ec2, api.cluster_key_pairs(ec2, name, self.owner))
-        groups = list(s.security_group_ids)
-        if not groups:
-            groups = [api.create_security_group(ec2, name, self.owner, vpc, s.ssh_cidr)]
-            made["groups"] = groups
-        key_name = s.key_name
-        if not key_name:
-            key_name = api.import_key_pair(ec2, name, self.owner, self.public_key())
-            made["keys"] = [key_name]
+        # the cluster's own group and key pair are made first: EC2 makes a name once, so they also keep a
+        # concurrent provision of the same cluster out (it waits, then joins what this one makes)
+        try:
+            groups = list(s.security_group_ids)
+            if not groups:
+                groups = [api.create_security_group(ec2, name, self.owner, vpc, s.ssh_cidr)]
+                made["groups"] = groups
+            key_name = s.key_name
+            if not key_name:
+                key_name = api.import_key_pair(ec2, name, self.owner, self.public_key())
+                made["keys"] = [key_name]
+        except api.Duplicate as dup:
+            raise ClusterBusy(
+                f"cluster {name!r}: its {dup} exists: another provision of it is under way, or a teardown "
+                "could not delete it (tear the cluster down again: that deletes it)"
+            ) from None
         request = api.run_request(
             name,
             self.owner,
@@ -475,8 +480,12 @@ class AWSBackend(Backend):
         """Remove what a failed provision made; returns what could not be removed."""
         left: list[str] = []
         try:
-            # by tags as well: an instance whose id the failed call never returned is still ours
-            tagged = [i["InstanceId"] for i in api.describe_instances(self.ec2, name, self.owner)]
+            # by tags as well when this provision holds the cluster's group or key pair (no other one
+            # can be making instances of it): an instance whose id a failed call never returned is ours
+            held = bool(made["groups"] or made["keys"])
+            tagged = (
+                [i["InstanceId"] for i in api.describe_instances(self.ec2, name, self.owner)] if held else []
+            )
             api.terminate_and_wait(self.ec2, sorted(set(made["instances"]) | set(tagged)), TERMINATE_WAIT)
         except BackendError as exc:
             log.warning("cluster %s: instances left after a failed provision: %s", name, exc)

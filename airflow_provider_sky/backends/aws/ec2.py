@@ -64,6 +64,11 @@ FIXES = {
 }
 
 
+class Duplicate(Exception):
+    """The cluster's security group or key pair exists already: its name is the provision's mutex (EC2
+    creates a name once), so another provision of the cluster is under way, or a teardown left it."""
+
+
 def client_error(what: str, exc: BaseException) -> BackendError:
     """``exc`` (botocore's) as a BackendError that leads with the cause and says the fix."""
     code, message = error_code(exc)
@@ -248,6 +253,8 @@ def create_security_group(ec2: Any, name: str, owner: str, vpc: str, ssh_cidr: s
             TagSpecifications=[tag_spec("security-group", name, owner)],
         )["GroupId"]
     except Exception as exc:
+        if error_code(exc)[0] == "InvalidGroup.Duplicate":
+            raise Duplicate(f"security group sky-airflow-{name}") from None
         raise client_error(f"creating the security group of cluster {name!r}", exc) from None
     try:
         ec2.authorize_security_group_ingress(
@@ -272,6 +279,8 @@ def import_key_pair(ec2: Any, name: str, owner: str, public_key: str) -> str:
             TagSpecifications=[tag_spec("key-pair", name, owner)],
         )
     except Exception as exc:
+        if error_code(exc)[0] == "InvalidKeyPair.Duplicate":
+            raise Duplicate(f"key pair {key_name}") from None
         raise client_error(f"importing the key pair of cluster {name!r}", exc) from None
     return key_name
 
