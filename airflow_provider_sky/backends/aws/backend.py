@@ -464,10 +464,15 @@ class AWSBackend(Backend):
             instances = self._wait_running(name, ids)
         ordered = self._ordered(name, instances)
         head = self._node(name, ordered[0], None)
+        recent = (
+            time.time() - max(i["LaunchTime"].timestamp() for i in instances)
+            < self.settings.provision_timeout
+        )
+        if recent and not head.extra.get("host_key") and self.settings.host_key_policy != "skip":
+            raise ClusterBusy(f"cluster {name!r}: being made (its head's host key is not pinned yet)")
         wait_for_ssh(str(head.extra["host"]), int(head.extra["port"]), self.settings.provision_timeout)
         record = self.records(head).load(name)
-        launched = max(i["LaunchTime"].timestamp() for i in instances)
-        if record is None and time.time() - launched < self.settings.provision_timeout:
+        if record is None and recent:
             raise ClusterBusy(f"cluster {name!r}: its instances run but it has no record yet")
         if record is not None:  # else: gone idle (idle_down removed it), adopted with a new record
             check_reusable(record, name, spec.num_nodes)
