@@ -48,6 +48,9 @@ home is whatever ``db migrate`` writes and is overridden by these):
     stack on this machine (default 8793/8794) could answer.
 ``[logging] base_log_folder = <home>/logs``
     Task logs (``dag_id=.../run_id=.../task_id=...``) sit next to the services' own ``*.log``.
+
+The distributed variant (PostgreSQL, Celery, several triggerers) and why each of its settings exists:
+:mod:`airflow_provider_sky.dev.services`.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from __future__ import annotations
 import atexit
 import base64
 import contextlib
+import math
 import os
 import secrets
 import signal
@@ -73,6 +77,9 @@ import httpx
 
 #: start order; ``stop()`` terminates them all at once
 SERVICES: tuple[str, ...] = ("api-server", "scheduler", "dag-processor", "triggerer")
+#: Celery workers are named ``celery-worker-1``, ``celery-worker-2``...; triggerers after the first
+#: ``triggerer-2``, ``triggerer-3``...
+CELERY_WORKER = "celery-worker"
 FINISHED_RUN_STATES = frozenset({"success", "failed"})
 
 
@@ -184,7 +191,11 @@ class AirflowStack:
     :param env: extra environment for every service (e.g. ``SKY_PROVIDER_HOME``); wins over the
         stack's own settings. Inherited ``AIRFLOW__*`` / ``AIRFLOW_*`` variables are dropped, so the
         caller's Airflow config never leaks into the stack.
-    :param parallelism: ``[core] parallelism`` (LocalExecutor worker slots).
+    :param parallelism: ``[core] parallelism`` (LocalExecutor worker slots; with Celery, the
+        scheduler's limit, split over the workers as ``[celery] worker_concurrency``).
+    :param sql_alchemy_conn: the metadata DB (default: SQLite in ``home``).
+    :param broker_url: a Redis URL: run the CeleryExecutor with ``celery_workers`` workers.
+    :param triggerers: how many triggerer processes (``triggerer``, ``triggerer-2``, ...).
     """
 
     def __init__(
@@ -194,6 +205,10 @@ class AirflowStack:
         env: Mapping[str, str] | None = None,
         *,
         parallelism: int = 16,
+        sql_alchemy_conn: str | None = None,
+        broker_url: str | None = None,
+        celery_workers: int = 2,
+        triggerers: int = 1,
         python: str = sys.executable,
         ready_timeout: float = 120.0,
         stop_grace: float = 10.0,
@@ -203,6 +218,10 @@ class AirflowStack:
         self.logs = self.home / "logs"
         self.python = python
         self.parallelism = parallelism
+        self.sql_alchemy_conn = sql_alchemy_conn
+        self.broker_url = broker_url
+        self.celery_workers = celery_workers if broker_url else 0
+        self.triggerers = triggerers
         self.ready_timeout = ready_timeout
         self.stop_grace = stop_grace
         self.port = 0
@@ -218,15 +237,26 @@ class AirflowStack:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def services(self) -> list[str]:
+        """Every service this stack runs, in start order."""
+        names = [s for s in SERVICES if s != "triggerer"]
+        names += ["triggerer"] + [f"triggerer-{i}" for i in range(2, self.triggerers + 1)]
+        return names + [f"{CELERY_WORKER}-{i}" for i in range(1, self.celery_workers + 1)]
+
+    @property
+    def executor(self) -> str:
+        return "CeleryExecutor" if self.broker_url else "LocalExecutor"
+
     def _build_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
         h = str(self.home)
         env.update(
             {
                 "AIRFLOW_HOME": h,
-                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{h}/airflow.db",
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": self.sql_alchemy_conn or f"sqlite:///{h}/airflow.db",
                 "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
-                "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+                "AIRFLOW__CORE__EXECUTOR": self.executor,
                 "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
                 "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": str(self.parallelism),
                 "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
@@ -259,21 +289,52 @@ class AirflowStack:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if self.broker_url:
+            db = self.sql_alchemy_conn or f"sqlite:///{h}/airflow.db"
+            env.update(
+                {
+                    "AIRFLOW__CELERY__BROKER_URL": self.broker_url,
+                    "AIRFLOW__CELERY__RESULT_BACKEND": "db+"
+                    + db,  # the driver stays: SQLAlchemy's default is psycopg 3
+                    "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(
+                        max(1, math.ceil(self.parallelism / self.celery_workers))
+                    ),
+                    "AIRFLOW__CELERY__WORKER_PREFETCH_MULTIPLIER": "1",
+                }
+            )
         env.update(self.extra_env)
         return env
 
     def _command(self, service: str) -> list[str]:
+        if service.startswith(CELERY_WORKER):
+            name = f"worker{service.rsplit('-', 1)[1]}@%h"
+            return [
+                self.python,
+                "-m",
+                "airflow",
+                "celery",
+                "worker",
+                "--celery-hostname",
+                name,
+                "--skip-serve-logs",
+            ]
+        if service.startswith("triggerer"):
+            return [self.python, "-m", "airflow", "triggerer", "--skip-serve-logs"]
         cmd = [self.python, "-m", "airflow", service]
-        if service in ("scheduler", "triggerer"):
+        if service == "scheduler":
             cmd.append("--skip-serve-logs")
         return cmd
 
     def _spawn(self, service: str) -> None:
         log: IO[bytes] = open(self.logs / f"{service}.log", "ab")
         try:
+            env = self.env
+            if service.startswith("triggerer"):
+                # Airflow records a job's unixname from LOGNAME: it tells which triggerer runs which trigger
+                env = {**env, "LOGNAME": service}
             self.procs[service] = subprocess.Popen(
                 self._command(service),
-                env=self.env,
+                env=env,
                 cwd=self.home,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -305,7 +366,7 @@ class AirflowStack:
                 raise StackError(
                     f"airflow db migrate failed ({res.returncode}):\n{_tail(self.logs / 'db-migrate.log')}"
                 )
-            for service in SERVICES:
+            for service in self.services:
                 self._spawn(service)
         except BaseException:
             self.stop()
@@ -431,6 +492,22 @@ class AirflowStack:
                 raise StackError(f"the new triggerer did not heartbeat within {timeout}s")
             time.sleep(0.5)
 
+    def kill_service(self, service: str, sig: int = signal.SIGKILL) -> None:
+        """Kill one service's whole process group (a crash when SIGKILL); the stack goes on without it."""
+        proc = self.procs.pop(service)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        self._reap([proc], self.stop_grace)
+
+    def triggerer_jobs(self) -> dict[int, str]:
+        """Triggerer job id -> the service running it (``triggerer``, ``triggerer-2``...), for live jobs."""
+        jobs = self._request("GET", "/api/v2/jobs", params={"job_type": "TriggererJob", "limit": 100})["jobs"]
+        return {int(j["id"]): str(j["unixname"]) for j in jobs if not j.get("end_date")}
+
+    def service_processes(self, service: str) -> list[int]:
+        """Live processes of a service (its process group: e.g. a triggerer and its trigger runner)."""
+        return group_members(self.procs[service].pid)
+
     def __enter__(self) -> AirflowStack:
         try:
             self.start()
@@ -532,6 +609,12 @@ class AirflowStack:
         )
         tis = [{k: ti.get(k) for k in keys} for ti in data["task_instances"]]
         return sorted(tis, key=lambda t: (t["task_id"], t["map_index"]))
+
+    def task_instance(self, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> dict[str, Any]:
+        """One task instance as the API returns it, with its ``trigger`` (``triggerer_id``) while deferred."""
+        path = self._ti_path(dag_id, run_id, task_id) + (f"/{map_index}" if map_index >= 0 else "")
+        ti: dict[str, Any] = self._request("GET", path)
+        return ti
 
     def task_log(
         self, dag_id: str, run_id: str, task_id: str, map_index: int = -1, try_number: int = 1
