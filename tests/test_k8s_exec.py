@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import signal
 import time
+
+import pytest
 
 from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
 from airflow_provider_sky.jobs import GangClient
-from airflow_provider_sky.runners.base import CALLS
+from airflow_provider_sky.runners.base import CALLS, RunnerError
 from airflow_provider_sky.spec import task_from_args
+from k8s_cluster import LOCAL_DIR, K8sCluster
 from test_k8s_backend import _wait, backend, extras  # noqa: F401  (fixtures)
 
 
@@ -71,3 +76,41 @@ def test_a_poll_is_one_exec_per_pod(backend: KubernetesBackend) -> None:  # noqa
         assert CALLS.total() == 4, CALLS.counts
     _wait(c, "job")
     backend.terminate("calls")
+
+
+def test_a_call_whose_stream_goes_silent_ends_at_its_timeout(
+    k8s: K8sCluster,
+    backend: KubernetesBackend,  # noqa: F811
+) -> None:
+    """The pod's kubelet stops (SIGSTOP) mid-call: nothing more comes down the stream, no close either.
+    The call ends at its own limit with an error saying so; it used to wait for the next frame forever
+    (a pytest that could not exit, its last exec thread blocked at interpreter shutdown)."""
+    if not k8s.local:
+        pytest.skip("stops a kubelet of the local test cluster (tests/k8s/k8s-local.sh)")
+    h = backend.provision("silent", task_from_args(num_nodes=1, run="true"))
+    try:
+        runner = backend.runner(h.nodes[0])
+        node = backend.core.read_namespaced_pod(h.nodes[0].node_id, backend.namespace).spec.node_name
+        suffix = "" if node == "localhost" else node.rsplit(".", 1)[-1]
+        kubelet = int((LOCAL_DIR / "run" / f"kubelet{suffix}.pid").read_text())
+
+        async def call() -> BaseException | None:
+            task = asyncio.ensure_future(runner.arun_script("echo up; sleep 30", timeout=4))
+            await asyncio.sleep(1.5)  # the stream is open and the script runs
+            os.kill(kubelet, signal.SIGSTOP)
+            try:
+                await task
+            except RunnerError as exc:
+                return exc
+            return None
+
+        started = time.monotonic()
+        try:
+            err = asyncio.run(call())
+        finally:
+            os.kill(kubelet, signal.SIGCONT)
+        took = time.monotonic() - started
+        assert isinstance(err, RunnerError) and "timed out after 4s" in str(err), err
+        assert took < 10, f"the call took {took:.1f}s for a 4 s limit (stream open included)"
+    finally:
+        backend.terminate("silent")

@@ -173,11 +173,13 @@ class KubernetesRunner(CommandRunner):
                 if left is not None and left <= 0:
                     raise RunnerError(self.host, f"command timed out after {timeout:g}s")
                 ws.update(timeout=min(1.0, left) if left is not None else 1.0)
-                out += ws.read_stdout() or b""
-                err += ws.read_stderr() or b""
-            out += ws.read_stdout() or b""
-            err += ws.read_stderr() or b""
-            code = _exit_code(ws.read_channel(3), self.host)
+                # timeout=0: the client's own default (None) blocks until the next frame, which a silent
+                # stream (a stopped kubelet, a dropped link) never sends: past our deadline and forever
+                out += ws.read_stdout(timeout=0) or b""
+                err += ws.read_stderr(timeout=0) or b""
+            out += ws.read_stdout(timeout=0) or b""
+            err += ws.read_stderr(timeout=0) or b""
+            code = _exit_code(ws.read_channel(3, timeout=0), self.host)
         except RunnerError:
             raise
         except Exception as exc:
