@@ -47,14 +47,13 @@ from typing import IO, Any
 
 from airflow_provider_sky.backends import ClusterHandle, make_backend
 from airflow_provider_sky.gang import RankStatus
-from airflow_provider_sky.hang import HangWatch, watch_gang
 from airflow_provider_sky.jobs import (
     DEFAULT_ORPHAN_TIMEOUT,
     GangClient,
     LaunchError,
-    MonitorState,
     Poll,
 )
+from airflow_provider_sky.retry import AttemptState, RetryPolicy, watch_attempts
 
 log = logging.getLogger("airflow_provider_sky.bridge")
 
@@ -148,36 +147,38 @@ async def bridge_watch(
     stale_after: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     hang_timeout: float = 0.0,
+    policy: RetryPolicy | None = None,
 ) -> str:
-    """Watch the job (fail-fast included) while nobody else does. Returns why it stopped.
+    """Watch the job (fail-fast, hangs and retries included) while nobody else does. Returns why it stopped.
 
-    ``"done"``: every rank is terminal. ``"timeout"``: no other watcher was seen for
+    ``"done"``: the gang's outcome is final (every rank of its last attempt is terminal). ``"timeout"``: no other watcher was seen for
     ``bridge_timeout`` seconds. ``"gone"``: the cluster was torn down.
     """
-    st = MonitorState()
-    hangs = HangWatch(hang_timeout)  # silence timers kept across the re-entries below
+    st = AttemptState()  # attempts, silence timers and offsets kept across the re-entries below
     hand = Handover(stale_after if stale_after is not None else 2 * poll_interval, clock)
     quiet_since = clock()
     terminal: set[int] = set()
     last_find = 0.0
     while True:
         async with contextlib.aclosing(
-            watch_gang(
+            watch_attempts(
                 client,
                 job_id,
+                policy=policy,
+                hang_timeout=hang_timeout,
                 poll_interval=poll_interval,
                 grace=grace,
                 lost_after=lost_after,
                 state=st,
-                hangs=hangs,
                 mark=False,
             )
         ) as polls:
             async for poll in polls:
-                if poll.status.done:
-                    log.info("Job %s is over: %s", job_id, _states(poll.status.ranks))
+                if poll.final:
+                    log.info("Job %s is over: %s", st.current_id, _states(poll.status.ranks))
                     return "done"
-                terminal |= {r.rank for r in poll.status.ranks if r.terminal}
+                if not poll.status.done:
+                    terminal = {r.rank for r in poll.status.ranks if r.terminal}
                 hand.observe(r for r in poll.status.ranks if r.rank not in poll.unreachable)
                 if hand.active():
                     break
@@ -199,11 +200,11 @@ async def bridge_watch(
             # twice the other watcher's pace, so a lapse shows within about two intervals
             await asyncio.sleep(poll_interval / 2)
             probe = min((r for r in range(client.num_ranks) if r not in terminal), default=0)
-            poll = await client.apoll(job_id, ranks=[probe])
-            if poll.unreachable:
+            peek = await client.apoll(st.current_id, ranks=[probe])
+            if peek.unreachable:
                 break
-            hand.observe(poll.status.ranks)
-            if any(r.terminal for r in poll.status.ranks) or poll.status.cancel_requested:
+            hand.observe(peek.status.ranks)
+            if any(r.terminal for r in peek.status.ranks) or peek.status.cancel_requested:
                 break  # look at every rank now: over, or a cancel to follow through
             if not hand.active():
                 log.info("The other watcher of job %s stopped polling: watching every rank again", job_id)
@@ -233,6 +234,8 @@ class BridgeRequest:
     lost_after: float = 10.0
     bridge_timeout: float = DEFAULT_ORPHAN_TIMEOUT
     hang_timeout: float = 0.0
+    #: the whole-gang retry policy (``RetryPolicy.to_dict``), None: no retries
+    retry: Mapping[str, Any] | None = None
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__, default=dict).encode()
@@ -251,6 +254,8 @@ async def serve(req: BridgeRequest, answer: Callable[[dict[str, Any]], None]) ->
 
     backend = make_backend(req.backend, req.config)
     client = _QuietClient(backend, ClusterHandle.from_dict(req.cluster))
+    policy = RetryPolicy.from_dict(req.retry)
+    client.keep_secrets = policy.retries > 0  # later attempts start from the nodes' files
     try:
         if req.spec is not None:
             spec = parse_task(req.spec)
@@ -275,6 +280,7 @@ async def serve(req: BridgeRequest, answer: Callable[[dict[str, Any]], None]) ->
             lost_after=req.lost_after,
             bridge_timeout=req.bridge_timeout,
             hang_timeout=req.hang_timeout,
+            policy=policy,
         )
         log.info("Bridge of job %s ends: %s", req.job_id, outcome)
         return 0

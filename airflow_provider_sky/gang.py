@@ -14,6 +14,8 @@ from airflow_provider_sky.exitcodes import describe_exit
 from airflow_provider_sky.runtime import RawRankStatus
 
 DEFAULT_MASTER_PORT = "29500"
+#: the attempt of the whole gang a rank belongs to, 1 first (SKYPILOT_TASK_ID stays the same)
+ATTEMPT_ENV = "SKY_ATTEMPT"
 #: set on a node whose GPUs the backend hands out (the local backend's share of this machine, an SSH host's)
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
@@ -120,6 +122,8 @@ def run_env(
             "SKYPILOT_NUM_GPUS_PER_NODE": str(gpus_per_node),
             "SKYPILOT_TASK_ID": task_id,
             "SKYPILOT_CLUSTER_INFO": cluster_info,
+            # 1 here; a later attempt of the whole gang (``retries``) gets its number (runtime_retry)
+            ATTEMPT_ENV: "1",
             "MASTER_ADDR": ips[0],
             "WORLD_SIZE": n,
             "NNODES": n,

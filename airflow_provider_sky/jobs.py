@@ -218,6 +218,9 @@ class GangClient:
         self.secret_values: list[str] = []
         #: how long one poll waits for a node before counting it unreachable for that round
         self.status_timeout = 5.0
+        #: keep the run's secrets on the nodes (0600) until the job is over: a gang with retries
+        #: starts its later attempts from the nodes' files (``runtime_retry``)
+        self.keep_secrets = False
 
     def runner(self, node: Node) -> CommandRunner:
         if node.node_id not in self._runners:
@@ -273,7 +276,8 @@ class GangClient:
                 )
                 command = spec.run
             cwd = self.backend.workdir(node, spec)
-            out.append(runtime.RankLaunch(rank, command, env, dict(spec.secrets), cwd))
+            keep = self.keep_secrets and stage == "run"
+            out.append(runtime.RankLaunch(rank, command, env, dict(spec.secrets), cwd, keep_secrets=keep))
         return out
 
     def guard(self, rank: int, orphan_timeout: float, idle_down: float) -> runtime.Guard:

@@ -526,6 +526,8 @@ class RankLaunch:
     env: Mapping[str, str]
     secrets: Mapping[str, str]
     cwd: str
+    #: keep the secrets (0600) for a later attempt of the gang (``runtime_retry``) until the job is torn down
+    keep_secrets: bool = False
 
 
 @dataclass(frozen=True)
@@ -622,8 +624,9 @@ def launch_many_script(
                 )
         d = f'"$root/jobs"/{q(job_id)}/{int(rl.rank)}'
         parts.append(f"d={d}")
-        parts.append(f'if [ -e "$d" ]; then echo "EXISTS {int(rl.rank)}"; else')
-        parts.append('mkdir -p "$d"')
+        # mkdir of the rank directory is the claim: two launchers of one attempt never both start it
+        parts.append('[ -d "${d%/*}" ] || mkdir -p "${d%/*}"')
+        parts.append(f'if ! mkdir "$d" 2>/dev/null; then echo "EXISTS {int(rl.rank)}"; else')
         parts.append(_write('"$d/cmd.sh"', CMD_PROLOGUE + rl.command))
         parts.append(_write('"$d/env"', env_file(rl.env)))
         if rl.secrets:
@@ -632,10 +635,15 @@ def launch_many_script(
             if mask:
                 # read once by the rank's output filter, then deleted: no secret stays on disk
                 parts.append(_write('"$d/mask"', mask))
+            if rl.keep_secrets:
+                parts.append('cp "$d/secrets" "$d/secrets.keep"')
+                if mask:
+                    parts.append('cp "$d/mask" "$d/mask.keep"')
         parts.append(_write('"$d/rank.sh"', WRAPPER))
         parts.append(f'echo {int(guard.orphan_timeout)} > "$d/orphan_timeout"')
         parts.append(f'printf "%s\\n" {q(repr(float(guard.now)))} > "$d/polled"')
         parts.append(f"cwd={q(rl.cwd)}")
+        parts.append('printf "%s\\n" "$cwd" > "$d/cwd"')
         parts.append(
             'if command -v setsid >/dev/null 2>&1; then setsid sh "$d/rank.sh" "$d" "$cwd" </dev/null >/dev/null 2>&1 &\n'
             'else nohup sh "$d/rank.sh" "$d" "$cwd" </dev/null >/dev/null 2>&1 & fi'

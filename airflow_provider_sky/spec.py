@@ -66,6 +66,7 @@ RANK_VARIABLES: frozenset[str] = frozenset(
         "NODE_RANK",
         "RANK",
         "SKY_PROGRESS_FILE",
+        "SKY_ATTEMPT",
     }
 )
 

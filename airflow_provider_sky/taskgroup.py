@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow.sdk import TaskGroup
@@ -14,6 +14,7 @@ from airflow_provider_sky.operators.cluster import SkyClusterOperator
 from airflow_provider_sky.operators.down import SkyDownOperator
 from airflow_provider_sky.operators.job import SkyJobOperator
 from airflow_provider_sky.operators.rank import SkyRankOperator
+from airflow_provider_sky.retry import RetryPolicy, operator_args
 from airflow_provider_sky.sensors.gang import SkyGangSensor
 
 
@@ -32,6 +33,10 @@ def sky_gang(
     idle_down: float | None = None,
     triggerers: int = 1,
     hang_timeout: float | None = None,
+    retries: int = 0,
+    retry_delay: float | Any = 0.0,
+    retry_exponential_backoff: bool = False,
+    retry_on_exit_codes: Sequence[int] | str | None = None,
     **spec_fields: Any,
 ) -> TaskGroup:
     """Build the whole gang pattern in a TaskGroup from a SkyPilot YAML, a dict, or the fields.
@@ -47,10 +52,18 @@ def sky_gang(
     task checks before provisioning that Airflow can map and watch one rank task per node.
     ``hang_timeout``: a running rank silent (no output, no touch of ``$SKY_PROGRESS_FILE``) for that
     many seconds is hung: its stacks are dumped into its log and the gang fails fast; None: off.
+    ``retries``: run the whole gang again up to that many times after a retryable failure (a lost node,
+    a hang, an exit code in ``retry_on_exit_codes``, or any but 126/127/139 with ``"nonzero"``), every
+    process of the failed attempt gone first; ``retry_delay`` seconds (or a timedelta) before each,
+    doubled per attempt with ``retry_exponential_backoff``. The rank tasks stay the same through the
+    attempts (these are not Airflow's task retries).
     """
     spec_args: dict[str, Any] = {"task_yaml": task_yaml, "task_config": task_config, **spec_fields}
     watch: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
     hang: dict[str, Any] = {"hang_timeout": check_hang_timeout(hang_timeout) or None}
+    policy = RetryPolicy.build(retries, retry_delay, retry_exponential_backoff, retry_on_exit_codes)
+    if policy.retries:
+        hang.update(operator_args(policy))
     with TaskGroup(group_id=group_id) as group:
         cluster = SkyClusterOperator(
             task_id="cluster",

@@ -13,6 +13,7 @@ from airflow_provider_sky.gang import GangStatus
 from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import run_sync
+from airflow_provider_sky.retry import RetryPolicy, trigger_retry
 from airflow_provider_sky.triggers.gang import xcom_ref
 
 
@@ -93,6 +94,7 @@ class GangWatchMixin:
         grace: float,
         lost_after: float,
         hang_timeout: float | None = None,
+        policy: RetryPolicy | None = None,
     ) -> None:
         self.cluster = cluster
         self.sky_conn_id = sky_conn_id
@@ -100,6 +102,8 @@ class GangWatchMixin:
         self.grace = grace
         self.lost_after = lost_after
         self.hang_timeout = check_hang_timeout(hang_timeout)
+        #: the whole-gang retry policy as trigger kwargs (None: no retries)
+        self.retry = trigger_retry(policy or RetryPolicy())
 
     def _peek(self, job_id: Any, ranks: Sequence[int] | None = None) -> GangStatus:
         """The job's state now (every rank, or only ``ranks``; no mark left on the nodes)."""
@@ -130,4 +134,5 @@ class GangWatchMixin:
             "grace": self.grace,
             "lost_after": self.lost_after,
             "hang_timeout": self.hang_timeout,
+            "retry": self.retry,
         }

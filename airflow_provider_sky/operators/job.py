@@ -15,6 +15,7 @@ from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, LaunchError
 from airflow_provider_sky.operators._spec import SkySpecMixin, pop_spec_fields
+from airflow_provider_sky.retry import OPERATOR_ARGS, RetryPolicy, trigger_retry
 from airflow_provider_sky.spec import TaskSpec
 
 
@@ -42,6 +43,9 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         (default: ``orphan_timeout``, or 300 s when that is off).
     :param idle_down: tear the cluster down on its nodes once nothing has run on it for that many
         seconds (SkyPilot's autodown, for a cluster kept with ``down=False``); None: never.
+    :param gang_retries, gang_retry_delay, gang_retry_exponential_backoff, retry_on_exit_codes: whole-gang
+        retries (see ``sky_gang``'s ``retries``; ``gang_`` because ``retries`` is Airflow's retry of this
+        task alone). Give the rank tasks and the gang sensor the same values.
     :param hang_timeout: a running rank that printed nothing (nor touched ``$SKY_PROGRESS_FILE``) for
         that many seconds is hung: its stacks go into its log and the gang fails fast; None: off.
         Give the rank tasks and the gang sensor the same value (``sky_gang`` does).
@@ -66,10 +70,23 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         bridge: bool = True,
         bridge_timeout: float | None = None,
         hang_timeout: float | None = None,
+        gang_retries: int = 0,
+        gang_retry_delay: Any = 0.0,
+        gang_retry_exponential_backoff: bool = False,
+        retry_on_exit_codes: Any = None,
         **kwargs: Any,
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
+        policy = RetryPolicy.build(
+            gang_retries,
+            gang_retry_delay,
+            gang_retry_exponential_backoff,
+            retry_on_exit_codes,
+            names=OPERATOR_ARGS,
+        )
         super().__init__(**kwargs)
+        #: the whole-gang retry policy (bridge kwargs), None: no retries
+        self.retry = trigger_retry(policy)
         self._init_spec(task_yaml, task_config, overrides)
         self.cluster = cluster
         self.sky_conn_id = sky_conn_id
@@ -121,6 +138,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
                     bridge.log_path,
                 )
             else:
+                client.keep_secrets = bool(self.retry)  # later attempts start from the nodes' files
                 started = client.launch(
                     spec,
                     job_id,
@@ -163,6 +181,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
             lost_after=float(self.lost_after),
             bridge_timeout=float(timeout),
             hang_timeout=self.hang_timeout,
+            retry=self.retry,
         )
         return req, state_dir
 

@@ -12,6 +12,13 @@ from airflow.triggers.base import StartTriggerArgs
 from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.operators._watch import GangWatchMixin, start_in_triggerer
+from airflow_provider_sky.retry import (
+    OPERATOR_ARGS,
+    RetryPolicy,
+    operator_args,
+    pop_retry_args,
+    trigger_retry,
+)
 from airflow_provider_sky.triggers.gang import SkyRankTrigger, rank_outcome, rank_summary
 
 RANK_LABEL = "rank {{ task.rank }}"
@@ -73,11 +80,14 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
             "grace": grace,
             "hang_timeout": check_hang_timeout(hang_timeout),
         }
+        policy = pop_retry_args(kwargs)
+        kwargs.update(operator_args(policy))
         start = start_in_triggerer(
             SkyRankTrigger,
             cluster_task_id=cluster_task_id,
             job_task_id=job_task_id,
             lost_after=lost_after,
+            retry=trigger_retry(policy),
             rank="{{ ti.map_index }}",
             **watch,
         )
@@ -97,6 +107,10 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
         grace: float = 3.0,
         lost_after: float = 10.0,
         hang_timeout: float | None = None,
+        gang_retries: int = 0,
+        gang_retry_delay: Any = 0.0,
+        gang_retry_exponential_backoff: bool = False,
+        retry_on_exit_codes: Any = None,
         start_from_trigger: bool = False,
         start_trigger_args: StartTriggerArgs | None = None,
         **kwargs: Any,
@@ -105,8 +119,15 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
         if kwargs.get("retries"):
             raise ValueError(_NO_RETRIES)
         kwargs["retries"] = 0
+        policy = RetryPolicy.build(
+            gang_retries,
+            gang_retry_delay,
+            gang_retry_exponential_backoff,
+            retry_on_exit_codes,
+            names=OPERATOR_ARGS,
+        )
         super().__init__(**kwargs)
-        self._init_watch(cluster, sky_conn_id, poll_interval, grace, lost_after, hang_timeout)
+        self._init_watch(cluster, sky_conn_id, poll_interval, grace, lost_after, hang_timeout, policy)
         self.rank = rank
         self.job_id = job_id
         self.ip = ip

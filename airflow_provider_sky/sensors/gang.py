@@ -12,6 +12,13 @@ from airflow.triggers.base import StartTriggerArgs
 from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.operators._watch import GangWatchMixin, start_in_triggerer
+from airflow_provider_sky.retry import (
+    OPERATOR_ARGS,
+    RetryPolicy,
+    operator_args,
+    pop_retry_args,
+    trigger_retry,
+)
 from airflow_provider_sky.triggers.gang import SkyGangTrigger, gang_outcome
 
 
@@ -36,13 +43,24 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
         grace: float = 3.0,
         lost_after: float = 10.0,
         hang_timeout: float | None = None,
+        gang_retries: int = 0,
+        gang_retry_delay: Any = 0.0,
+        gang_retry_exponential_backoff: bool = False,
+        retry_on_exit_codes: Any = None,
         start_from_trigger: bool = False,
         start_trigger_args: StartTriggerArgs | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("retries", 0)
+        policy = RetryPolicy.build(
+            gang_retries,
+            gang_retry_delay,
+            gang_retry_exponential_backoff,
+            retry_on_exit_codes,
+            names=OPERATOR_ARGS,
+        )
         super().__init__(**kwargs)
-        self._init_watch(cluster, sky_conn_id, poll_interval, grace, lost_after, hang_timeout)
+        self._init_watch(cluster, sky_conn_id, poll_interval, grace, lost_after, hang_timeout, policy)
         self.ranks = ranks
         self.job_id = job_id
         self.start_from_trigger = start_from_trigger
@@ -72,11 +90,14 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
             "grace": grace,
             "hang_timeout": check_hang_timeout(hang_timeout),
         }
+        policy = pop_retry_args(kwargs)
+        kwargs.update(operator_args(policy))
         start = start_in_triggerer(
             SkyGangTrigger,
             cluster_task_id=cluster_task_id,
             job_task_id=job_task_id,
             lost_after=lost_after,
+            retry=trigger_retry(policy),
             **watch,
         )
         job_id = "{{ ti.xcom_pull(task_ids=" + repr(job_task_id) + ", key='sky_job_id', map_indexes=-1) }}"

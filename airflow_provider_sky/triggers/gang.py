@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -17,10 +19,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from airflow.triggers.base import BaseEventTrigger, TaskFailedEvent, TaskSuccessEvent, TriggerEvent
 
 from airflow_provider_sky.gang import BAD, CANCELLED, FAILED, SUCCEEDED, GangStatus
-from airflow_provider_sky.hang import watch_gang
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import GangClient, Poll
 from airflow_provider_sky.logtext import LineSplitter
+from airflow_provider_sky.retry import GangPoll, RetryPolicy, rank_attempts, stop_gang, watch_attempts
 from airflow_provider_sky.runners.base import RunnerError
 
 if TYPE_CHECKING:
@@ -129,6 +131,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         fire_after: float | None = None,
         end_from_trigger: bool = False,
         hang_timeout: float = 0.0,
+        retry: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         #: a handle, or (a task started in the triggerer) an ``xcom_ref`` to the cluster task's handle
@@ -140,6 +143,8 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         self.lost_after = float(lost_after)
         #: seconds a running rank may stay silent before the shared poll calls it hung (0: off)
         self.hang_timeout = float(hang_timeout or 0)
+        #: the whole-gang retry policy (``RetryPolicy.to_dict``), None: no retries
+        self.retry = dict(retry) if retry else None
         self.fire_after = None if fire_after is None else float(fire_after)
         #: end the task from here (TaskSuccessEvent / TaskFailedEvent) instead of resuming it on a worker
         self.end_from_trigger = bool(end_from_trigger)
@@ -166,6 +171,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
             "grace": self.grace,
             "lost_after": self.lost_after,
             "hang_timeout": self.hang_timeout,
+            "retry": self.retry,
             "fire_after": self.fire_after,
             "end_from_trigger": self.end_from_trigger,
         }
@@ -187,20 +193,23 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
             self.job_id,
             self.poll_interval,
             self.hang_timeout,
+            json.dumps(self.retry, sort_keys=True),
         )
 
     @classmethod
     async def open_shared_stream(
         cls, kwargs: dict[str, Any]
     ) -> AsyncGenerator[tuple[Poll, GangClient], None]:
-        """Poll the job (fail-fast and hang detection included) and yield ``(Poll, client)``; once done, repeat the end."""
+        """Poll the job (fail-fast, hangs and whole-gang retries included) and yield ``(GangPoll, client)``;
+        once the outcome is final, repeat the end."""
         client = await SkyHook(kwargs["sky_conn_id"]).aclient(kwargs["cluster"])
         try:
             # secrets never travel in trigger kwargs: the nodes mask them before output reaches the log
-            last: Poll | None = None
-            async for poll in watch_gang(
+            last: GangPoll | None = None
+            async for poll in watch_attempts(
                 client,
                 kwargs["job_id"],
+                policy=RetryPolicy.from_dict(kwargs.get("retry")),
                 poll_interval=kwargs["poll_interval"],
                 grace=kwargs["grace"],
                 lost_after=kwargs["lost_after"],
@@ -210,7 +219,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
                 yield poll, client
             assert last is not None
             while True:  # finished: late subscribers get the final picture without remote calls
-                yield Poll(last.status, {}, at=time.time()), client
+                yield dataclasses.replace(last, chunks={}, at=time.time()), client
                 await asyncio.sleep(kwargs["poll_interval"])
         finally:
             client.close()
@@ -239,12 +248,14 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         return f"{self._task_label(ti)}{where} was marked failed, marked success or cleared by a user"
 
     async def on_kill(self) -> None:
-        """A user marked the deferred task failed / cleared it: cancel the whole gang, saying who."""
+        """A user marked the deferred task failed / cleared it: cancel the whole gang, saying who, and
+        start no further attempt."""
         reason = self._user_action()
         self.log.info("Task acted on by a user: cancelling every rank of job %s (%s)", self.job_id, reason)
         client = await SkyHook(self.sky_conn_id).aclient(self.cluster)
         try:
-            await client.acancel(self.job_id, grace=self.grace, reason=reason)
+            attempts = RetryPolicy.from_dict(self.retry).attempts
+            await stop_gang(client, self.job_id, attempts, self.grace, reason)
         finally:
             client.close()
 
@@ -288,14 +299,16 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
             if i % LOG_BATCH == 0:
                 await asyncio.sleep(0)
 
-    async def _catch_up(self, client: GangClient, lines: LineSplitter, offset: int, end: int) -> int:
+    async def _catch_up(
+        self, client: GangClient, lines: LineSplitter, offset: int, end: int, job_id: str | None = None
+    ) -> int:
         """Log the rank's output from ``offset`` to ``end`` in bounded reads; returns where it got to.
 
         One call for the whole rest would hold all of it at once (a rank printing 200 MB drove the
         watcher past 1 GB).
         """
         try:
-            async for data in client.aread_range(self.job_id, self.rank, offset, end):
+            async for data in client.aread_range(job_id or self.job_id, self.rank, offset, end):
                 await self._log_lines(lines.feed(data))
                 offset += len(data)
         except RunnerError as exc:
@@ -313,31 +326,63 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
     async def _watch(self, polls: AsyncIterator[Any]) -> AsyncGenerator[TriggerEvent, None]:
         expected = self.log_offset
         lines = LineSplitter()  # the nodes masked the job's secrets already
+        attempt, ended = 1, 0  # the attempt whose log we stream; the last attempt whose end we logged
         async for poll, client in polls:
-            assert isinstance(poll, Poll) and isinstance(client, GangClient)
+            assert isinstance(poll, GangPoll) and isinstance(client, GangClient)
+            if poll.attempt > attempt:  # a retry: finish the attempts we did not see end, then a boundary
+                for h in poll.history:
+                    if h["attempt"] < attempt or h["attempt"] <= ended:
+                        continue
+                    if h["attempt"] > attempt:
+                        expected = 0
+                        self.log.info("%s", _boundary(poll, h["attempt"]))
+                    mine = next((r for r in h["ranks"] if r["rank"] == self.rank), None)
+                    if mine is not None:
+                        expected = await self._catch_up(
+                            client, lines, expected, mine["log_size"], h["job_id"]
+                        )
+                        await self._log_lines(lines.flush())
+                        self.log.info(
+                            "attempt %s: %s", h["attempt"], rank_outcome({"rank": self.rank, **mine})
+                        )
+                    ended = h["attempt"]
+                attempt, expected = poll.attempt, 0
+                self.log.info("%s", _boundary(poll, attempt))
             try:
                 st = poll.status.by_rank(self.rank)
             except KeyError:
                 continue
+            job_id = poll.status.job_id
             off, data = poll.chunks.get(self.rank, (st.log_size, b""))
             if expected < off:  # joined late, or the stream read past us: fetch the gap ourselves
-                expected = await self._catch_up(client, lines, expected, off)
+                expected = await self._catch_up(client, lines, expected, off, job_id)
             if off <= expected < off + len(data):
                 await self._log_lines(lines.feed(data[expected - off :]))
                 expected = off + len(data)
             if not st.terminal:
                 continue
+            if not poll.final:  # this attempt is over for us, but the gang is retried
+                if ended < attempt:
+                    expected = await self._catch_up(client, lines, expected, st.log_size, job_id)
+                    await self._log_lines(lines.flush())
+                    outcome = {"rank": self.rank, **st.to_dict()}
+                    self.log.info("attempt %s: %s", attempt, rank_outcome(outcome))
+                    ended = attempt
+                continue
             # the rank is over: log the rest of its output, then its unfinished last line
-            expected = await self._catch_up(client, lines, expected, st.log_size)
+            expected = await self._catch_up(client, lines, expected, st.log_size, job_id)
             await self._log_lines(lines.flush())
             cause = poll.status.root_cause()
             await self._hold()
             if st.state == SUCCEEDED:
                 message = f"rank {self.rank} ({st.ip}) succeeded"
-            elif st.state in BAD:
-                message = poll.status.failure_message()
+                if poll.attempt > 1:
+                    message += f" on attempt {poll.attempt}/{poll.max_attempts}"
+            elif st.state in BAD or poll.error:
+                message = poll.message()
             else:
                 message = f"rank {self.rank} ({st.ip}) {st.state}: " + _cancel_text(poll.status)
+                message += poll.message()[len(poll.status.failure_message()) :] if poll.history else ""
             payload = {
                 "kind": "rank",
                 "job_id": self.job_id,
@@ -352,6 +397,8 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 "log_offset": expected,
                 "message": message,
                 "root_cause": cause.to_dict() if cause else None,
+                "attempt": poll.attempt,
+                "attempts": rank_attempts(poll, self.rank),
             }
             yield self._end_event(payload) if self.end_from_trigger else TriggerEvent(payload)
             return
@@ -369,8 +416,18 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
 
 
 def rank_summary(event: dict[str, Any]) -> dict[str, Any]:
-    """What a rank task returns and pushes as ``sky_rank``: its outcome, readable back from Airflow."""
-    return {k: event.get(k) for k in ("rank", "ip", "state", "exit_code", "reason", "start", "end")}
+    """What a rank task returns and pushes as ``sky_rank``: its outcome, readable back from Airflow (with
+    every attempt's when the gang was retried)."""
+    out = {k: event.get(k) for k in ("rank", "ip", "state", "exit_code", "reason", "start", "end")}
+    if len(event.get("attempts") or ()) > 1:
+        out["attempt"], out["attempts"] = event.get("attempt"), event["attempts"]
+    return out
+
+
+def _boundary(poll: GangPoll, attempt: int) -> str:
+    """The line between two attempts in a rank's log: which attempt starts and why."""
+    why = next((h["why"] for h in poll.history if h["attempt"] == attempt - 1), "")
+    return f"==== attempt {attempt}/{poll.max_attempts}: {why} ===="
 
 
 def rank_outcome(event: dict[str, Any]) -> str:
@@ -394,17 +451,20 @@ class SkyGangTrigger(_SkyGangWatchTrigger):
     async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
         failed_before = False
         async for poll, _client in shared_stream:
+            if not poll.final:
+                continue  # an attempt is over but the gang is retried
             status: GangStatus = poll.status
             if status.failed and not status.done and not failed_before:
                 # siblings are being cancelled; the next poll (taken at once) shows them cancelled
                 failed_before = True
                 continue
-            if status.failed:
-                state, message = FAILED.value, status.failure_message()
+            if status.failed or poll.error:
+                state, message = FAILED.value, poll.message()
             elif status.succeeded:
                 state, message = (
                     SUCCEEDED.value,
-                    f"Job {status.job_id}: all {len(status.ranks)} ranks succeeded",
+                    f"Job {status.job_id}: all {len(status.ranks)} ranks succeeded"
+                    + (f" on attempt {poll.attempt}/{poll.max_attempts}" if poll.attempt > 1 else ""),
                 )
             elif status.done and any(r.state == CANCELLED for r in status.ranks):
                 state, message = CANCELLED.value, _cancel_text(status)
