@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 _HOME_SCRIPT = 'printf "%s\\n" "${HOME:-/root}"'
 #: how long a teardown waits for deleted pods to be gone
 DELETE_WAIT = 60.0
+#: and this much longer per pod: kubelets end a wide gang's containers a few per second (128 pods on the
+#: 2-core test machine: 65 s were not enough, 44 still terminating)
+DELETE_WAIT_PER_POD = 0.5
 #: (verb, resource, subresource) the backend uses in its namespace: the README's RBAC
 NEEDED_PERMISSIONS = (
     ("create", "pods", None),
@@ -389,9 +392,10 @@ class KubernetesBackend(Backend):
                 log.info("cluster %s kept: still held by %s", name, ", ".join(kept_for))
                 return Teardown(removed=False, kept_for=kept_for)
         self._delete([p.name for p in pods], grace=max(0, int(grace)))
-        left = self._wait_gone(name, DELETE_WAIT)
+        wait = DELETE_WAIT + DELETE_WAIT_PER_POD * len(pods)
+        left = self._wait_gone(name, wait)
         if left:
-            log.warning("cluster %s: pods still there %ss after deletion: %s", name, DELETE_WAIT, left)
+            log.warning("cluster %s: pods still there %ss after deletion: %s", name, wait, left)
         return Teardown(removed=True, unclean=tuple(left))
 
     # -- the Test button -----------------------------------------------------------------------------------
