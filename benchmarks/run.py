@@ -1,6 +1,6 @@
 """``make bench``: the provider's figures on this machine, against the local backend and real sshd hosts.
 
-    python -m benchmarks.run [--quick] [--only 1,2,3,4,5,6,7] [--out PATH]
+    python -m benchmarks.run [--quick] [--only 1,2,3,4,5,6,7,8] [--out PATH]
 
 Prints a table (figure | N | median | min | max | runs | goal | met) and writes
 ``benchmarks/results/latest.json`` (the figures, the machine's core count, versions of python, airflow,
@@ -478,6 +478,19 @@ class Bench:
         )
         self.rows += fig_aws.run(self.plan, say)
 
+    # -- figure 8
+
+    def fig8(self) -> None:
+        from benchmarks import fig_retry
+
+        say("\n== figure 8: whole-gang retry over SSH: failure -> every rank of the next attempt running ==")
+        self.notes.append(
+            "fig 8: SSH hosts, rank N-1 exits 1 after 2 s, the others `sleep 10000`; retry.watch_attempts "
+            "(retries=1, retry_on_exit_codes=[1], no delay, poll 0.5 s, grace 3 s) cancels, checks attempt 1's "
+            "processes gone and starts attempt 2; from the ranks' own timestamps (one clock)."
+        )
+        self.rows += fig_retry.run(self, self.plan, say)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
@@ -488,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--only",
-        default="1,2,3,4,5,6,7",
+        default="1,2,3,4,5,6,7,8",
         help="figures to run, e.g. 1,2 (default: all); 1c = only figure 1's 'rank fails at once' case",
     )
     ap.add_argument("--ns", default="", help="override the gang sizes of figures 1-3, e.g. 64 or 4,16")
@@ -505,8 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     only = {x.strip() for x in args.only.split(",") if x.strip()}
-    if not only <= {"1", "1c", "2", "3", "4", "5", "6", "7"}:
-        ap.error("--only takes figure numbers 1-7 (and 1c)")
+    if not only <= {"1", "1c", "2", "3", "4", "5", "6", "7", "8"}:
+        ap.error("--only takes figure numbers 1-8 (and 1c)")
     figures = sorted({1 if x == "1c" else int(x) for x in only})
     if os.geteuid() != 0 and figures != [5]:  # figure 5 uses the local backend only
         say("needs root: the sshd test hosts create users and start sshd (tests/sshd.py)")

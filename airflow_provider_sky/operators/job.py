@@ -198,8 +198,9 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
             client.close()
         if status.succeeded:
             return "succeeded"
-        if status.failed or status.done:
+        if (status.failed or status.done) and not self.retry:
             return "failed"
+        # running, or attempt 1 over while the watchers retry the gang: they decide its outcome
         return "running"
 
     def is_job_active(self, status: str) -> bool:
