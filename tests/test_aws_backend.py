@@ -232,7 +232,7 @@ def test_ssh_that_never_answers_terminates_everything(
     moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
 ) -> None:
     ec2 = moto.client()
-    b = backend(moto.url, hosts, provision_timeout=2)
+    b = backend(moto.url, hosts, provision_timeout=5)
     real = net.endpoint
 
     def second_is_dead(backend_: Any, inst: Any) -> Any:
@@ -243,11 +243,9 @@ def test_ssh_that_never_answers_terminates_everything(
 
     net.endpoint = second_is_dead  # type: ignore[method-assign]
     t0 = time.monotonic()
-    with pytest.raises(
-        BackendError, match=r"SSH did not answer at 127\.0\.0\.1:\d+ within provision_timeout=2s"
-    ):
+    with pytest.raises(BackendError, match=r"SSH did not answer at [\d.]+:\d+ within provision_timeout=5s"):
         b.provision("nossh", task_from_args(num_nodes=2, run="true"))
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 60
     assert ours_left(ec2, "nossh") == {}
 
 
@@ -452,8 +450,8 @@ def test_reap_terminates_a_cluster_gone_idle_and_nothing_else(
     (path,) = b.idle_down_paths(idle, 0)
     assert b.runner(idle.nodes[0]).run_script(f"rm {path}").returncode == 0
     # a provision of that name meanwhile adopts it (as it would a stopped cluster) once it is not new
-    b2 = backend(moto.url, hosts, provision_timeout=0.5)
-    time.sleep(0.6)
+    b2 = backend(moto.url, hosts, provision_timeout=4)
+    time.sleep(4.1)
     again = b2.provision("idle", spec, holder="d/r3")
     assert [n.node_id for n in again.nodes] == [n.node_id for n in idle.nodes]
     assert b.runner(idle.nodes[0]).run_script(f"rm {path}").returncode == 0
