@@ -715,3 +715,40 @@ def test_a_64_rank_gang_completes(rel: Rel, case: Case) -> None:
         assert f"rank {r} of 64 up" in rel.log(dag, run_id, "g.rank", r)
     tis = rel.tis(dag, run_id)
     assert tis[("g.gang", -1)]["state"] == "success" and tis[("g.down", -1)]["state"] == "success"
+
+
+def test_retry_survives_a_triggerer_restart_and_mark_failed_stops_it(rel: Rel, case: Case) -> None:
+    """Issue 11: rank 1 fails, the triggerer is restarted during the retry delay; attempt 2 starts once
+    (every rank of attempt 1 gone first). Then a user marks a rank of attempt 2 failed: everything is
+    cancelled and no attempt 3 starts."""
+    dag = "sky_rel_retry"
+    run_id, handle, job_id, first = case.start_gang(dag)
+    rel.create_marker(1, f"rel-{case.tag}.fail")
+    end_file = rel.rank_dir(handle, job_id, 1) / "end"
+    wait_for("rank 1 to exit", lambda: end_file.exists() and end_file.read_text(), 30)
+    t = time.monotonic()
+    rel.stack.restart_triggerer()  # inside the 8 s retry_delay
+    rel.figure("retry: triggerer restarted within the retry delay", f"{time.monotonic() - t:.1f}s")
+    assert _gone(first), "a process of attempt 1 outlived its cancel"
+
+    second_id = f"{job_id}.a2"
+    wait_for("attempt 2 to start on every rank", lambda: all(len(c) == 2 for c in rel.counts(case.tag)), 90)
+    second = rel.rank_pids(handle, second_id)
+    starts = [float((rel.rank_dir(handle, second_id, r) / "start").read_text()) for r in range(4)]
+    assert min(starts) > float(end_file.read_text()), "attempt 2 started before attempt 1 ended"
+    time.sleep(3)
+    assert rel.counts(case.tag) == [[job_id, job_id]] * 4  # started once: not lost, not doubled
+    assert rel.all_deferred(dag, run_id)  # the same rank task instances watch attempt 2
+
+    wait_for("rank 1's attempt 2 in its log", lambda: "attempt 2/3" in rel.log(dag, run_id, "g.rank", 1), 60)
+    rel.stack.mark_failed(dag, run_id, "g.rank", 1)
+    wait_for("every process of attempt 2 to be gone", lambda: _gone(second), 30, interval=0.05)
+    assert rel.stack.wait_run(dag, run_id, timeout=RUN_TIMEOUT) == "failed"
+    time.sleep(2)
+    assert rel.counts(case.tag) == [[job_id, job_id]] * 4  # no attempt 3
+    assert not (rel.rank_dir(handle, f"{job_id}.a3", 0)).exists()
+    log = rel.log(dag, run_id, "g.rank", 0)
+    assert "==== attempt 2/3: rank 1 exited 1, retryable by retry_on_exit_codes ====" in log, log
+    assert "cancelled" in log, log
+    tis = rel.tis(dag, run_id)
+    assert tis[("g.down", -1)]["state"] == "success"

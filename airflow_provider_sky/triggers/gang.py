@@ -361,7 +361,9 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 expected = off + len(data)
             if not st.terminal:
                 continue
-            if not poll.final:  # this attempt is over for us, but the gang is retried
+            if (
+                not poll.final and poll.max_attempts > 1
+            ):  # over for us in this attempt; the gang may be retried
                 if ended < attempt:
                     expected = await self._catch_up(client, lines, expected, st.log_size, job_id)
                     await self._log_lines(lines.flush())
@@ -451,8 +453,8 @@ class SkyGangTrigger(_SkyGangWatchTrigger):
     async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
         failed_before = False
         async for poll, _client in shared_stream:
-            if not poll.final:
-                continue  # an attempt is over but the gang is retried
+            if not poll.final and poll.max_attempts > 1:
+                continue  # the gang may still be retried: only its final outcome counts
             status: GangStatus = poll.status
             if status.failed and not status.done and not failed_before:
                 # siblings are being cancelled; the next poll (taken at once) shows them cancelled
