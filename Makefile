@@ -16,7 +16,7 @@ install: $(UV)
 # The system tools the SSH tests and `make bench` use, as tool=Debian package. The tests start real sshd
 # daemons (openssh-server, ssh-keygen from openssh-client, users made with useradd from passwd); the ranks use
 # setsid (util-linux) and ps (procps); figure 2 of `make bench` compares with pdsh. The distributed Airflow
-# stack (tests/test_airflow_celery.py) runs its own PostgreSQL (initdb/pg_ctl of the postgresql package; its
+# stack (tests/test_airflow_celery.py) runs its own PostgreSQL (initdb and postgres of the postgresql package; its
 # pg_ctlcluster is on PATH) and redis-server as unprivileged processes in a temp dir, never the system services.
 SYSTEM_DEPS := sshd=openssh-server ssh-keygen=openssh-client pdsh=pdsh setsid=util-linux ps=procps useradd=passwd \
   pg_ctlcluster=postgresql redis-server=redis-server

@@ -6,18 +6,24 @@ PostgreSQL server, tasks go through a real Redis broker to two Celery workers, a
 the deferred rank tasks. PostgreSQL and Redis run as unprivileged processes in temp dirs
 (:mod:`airflow_provider_sky.dev.services`), started here and stopped at the end of the module whatever
 happens, like every Airflow service. The backend is the local one (both workers share this machine).
+
+Last, a fault: the triggerer that watches a running gang is killed (SIGKILL, a crash); its triggers
+move to the other triggerer, nothing is cancelled by the move, and a rank failure after it still
+fails the gang fast.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from airflow_provider_sky.dev.services import PostgresServer, RedisServer
-from airflow_provider_sky.dev.stack import AirflowStack, parse_time
+from airflow_provider_sky.dev.stack import AirflowStack, StackError, parse_time
 from leaks import processes_under
 from test_airflow_real import (  # noqa: F401  (imported tests run here against this module's `real`)
     DAGS,
@@ -40,6 +46,7 @@ pytestmark = pytest.mark.airflow_services
 
 #: example DAGs beyond test_airflow_real's
 TASKFLOW = "sky_taskflow"
+MOVE = "sky_rel_triggerer_move"
 TRIGGERERS = ("triggerer", "triggerer-2")
 
 
@@ -78,6 +85,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealAirflow]:
     sky = base / "sky"
     sky.mkdir()
     dags = _dags_with_seeds(base)
+    (dags / f"{MOVE}.py").symlink_to(REPO / "tests" / "dags" / f"{MOVE}.py")
     with contextlib.ExitStack() as cleanup:
         postgres = cleanup.enter_context(PostgresServer())
         redis = cleanup.enter_context(RedisServer())
@@ -89,6 +97,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealAirflow]:
             broker_url=redis.url,
             celery_workers=2,
             triggerers=2,
+            ready_timeout=300,  # eight processes start at once on 2 cores
         )
         try:
             with stack:
@@ -168,7 +177,10 @@ def test_fail_fast(real: RealAirflow, capsys: pytest.CaptureFixture[str]) -> Non
         print(
             f"\nsky_fail_fast on Celery: rank 2 exit → gang failed {decided:.1f} s, → run end {ended:.1f} s"
         )
-    assert 0 < decided < 30, f"the gang failed {decided:.1f}s after rank 2 exited"
+    # the siblings die within a second whatever the load (the launch-side watcher); the gang task's verdict
+    # waits for the triggerer to load the gang's triggers, which a burst of ten DAGs on 2 busy cores delays
+    # (12-29 s seen): a bound on Airflow's latency here, the issue's speed goals are measured by make bench
+    assert 0 < decided < 60, f"the gang failed {decided:.1f}s after rank 2 exited"
     real.assert_cleaned_up("sky_fail_fast", run_id)
     job_id = real.stack.xcom("sky_fail_fast", run_id, "train.job")[0]["job_id"]
     assert not _processes_of_job(job_id, "sleep 10000")
@@ -189,3 +201,143 @@ def test_both_workers_ran_tasks(real: RealAirflow, capsys: pytest.CaptureFixture
         text = (real.stack.logs / f"{worker}.log").read_text(errors="replace")
         received = len(re.findall(r"Task execute_workload\[[^\]]+\] received", text))
         assert received > 0, f"{worker} ran no task:\n{text[-2000:]}"
+
+
+def _triggerer_ids(
+    stack: AirflowStack, dag_id: str, run_id: str, keys: list[tuple[str, int]]
+) -> dict[Any, Any]:
+    """(state, triggerer job id) of each task instance."""
+    out = {}
+    for task_id, map_index in keys:
+        try:
+            ti = stack.task_instance(dag_id, run_id, task_id, map_index)
+        except StackError as exc:  # the rank tasks exist once the job task's output expanded them
+            if "-> 404" not in str(exc):
+                raise
+            ti = {"state": None}
+        out[(task_id, map_index)] = (ti["state"], (ti.get("trigger") or {}).get("triggerer_id"))
+    return out
+
+
+def test_killing_a_triggerer_moves_its_triggers_and_cancels_nothing(
+    real: RealAirflow, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stack = real.stack
+    go = real.sky.parent / "go-rank-2-fail"
+    run_id = stack.trigger(MOVE, conf={"go": str(go)})
+    keys = [("gang.rank", i) for i in range(4)] + [("gang.gang", -1)]
+
+    deadline = time.monotonic() + RUN_TIMEOUT
+    held = _triggerer_ids(stack, MOVE, run_id, keys)
+    while not all(state == "deferred" and job for state, job in held.values()):
+        assert time.monotonic() < deadline, f"the gang's tasks never all deferred: {held}"
+        assert stack.dag_run(MOVE, run_id)["state"] in ("queued", "running"), held
+        time.sleep(0.5)
+        held = _triggerer_ids(stack, MOVE, run_id, keys)
+    job_id = stack.xcom(MOVE, run_id, "gang.job")[0]["job_id"]
+    sleeps = sorted(_processes_of_job(job_id, "sleep 10000"))
+    assert len(sleeps) == 3, f"ranks 0, 1 and 3 should each run one sleep: {sleeps}"
+
+    victim_job = held[("gang.rank", 0)][1]
+    jobs = stack.triggerer_jobs()
+    assert sorted(jobs.values()) == sorted(TRIGGERERS), jobs
+    victim = jobs[victim_job]
+    moved = [k for k, (_, job) in held.items() if job == victim_job]
+    killed_at = time.monotonic()
+    stack.kill_service(victim)  # SIGKILL to its process group: a crash, nothing released in the DB
+
+    # Airflow gives a dead triggerer's triggers to a live one once its heartbeat is older than
+    # [triggerer] triggerer_health_check_threshold (60 s on this stack, see dev/services.py)
+    now = _triggerer_ids(stack, MOVE, run_id, keys)
+    while any(now[k][1] == victim_job for k in moved):
+        assert all(state == "deferred" for state, _ in now.values()), f"the move changed a task: {now}"
+        assert time.monotonic() - killed_at < 150, f"triggers not adopted 150 s after the kill: {now}"
+        time.sleep(0.5)
+        now = _triggerer_ids(stack, MOVE, run_id, keys)
+    move_took = time.monotonic() - killed_at
+    survivors = {job for _, job in now.values()}
+    assert len(survivors) == 1 and victim_job not in survivors, now
+    assert jobs[survivors.pop()] != victim
+
+    # nothing was cancelled by the move: the same processes run, every task is still deferred
+    time.sleep(3)  # a few polls of the adopted triggers
+    assert sorted(_processes_of_job(job_id, "sleep 10000")) == sleeps
+    assert all(state == "deferred" for state, _ in _triggerer_ids(stack, MOVE, run_id, keys).values())
+    for i in range(4):
+        assert stack.xcom(MOVE, run_id, "gang.rank", "sky_rank", i) is None, f"rank {i} reported an end"
+
+    go.touch()  # now rank 2 fails: the adopted triggers must fail the gang fast
+    state = stack.wait_run(MOVE, run_id, timeout=RUN_TIMEOUT)
+    tis = real.tis(MOVE, run_id)
+    assert state == "failed"
+    cause = stack.xcom(MOVE, run_id, "gang.rank", "sky_rank", 2)
+    assert cause["state"] == "failed" and cause["exit_code"] == 1, cause
+    assert tis[("gang.rank", 2)]["state"] == "failed"
+    others = [stack.xcom(MOVE, run_id, "gang.rank", "sky_rank", i) for i in (0, 1, 3)]
+    assert [o["state"] for o in others] == ["cancelled"] * 3, others
+    assert all(tis[("gang.rank", i)]["state"] == "failed" for i in (0, 1, 3))
+    for i in (0, 1, 3):
+        log = real.log(MOVE, run_id, "gang.rank", i)
+        assert re.search(r"rank 2 \(\S+\) exited with code 1|rank 2 failed first", log), log
+    assert tis[("gang.gang", -1)]["state"] == "failed"
+    assert tis[("gang.down", -1)]["state"] == "success"
+    cancelled = max(float(o["end"]) for o in others) - float(cause["end"])
+    gang_end = parse_time(tis[("gang.gang", -1)]["end_date"])
+    assert gang_end is not None
+    decided = gang_end - float(cause["end"])
+    with capsys.disabled():
+        print(
+            f"\n{victim} killed: {len(moved)} triggers moved in {move_took:.1f} s; then rank 2 exit → "
+            f"siblings cancelled {cancelled:.2f} s, → gang task failed {decided:.1f} s"
+        )
+    assert cancelled < 3.0, f"siblings still ran {cancelled:.1f} s after rank 2 failed"
+    assert 0 < decided < 30, f"the gang failed {decided:.1f} s after rank 2 exited"
+    assert not _processes_of_job(job_id, "sleep 10000")
+    real.assert_cleaned_up(MOVE, run_id)
+
+
+def test_a_rank_failing_while_no_triggerer_runs_is_cancelled_by_the_launch_side_watcher(
+    real: RealAirflow, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The gap of the move: the last triggerer is killed, then rank 2 fails before any triggerer runs.
+
+    The job task's launch-side watcher still watches the gang: the siblings are cancelled at once; the
+    triggerer started afterwards adopts the triggers, which report the outcome and fail the gang.
+    """
+    stack = real.stack
+    go = real.sky.parent / "go-rank-2-fail-in-the-gap"
+    run_id = stack.trigger(MOVE, conf={"go": str(go)})
+    keys = [("gang.rank", i) for i in range(4)] + [("gang.gang", -1)]
+    deadline = time.monotonic() + RUN_TIMEOUT
+    held = _triggerer_ids(stack, MOVE, run_id, keys)
+    while not all(state == "deferred" and job for state, job in held.values()):
+        assert time.monotonic() < deadline, f"the gang's tasks never all deferred: {held}"
+        time.sleep(0.5)
+        held = _triggerer_ids(stack, MOVE, run_id, keys)
+    job_id = stack.xcom(MOVE, run_id, "gang.job")[0]["job_id"]
+    assert len(_processes_of_job(job_id, "sleep 10000")) == 3
+
+    for service in [s for s in TRIGGERERS if s in stack.procs]:
+        stack.kill_service(service)  # no triggerer left
+    go.touch()
+    told = time.monotonic()
+    while _processes_of_job(job_id, "sleep 10000") and time.monotonic() - told < 30:
+        time.sleep(0.05)
+    gone = time.monotonic() - told
+    assert not _processes_of_job(job_id, "sleep 10000"), "nothing cancelled the siblings without a triggerer"
+
+    stack.restart_triggerer()  # a triggerer again: it adopts the dead one's triggers after the threshold
+    state = stack.wait_run(MOVE, run_id, timeout=RUN_TIMEOUT)
+    tis = real.tis(MOVE, run_id)
+    with capsys.disabled():
+        print(f"\nno triggerer: rank 2 told to fail → siblings gone {gone:.2f} s (the launch-side watcher)")
+    assert gone < 5.0, f"siblings ran {gone:.1f} s after rank 2 was told to fail"
+    assert state == "failed"
+    cause = stack.xcom(MOVE, run_id, "gang.rank", "sky_rank", 2)
+    assert cause["state"] == "failed" and cause["exit_code"] == 1, cause
+    others = [stack.xcom(MOVE, run_id, "gang.rank", "sky_rank", i) for i in (0, 1, 3)]
+    assert [o["state"] for o in others] == ["cancelled"] * 3, others
+    assert all(tis[("gang.rank", i)]["state"] == "failed" for i in range(4))
+    assert tis[("gang.gang", -1)]["state"] == "failed"
+    assert tis[("gang.down", -1)]["state"] == "success"
+    real.assert_cleaned_up(MOVE, run_id)

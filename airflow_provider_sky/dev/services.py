@@ -23,13 +23,14 @@ celery_workers=2, triggerers=2)`` is the distributed stack; on top of the SQLite
 ``[celery] worker_prefetch_multiplier = 1``
     A worker takes one task per free slot, so a burst (every rank resuming at once) spreads over both
     workers instead of queueing behind one.
-``[triggerer] triggerer_health_check_threshold`` (Airflow's 30 s, kept on purpose)
+``[triggerer] triggerer_health_check_threshold = 60`` (Airflow's default: 30 s)
     A triggerer whose heartbeat is older than this is dead to the others, which then adopt its
-    triggers. Lowering it makes a killed triggerer's triggers move sooner, but a live triggerer's
-    heartbeat stalls for 12-30 s on this 2-core machine under load (its main loop deserializes the
-    DAG for every start-from-trigger task it loads), and with 10 s the other triggerer adopted live
-    triggers: both ran them, and the adopted copies' lines landed in ``triggerer-2.log`` instead of
-    the task logs.
+    triggers. A live triggerer's heartbeat stalls while its main loop loads a burst of
+    start-from-trigger tasks (it deserializes the DAG for each: 12-15 s for the nine example DAGs at
+    once on 2 cores, 45-51 s when the machine's load average was 45). Past the threshold the other
+    triggerer adopts the stalled one's triggers, and Airflow 3.3.2 then cancels the stalled copies
+    as if a user had acted on the tasks (``on_kill``, which cancels a gang): a move must come from a
+    dead triggerer only, so the threshold is raised (10 s made it happen on every run).
 """
 
 from __future__ import annotations

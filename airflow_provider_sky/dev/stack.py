@@ -302,6 +302,8 @@ class AirflowStack:
                     "AIRFLOW__CELERY__WORKER_PREFETCH_MULTIPLIER": "1",
                 }
             )
+        if self.triggerers > 1:  # see dev/services.py: a stalled triggerer must not lose its triggers
+            env["AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD"] = "60"
         env.update(self.extra_env)
         return env
 
