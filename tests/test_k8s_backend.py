@@ -290,6 +290,39 @@ def test_every_example_dag_on_kubernetes(
     assert _pods(b) == []  # every cluster was torn down
 
 
+def test_the_retry_hang_and_taskflow_examples_on_kubernetes(
+    extras: dict[str, Any],
+    airflow_db: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """The examples added with retries, hang detection and ``@task.sky``, unchanged, on pods: a gang that
+    fails once and succeeds on attempt 2 with no process of attempt 1 left in any pod; ranks that hang are
+    found, their stacks dumped from the pod's /proc, the run failed naming them; the TaskFlow gang succeeds."""
+    from test_dag_test import _load, _out, _run
+
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SKY_DEFAULT", json.dumps({"conn_type": "sky_kubernetes", "extra": extras})
+    )
+    b = KubernetesBackend.from_config(extras)
+    dr, tis = _run("sky_retry")
+    out = _out(capfd)
+    assert str(dr.state) == "success", out[-5000:]
+    assert out.count("processes of attempt 1 still alive: 0") >= 4, out[-5000:]
+    assert "==== attempt 2/3: rank 2 exited 1, retryable by retry_on_exit_codes ====" in out
+    dr, tis = _run("sky_hang")
+    out = _out(capfd)
+    assert str(dr.state) == "failed" and tis[("down", -1)].state == "success"
+    assert "hung: no output for 10 s (ranks 1, 3)" in out, out[-5000:]
+    assert "==== end of the stack dump of rank 1 ====" in out, out[-5000:]
+    dr = _load("sky_taskflow").dag.test()  # its first task, `steps`, is outside the gang's group
+    out = _out(capfd)
+    assert str(dr.state) == "success", out[-5000:]
+    ranks = [ti for ti in dr.get_task_instances() if ti.task_id == "train.rank"]
+    assert len(ranks) == 4 and {str(ti.state) for ti in ranks} == {"success"}
+    assert _pods(b) == []  # every cluster was torn down
+
+
 def test_the_seed_yamls_verbatim_on_kubernetes(
     extras: dict[str, Any],
     airflow_db: Path,
