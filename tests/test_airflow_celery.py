@@ -51,32 +51,8 @@ TRIGGERERS = ("triggerer", "triggerer-2")
 
 
 class CeleryAirflow(RealAirflow):
-    """A task log as the UI shows it, plus the lines Airflow's triggerer filed in its own log instead.
-
-    Known Airflow race (noted in test_airflow_real for Kubernetes, seen here under load too): the
-    triggerer gets a trigger's log lines and its end over two sockets, and when it handles the end
-    first it drops the trigger's log file, so the last lines go to ``triggerer*.log``. Every time that
-    happens is counted in ``races`` and printed at the end of the module, never silently.
-    """
-
-    races: list[str]
-
-    def log(self, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> str:
-        text = super().log(dag_id, run_id, task_id, map_index)
-        if "Trigger fired event" in text or "trigger completed" in text:
-            return text
-        mine = (f"dag_id={dag_id} ", f"run_id={run_id} ", f"map_index={map_index} ")
-        filed = [
-            line
-            for name in TRIGGERERS
-            if (self.stack.logs / f"{name}.log").exists()
-            for line in (self.stack.logs / f"{name}.log").read_text(errors="replace").splitlines()
-            if all(m in line + " " for m in mine)
-            and ("task_id=" not in line or f"task_id={task_id} " in line + " ")
-        ]
-        if filed:
-            self.races.append(f"{dag_id} {task_id}[{map_index}]: {len(filed)} lines in triggerer*.log")
-        return "\n".join([text, *filed])
+    """The real stack's view (task logs with the lines Airflow's triggerer filed in its own log: see
+    :meth:`RealAirflow.log`) on PostgreSQL, Celery and two triggerers."""
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +79,6 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealAirflow]:
             with stack:
                 run_ids = {dag_id: stack.trigger(dag_id) for dag_id in (*DAGS, *SEED_DAGS, TASKFLOW)}
                 celery = CeleryAirflow(stack, sky, run_ids)
-                celery.races = []
                 yield celery
             if celery.races:
                 print(
