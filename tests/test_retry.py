@@ -167,9 +167,10 @@ def test_a_hang_is_retried_and_the_next_attempt_succeeds(sky_home: Path) -> None
 
     final = asyncio.run(asyncio.wait_for(go(), 60))
     assert final.final and final.attempt == 2 and final.status.succeeded, final.message()
-    assert (
-        final.history[0]["why"]
-        == "rank 0 hung: no output for 1.5 s (ranks 0, 1), retryable (hangs are retried)"
-    )
+    # both ranks hang together: either may be the one named first
+    assert re.fullmatch(
+        r"rank [01] hung: no output for 1\.5 s \(ranks 0, 1\), retryable \(hangs are retried\)",
+        final.history[0]["why"],
+    ), final.history[0]["why"]
     assert not processes_under(sky_home)
     backend.terminate(client.handle.name)

@@ -216,7 +216,9 @@ def test_master_port_is_allowed_and_rank_variables_are_complete() -> None:
     assert "MASTER_PORT" not in RANK_VARIABLES
     assert {"SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "MASTER_ADDR", "NODE_RANK", "RANK"} <= RANK_VARIABLES
     assert "SKYPILOT_SETUP_NUM_GPUS_PER_NODE" in RANK_VARIABLES
-    assert len(RANK_VARIABLES) == 14
+    # and the two the provider adds for whole-gang retries and hang detection: a user may not set them
+    assert {"SKY_ATTEMPT", "SKY_PROGRESS_FILE"} <= RANK_VARIABLES
+    assert len(RANK_VARIABLES) == 16
     spec = parse_task(_task(envs={"MASTER_PORT": 29501}))
     assert spec.envs == {"MASTER_PORT": "29501"}
 
