@@ -13,7 +13,7 @@ from airflow_provider_sky.gang import GangStatus
 from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import run_sync
-from airflow_provider_sky.retry import RetryPolicy, trigger_retry
+from airflow_provider_sky.retry import RetryPolicy, operator_args, pop_retry_args, trigger_retry
 from airflow_provider_sky.triggers.gang import xcom_ref
 
 
@@ -69,6 +69,42 @@ def start_in_triggerer(
         next_kwargs=None,
         timeout=None,
     )
+
+
+def triggerer_watch(
+    trigger_cls: type[BaseTrigger],
+    operator_kwargs: dict[str, Any],
+    *,
+    cluster_task_id: str,
+    job_task_id: str,
+    sky_conn_id: str | None,
+    poll_interval: float,
+    grace: float,
+    lost_after: float,
+    hang_timeout: float | None,
+    **extra: Any,
+) -> tuple[StartTriggerArgs, dict[str, Any]]:
+    """What a rank task or gang sensor started in the triggerer needs: its trigger's start arguments and
+    the watch settings the task and its trigger share. The gang-retry arguments move from
+    ``operator_kwargs`` (changed in place) into the operator's own names and the trigger's policy."""
+    watch: dict[str, Any] = {
+        "sky_conn_id": sky_conn_id,
+        "poll_interval": poll_interval,
+        "grace": grace,
+        "hang_timeout": check_hang_timeout(hang_timeout),
+    }
+    policy = pop_retry_args(operator_kwargs)
+    operator_kwargs.update(operator_args(policy))
+    start = start_in_triggerer(
+        trigger_cls,
+        cluster_task_id=cluster_task_id,
+        job_task_id=job_task_id,
+        lost_after=lost_after,
+        retry=trigger_retry(policy),
+        **extra,
+        **watch,
+    )
+    return start, watch
 
 
 class GangWatchMixin:

@@ -9,15 +9,11 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.triggers.base import StartTriggerArgs
 
-from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.operators._watch import GangWatchMixin, start_in_triggerer
+from airflow_provider_sky.operators._watch import GangWatchMixin, triggerer_watch
 from airflow_provider_sky.retry import (
     OPERATOR_ARGS,
     RetryPolicy,
-    operator_args,
-    pop_retry_args,
-    trigger_retry,
 )
 from airflow_provider_sky.triggers.gang import SkyRankTrigger, rank_outcome, rank_summary
 
@@ -74,22 +70,17 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
         The rank comes from the map index (the job task returns one entry per rank, in rank order).
         Under ``dag.test()`` the tasks run ``execute`` as usual.
         """
-        watch: dict[str, Any] = {
-            "sky_conn_id": sky_conn_id,
-            "poll_interval": poll_interval,
-            "grace": grace,
-            "hang_timeout": check_hang_timeout(hang_timeout),
-        }
-        policy = pop_retry_args(kwargs)
-        kwargs.update(operator_args(policy))
-        start = start_in_triggerer(
+        start, watch = triggerer_watch(
             SkyRankTrigger,
+            kwargs,
             cluster_task_id=cluster_task_id,
             job_task_id=job_task_id,
+            sky_conn_id=sky_conn_id,
+            poll_interval=poll_interval,
+            grace=grace,
             lost_after=lost_after,
-            retry=trigger_retry(policy),
+            hang_timeout=hang_timeout,
             rank="{{ ti.map_index }}",
-            **watch,
         )
         return cls.partial(
             start_from_trigger=True, start_trigger_args=start, lost_after=lost_after, **watch, **kwargs

@@ -9,15 +9,11 @@ from airflow.sdk import BaseSensorOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.triggers.base import StartTriggerArgs
 
-from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.operators._watch import GangWatchMixin, start_in_triggerer
+from airflow_provider_sky.operators._watch import GangWatchMixin, triggerer_watch
 from airflow_provider_sky.retry import (
     OPERATOR_ARGS,
     RetryPolicy,
-    operator_args,
-    pop_retry_args,
-    trigger_retry,
 )
 from airflow_provider_sky.triggers.gang import SkyGangTrigger, gang_outcome
 
@@ -84,21 +80,16 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
         """A gang sensor that starts and ends in the triggerer (no worker, no resume hold): the run
         can fail as soon as the triggerer has seen the failure. Under ``dag.test()`` it runs
         ``execute`` as usual, reading the job id from the job task's XCom."""
-        watch: dict[str, Any] = {
-            "sky_conn_id": sky_conn_id,
-            "poll_interval": poll_interval,
-            "grace": grace,
-            "hang_timeout": check_hang_timeout(hang_timeout),
-        }
-        policy = pop_retry_args(kwargs)
-        kwargs.update(operator_args(policy))
-        start = start_in_triggerer(
+        start, watch = triggerer_watch(
             SkyGangTrigger,
+            kwargs,
             cluster_task_id=cluster_task_id,
             job_task_id=job_task_id,
+            sky_conn_id=sky_conn_id,
+            poll_interval=poll_interval,
+            grace=grace,
             lost_after=lost_after,
-            retry=trigger_retry(policy),
-            **watch,
+            hang_timeout=hang_timeout,
         )
         job_id = "{{ ti.xcom_pull(task_ids=" + repr(job_task_id) + ", key='sky_job_id', map_indexes=-1) }}"
         return cls(
