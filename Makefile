@@ -10,16 +10,20 @@ PY := $(VENV)/bin/python
 $(UV):
 	python3 -m pip install --user --quiet uv || python3 -m pip install --quiet uv
 
+# --compile-bytecode: every Airflow task, triggerer and test process imports Airflow; with no .pyc (e.g.
+# PYTHONDONTWRITEBYTECODE=1, as on our CI machines) each one compiles it from source again (seconds per task)
 install: $(UV)
-	$(UV) sync --frozen --python python3
+	$(UV) sync --frozen --python python3 --compile-bytecode
 
 # The system tools the SSH tests and `make bench` use, as tool=Debian package. The tests start real sshd
 # daemons (openssh-server, ssh-keygen from openssh-client, users made with useradd from passwd); the ranks use
 # setsid (util-linux) and ps (procps); figure 2 of `make bench` compares with pdsh. The distributed Airflow
 # stack (tests/test_airflow_celery.py) runs its own PostgreSQL (initdb and postgres of the postgresql package; its
 # pg_ctlcluster is on PATH) and redis-server as unprivileged processes in a temp dir, never the system services.
+# The UI test (tests/test_ui_browser.py) drives Debian's chromium through its chromedriver (chromium-driver):
+# nothing downloads a browser.
 SYSTEM_DEPS := sshd=openssh-server ssh-keygen=openssh-client pdsh=pdsh setsid=util-linux ps=procps useradd=passwd \
-  pg_ctlcluster=postgresql redis-server=redis-server
+  pg_ctlcluster=postgresql redis-server=redis-server chromium=chromium chromedriver=chromium-driver
 # 1: a tool that cannot be installed is an error (CI); else the SSH tests are skipped and the run says so
 SYSTEM_DEPS_STRICT ?=
 

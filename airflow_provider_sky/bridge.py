@@ -5,7 +5,7 @@ triggers run the fail-fast) are mapped over its output, so they only start after
 later under a scheduler, during which nothing would watch the gang. So the job task starts this
 small detached process *before* the launch. The bridge launches the gang itself (it watches from the
 instant the ranks exist, with its connections already open) and then runs the same loop as the
-triggers' shared poll (:func:`jobs.watch`, fail-fast included).
+triggers' shared poll (:func:`watch.watch`, fail-fast included).
 
 Handover: the bridge's polls never leave the poller's clock on the nodes (``mark=False``), so it never
 keeps an abandoned job alive against the node's dead-man's switch. The triggers' shared poll does
@@ -262,7 +262,11 @@ async def serve(req: BridgeRequest, answer: Callable[[dict[str, Any]], None]) ->
             log.info("Launching %s rank(s) of job %s", client.num_ranks, req.job_id)
             try:
                 started = await client.alaunch(
-                    spec, req.job_id, orphan_timeout=req.orphan_timeout, idle_down=req.idle_down
+                    spec,
+                    req.job_id,
+                    orphan_timeout=req.orphan_timeout,
+                    idle_down=req.idle_down,
+                    grace=req.grace,
                 )
             except LaunchError as exc:
                 message = spec.redacted(str(exc))

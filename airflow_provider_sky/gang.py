@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -31,7 +32,7 @@ class RankState(str, Enum):
     LOST = "lost"
     RUNNING = "running"
     PENDING = "pending"
-    #: the node did not answer this poll (``jobs.watch`` reads it as running, or lost once it lasts)
+    #: the node did not answer this poll (``watch.watch`` reads it as running, or lost once it lasts)
     UNKNOWN = "unknown"
 
     def __str__(self) -> str:
@@ -237,6 +238,19 @@ def classify(raw: RawRankStatus, ip: str, observed_at: float) -> RankStatus:
     return st
 
 
+#: ranks up to which the failure message lists every rank's return code (SkyPilot's "Return code list")
+CODES_LISTED = 64
+
+
+def _codes_text(codes: Sequence[object]) -> str:
+    """SkyPilot's ``Return code list: [...]``; past :data:`CODES_LISTED` ranks, each code with how many
+    ranks ended so (a 1,024-entry list is 18 KB in every rank task's log, and says less)."""
+    if len(codes) <= CODES_LISTED:
+        return f"Return code list: {codes}"
+    counts = Counter(repr(code) for code in codes)
+    return f"Return codes of the {len(codes)} ranks: " + ", ".join(f"{c} x{n}" for c, n in counts.items())
+
+
 @dataclass
 class GangStatus:
     """Every rank of one job at one poll."""
@@ -312,7 +326,7 @@ class GangStatus:
         msg = f"Job {self.job_id} failed: {head}"
         if tail:
             msg += f"; {tail}"
-        return msg + f". Return code list: {codes}"
+        return msg + f". {_codes_text(codes)}"
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -336,9 +350,24 @@ class GangStatus:
         )
 
 
+def rank_runs(ranks: Iterable[int]) -> list[tuple[int, int]]:
+    """The distinct ranks as runs of consecutive ones, ``(first, last)`` each, in order."""
+    runs: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return [(a, b) for a, b in runs]
+
+
 def _ranks_text(ranks: Iterable[int]) -> str:
+    """``ranks 0, 1, 3``; a run of three or more as ``4-1023`` (a 1,024-rank gang's story stays short)."""
     rs = sorted(ranks)
-    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(str(r) for r in rs)
+    parts: list[str] = []
+    for a, b in rank_runs(rs):
+        parts += [f"{a}-{b}"] if b - a >= 2 else [str(x) for x in range(a, b + 1)]
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(parts)
 
 
 def job_id_for(dag_id: str, run_id: str, task_id: str, map_index: int | None, try_number: int) -> str:
@@ -358,3 +387,17 @@ def job_id_for(dag_id: str, run_id: str, task_id: str, map_index: int | None, tr
     slug = re.sub(r"[^A-Za-z0-9_-]+", "-", f"{dag_id}.{task_id}").strip("-")[:60] or "job"
     mi = "" if map_index < 0 else f"-m{map_index}"
     return f"{slug}-{digest}{mi}-t{try_number}"
+
+
+def cancel_reason(status: GangStatus) -> str:
+    """What the siblings of a failed rank read as the reason of their cancel: the rank and why it
+    failed, so a sibling's own log already says what went wrong ("rank 2 failed first: exited with
+    code 1"), whichever watcher told it."""
+    cause = status.root_cause()
+    if cause is None:
+        return "a rank failed"
+    return (
+        f"rank {cause.rank} failed first: {cause.reason}"
+        if cause.reason
+        else f"rank {cause.rank} failed first"
+    )

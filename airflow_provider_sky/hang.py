@@ -2,7 +2,7 @@
 into its log, then the gang fails fast with "hung: no output for 600 s (ranks 1, 3)".
 
 Why here and not in the rank tasks: like fail-fast, the decision runs in the shared poll (the triggers'
-and the bridge's :func:`jobs.watch`), which already reads every rank's log size each interval, so hang
+and the bridge's :func:`watch.watch`), which already reads every rank's log size each interval, so hang
 detection costs no extra remote call until a rank is found hung. A sign of life is any new log byte,
 or a newer mtime of the rank's progress file (``$SKY_PROGRESS_FILE``, for ranks that print little).
 Silence is timed by the watcher's own clock from its first poll of the rank (no clock comparison
@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from airflow_provider_sky.gang import HUNG_PREFIX
-from airflow_provider_sky.jobs import GangClient, MonitorState, Poll, fan_out, watch
+from airflow_provider_sky.jobs import GangClient, Poll, fan_out
 from airflow_provider_sky.runtime import MARKED_FUNCS, check_job_id
+from airflow_provider_sky.watch import MonitorState, watch
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ async def watch_gang(
     grace: float = 3.0,
     **kwargs: Any,
 ) -> AsyncGenerator[Poll, None]:
-    """:func:`jobs.watch` plus hang detection: the loop every watcher of a gang runs.
+    """:func:`watch.watch` plus hang detection: the loop every watcher of a gang runs.
 
     ``hangs`` carries the silence timers across calls (the bridge re-enters the watch after a lapse).
     """

@@ -7,35 +7,31 @@ node, fanned out in parallel with a bound.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import math
 import time
 from collections.abc import (
-    AsyncGenerator,
     AsyncIterator,
     Awaitable,
     Callable,
-    Coroutine,
-    Iterable,
     Mapping,
     Sequence,
 )
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from airflow_provider_sky import runtime
+from airflow_provider_sky.aio import CANCEL_WAIT, FANOUT_LIMIT, cancel_bounded, fan_out, run_sync
 from airflow_provider_sky.backends.base import Backend, ClusterHandle, Node, chosen_resources, node_devices
 from airflow_provider_sky.gang import (
-    BAD,
-    LOST,
-    RUNNING,
     UNKNOWN,
     GangStatus,
     RankStatus,
+    cancel_reason,
     classify,
     cluster_info_json,
     gpus_per_node,
+    rank_runs,
     run_env,
     setup_env,
 )
@@ -47,105 +43,15 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
-FANOUT_LIMIT = 64
 DEFAULT_LOG_CHUNK = 256 * 1024
 #: how often a gang start looks at the ranks it already started (a failure there stops the start)
 LAUNCH_WATCH_INTERVAL = 0.2
-#: seconds past a fail-fast cancel's SIGKILL (``grace``) after which a rank still running is sent it again
-RECANCEL_AFTER = 2.0
 #: seconds without any poll after which the nodes kill a job (a lost scheduler, a killed ``dags test``)
 DEFAULT_ORPHAN_TIMEOUT = 300.0
 
 
 class LaunchError(Exception):
     """Not every rank could be started; the ones that did were cancelled."""
-
-
-def run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine from sync code, also when the caller already runs an event loop.
-
-    The coroutine runs on a loop of our own whose shutdown is bounded (:func:`_run_owned`):
-    ``asyncio.run`` waits without limit for leftover tasks to end, and a status call that never
-    answered once hung a rank task there for good. From inside a running loop it runs in a
-    thread of its own, which is not joined beyond that same bound.
-    """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return _run_owned(coro)
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sky-run-sync")
-    try:
-        return pool.submit(_run_owned, coro).result()
-    finally:
-        pool.shutdown(wait=False)
-
-
-def _run_owned(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` on a new loop, then cancel what it left running and close the loop, bounded.
-
-    Leftover tasks get :data:`CLEANUP_TIMEOUT` to end after their cancel (ours kill and reap their
-    processes well within it); one that does not is logged and dropped. The loop's default executor
-    is ours too, shut down without joining a thread that may be stuck.
-    """
-    loop = asyncio.new_event_loop()
-    executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="sky-run-sync-io")
-    loop.set_default_executor(executor)
-    asyncio.set_event_loop(loop)
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        try:
-            _cancel_leftovers(loop)
-            loop.run_until_complete(_bounded_wait(loop.shutdown_asyncgens(), "async generators"))
-        finally:
-            executor.shutdown(wait=False, cancel_futures=True)
-            asyncio.set_event_loop(None)
-            loop.close()
-
-
-#: seconds ``run_sync`` gives leftover tasks (and async generators) to end once cancelled
-CLEANUP_TIMEOUT = 5.0
-
-
-async def _bounded_wait(aw: Awaitable[Any], what: str) -> None:
-    try:
-        await asyncio.wait_for(aw, CLEANUP_TIMEOUT)
-    except asyncio.TimeoutError:
-        log.warning("Closing %s took over %ss; left behind", what, CLEANUP_TIMEOUT)
-
-
-def _cancel_leftovers(loop: asyncio.AbstractEventLoop) -> None:
-    """Cancel the tasks ``loop`` still has and wait for them, at most :data:`CLEANUP_TIMEOUT`."""
-    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
-    if not tasks:
-        return
-    for task in tasks:
-        task.cancel()
-    loop.run_until_complete(asyncio.wait(tasks, timeout=CLEANUP_TIMEOUT))
-    stuck = [t for t in tasks if not t.done()]
-    if stuck:
-        log.warning(
-            "%d task(s) did not end within %ss of their cancel; left behind: %s",
-            len(stuck),
-            CLEANUP_TIMEOUT,
-            stuck,
-        )
-    for task in tasks:
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            log.debug("A leftover task failed: %r", task.exception())
-
-
-async def fan_out(
-    fn: Callable[[T], Awaitable[R]], items: Iterable[T], limit: int = FANOUT_LIMIT
-) -> list[R | BaseException]:
-    """Call ``fn`` on every item concurrently, at most ``limit`` at once; exceptions are returned."""
-    sem = asyncio.Semaphore(limit)
-
-    async def one(item: T) -> R:
-        async with sem:
-            return await fn(item)
-
-    return await asyncio.gather(*(one(i) for i in items), return_exceptions=True)
 
 
 #: ranks one status or cancel call covers at most: its arguments (a root, a job id of up to 181
@@ -159,13 +65,7 @@ CALL_ARG_BYTES = 64 * 1024
 
 def _span(ranks: Sequence[int]) -> str:
     """``[0, 1, 2, 7]`` as ``0-2,7``: how log lines and errors name the ranks of one call."""
-    runs: list[list[int]] = []
-    for rank in sorted(set(ranks)):
-        if runs and runs[-1][1] == rank - 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in rank_runs(ranks))
 
 
 def _launch_words(text: str) -> dict[int, str]:
@@ -179,20 +79,15 @@ def _launch_words(text: str) -> dict[int, str]:
     return out
 
 
-#: seconds to wait for an abandoned call to end once cancelled (runners kill their script within it)
-CANCEL_WAIT = 1.0
-
-
-async def _cancel_bounded(tasks: Iterable[asyncio.Task[Any]]) -> None:
-    """Cancel the unfinished ``tasks`` and wait for them, at most :data:`CANCEL_WAIT`; log the rest."""
-    left = [t for t in tasks if not t.done()]
-    for task in left:
-        task.cancel()
-    if not left:
-        return
-    _, stuck = await asyncio.wait(left, timeout=CANCEL_WAIT)
-    if stuck:
-        log.warning("%d call(s) still ending %ss after their cancel", len(stuck), CANCEL_WAIT)
+def _gang_failed(text: str) -> tuple[int, int | None] | None:
+    """The rank and exit code of a launcher's ``GANGFAILED rank=R code=C`` line, if it printed one."""
+    for line in text.splitlines():
+        if line.startswith("GANGFAILED rank="):
+            words = dict(w.partition("=")[::2] for w in line.split()[1:])
+            rank, code = words.get("rank", ""), words.get("code", "")
+            if rank.isdigit():
+                return int(rank), int(code) if code.lstrip("-").isdigit() else None
+    return None
 
 
 @dataclass
@@ -212,6 +107,7 @@ class GangClient:
 
     def __init__(self, backend: Backend, handle: ClusterHandle) -> None:
         self.backend = backend
+        backend.check_handle(handle)
         self.handle = handle
         self._runners: dict[str, CommandRunner] = {}
         #: values to mask when showing this job's logs (filled by whoever reads them)
@@ -275,6 +171,10 @@ class GangClient:
                     devices=devices,
                 )
                 command = spec.run
+            if self.backend.shared_machine and node.home:
+                # nodes sharing a machine are started in batches through one node's runner: each rank
+                # still gets its own node's home (a user's envs may set HOME themselves)
+                env = {"HOME": node.home, **env}
             cwd = self.backend.workdir(node, spec)
             keep = self.keep_secrets and stage == "run"
             out.append(runtime.RankLaunch(rank, command, env, dict(spec.secrets), cwd, keep_secrets=keep))
@@ -290,6 +190,7 @@ class GangClient:
             idle_down=int(math.ceil(idle_down)) if idle_down else 0,
             idle_rm=tuple(self.backend.idle_down_paths(self.handle, rank)) if idle_down else (),
             idle_kill=self.backend.idle_down_kill,
+            idle_poweroff=self.backend.idle_down_poweroff if idle_down else "",
             keeper_roots=roots,
             keeper_tick=max(0.2, min(5.0, min(t for t in (orphan_timeout, idle_down, 50.0) if t) / 10)),
             now=time.time(),
@@ -319,8 +220,27 @@ class GangClient:
         launches = self.rank_launches(spec, job_id, stage)
         by_rank = {rl.rank: rl for rl in launches}
         chunks = self._calls(job_id, list(by_rank), LAUNCH_RANKS)
+        flags = self._gang_flags(job_id) if len(launches) > 1 else {}
         started: list[int] = []
         failed: list[str] = []  # the cancel reason, once a started rank has failed
+        cancelled: set[int] = set()  # started ranks already sent the cancel
+        halted: list[int] = []  # ranks a launcher recorded cancelled unstarted: a rank of its machine failed
+        inflight: dict[int, list[int]] = {}  # start calls sent and not answered yet, by their first rank
+
+        async def fail(reason: str, rank: int, code: int | None) -> None:
+            """The first failure seen: cancel the ranks started, and stop the start calls still running
+            (their machine's flag stops their launchers, which then cancel what they started)."""
+            if failed:
+                return
+            failed.append(reason)
+            late = [r for r in started if r not in cancelled]
+            cancelled.update(late)
+            calls = [self.acancel(job_id, late, grace, wait=False, reason=reason)] if late else []
+            calls += [
+                self._halt_start(job_id, chunk, flags, rank, code, grace, reason)
+                for chunk in inflight.values()
+            ]
+            await asyncio.gather(*calls, return_exceptions=True)
 
         async def one(chunk: list[int]) -> list[str]:
             """Start (or, after a sibling failed, record as cancelled) the ranks of one call."""
@@ -328,65 +248,134 @@ class GangClient:
             where = f"ranks {_span(chunk)} ({', '.join(dict.fromkeys(self.node_of(r).ip for r in chunk))})"
             await self.runner(node).aconnect()  # the handshake first: start or skip decided after it
             if failed:
-                args = [job_id, failed[0]]
-                for r in chunk:
-                    args += [self.node_of(r).root, str(r)]
-                res = await self.runner(node).arun_script(runtime.NEVER_STARTED_SCRIPT, args, timeout=60)
-                if res.returncode != 0:
-                    raise LaunchError(f"{where}: could not record them: {res.error_text}")
-                words = _launch_words(res.text)
-                return [words.get(r, "CANCELLED") for r in chunk]
+                words = await self._record_never_started(job_id, chunk, failed[0])
+                return [words[r] for r in chunk]
             items = [
                 (self.node_of(r).root, by_rank[r], self.guard(r, orphan_timeout, idle_down)) for r in chunk
             ]
-            script = runtime.launch_many_script(job_id, items)
-            res = await self.runner(node).arun_script(script, timeout=60 + len(chunk))
+            flag = flags.get(self.backend.machine_of(node))
+            script = runtime.launch_many_script(job_id, items, flag=flag, grace=grace)
+            inflight[chunk[0]] = chunk
+            try:
+                res = await self.runner(node).arun_script(script, timeout=60 + len(chunk))
+            finally:
+                inflight.pop(chunk[0], None)
             if res.returncode != 0:
                 raise LaunchError(f"{where}: launch failed: {res.error_text}")
             words = _launch_words(res.text)
-            missing = [r for r in chunk if words.get(r) not in ("STARTED", "EXISTS")]
+            missing = [r for r in chunk if words.get(r) not in ("STARTED", "EXISTS", "CANCELLED")]
             if missing:
                 raise LaunchError(f"{where}: the rank wrapper of ranks {_span(missing)} did not start")
-            started.extend(chunk)
-            if failed:  # they were on their way when a sibling failed: cancel them at once
-                await self.acancel(job_id, chunk, grace, wait=False, reason=failed[0])
+            gang = _gang_failed(res.text)
+            halted.extend(r for r in chunk if words[r] == "CANCELLED")
+            mine = [r for r in chunk if words[r] != "CANCELLED"]
+            started.extend(mine)
+            if gang is not None:  # its launcher saw a rank of the machine fail, and cancelled its ranks
+                cancelled.update(mine)
+                await fail(runtime.failed_first(*gang), *gang)
+            elif failed:  # they were on their way when a sibling failed: cancel them at once
+                cancelled.update(mine)
+                await self.acancel(job_id, mine, grace, wait=False, reason=failed[0])
             return [words[r] for r in chunk]
 
-        async def watch_start() -> list[int]:
-            """Poll the started ranks until one failed; cancel those; return the ranks cancelled."""
-            while True:
+        async def watch_start() -> None:
+            """Poll the started ranks until one failed (or another path saw a failure first)."""
+            while not failed:
                 await asyncio.sleep(LAUNCH_WATCH_INTERVAL)
+                if failed:
+                    break
                 if not started:
                     continue
                 status = (await self.apoll(job_id, max_log=0, ranks=list(started), mark=False)).status
-                if any(r.state in BAD for r in status.ranks):
-                    failed.append(cancel_reason(status))
-                    pending = [r.rank for r in status.ranks if not r.terminal]
-                    await self.acancel(job_id, pending, grace, wait=False, reason=failed[0])
-                    return pending
+                cause = status.root_cause()
+                if cause is not None:
+                    await fail(cancel_reason(status), cause.rank, cause.exit_code)
 
         watcher = asyncio.ensure_future(watch_start()) if len(launches) > 1 else None
         try:
             results = await fan_out(one, chunks, self.call_limit)
         finally:
             if watcher is not None:
-                await _cancel_bounded([watcher])
+                await cancel_bounded([watcher])
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self.acancel(job_id, grace=1.0, reason="the gang start failed")
             raise LaunchError("; ".join(str(e) for e in errors))
-        words_of = [r for r in results if not isinstance(r, BaseException)]  # every chunk's, in order
-        if failed and watcher is not None and not watcher.cancelled() and watcher.exception() is None:
-            # ranks started after the failing poll's snapshot that did not see the failure yet
-            late = sorted(set(started) - set(watcher.result()))
+        out = {
+            r: word
+            for chunk, words in zip(chunks, results, strict=True)
+            if not isinstance(words, BaseException)
+            for r, word in zip(chunk, words, strict=True)
+        }
+        if halted and not failed:
+            failed.append("a rank failed during the gang start")
+        if failed:
+            # ranks started after the failing poll's snapshot, or before a launcher saw the failure (their
+            # machine's launcher cancelled them already; a second cancel of a rank changes nothing)
+            late = sorted(set(started) - cancelled)
             if late:
                 await self.acancel(job_id, late, grace, wait=False, reason=failed[0])
             log.info("A rank of job %s failed during the gang start: %s", job_id, failed[0])
-        return {
-            r: word
-            for chunk, words in zip(chunks, words_of, strict=True)
-            for r, word in zip(chunk, words, strict=True)
-        }
+        return out
+
+    def _gang_flags(self, job_id: str) -> dict[str, str]:
+        """Machine -> its gang-start flag (:func:`runtime.gang_flag`, under its first node's root)."""
+        out: dict[str, str] = {}
+        for node in self.handle.nodes:
+            out.setdefault(self.backend.machine_of(node), runtime.gang_flag(node.root, job_id))
+        return out
+
+    async def _halt_start(
+        self,
+        job_id: str,
+        chunk: Sequence[int],
+        flags: Mapping[str, str],
+        rank: int,
+        code: int | None,
+        grace: float,
+        reason: str,
+    ) -> None:
+        """A start call still running when a rank failed elsewhere: the failure goes into its machine's
+        flag first (its launcher starts no more ranks, records them cancelled, and cancels what it
+        started when it ends), then the ranks it started already are cancelled, in one call on a
+        channel of its own. Without it those ranks ran until the call answered (64 SSH hosts: 1.2 s)."""
+        node = self.node_of(chunk[0])
+        flag = flags.get(self.backend.machine_of(node))
+        script = (runtime.flag_failure(flag, rank, code) if flag else "") + runtime.CANCEL_SCRIPT
+        targets = [(self.node_of(r).root, job_id, r) for r in chunk]
+        args = runtime.cancel_args(grace, targets, wait=False, reason=reason)
+        try:
+            res = await self.runner(node).arun_script(script, args, timeout=grace + 30)
+        except RunnerError as exc:
+            log.warning("Could not stop the start of ranks %s: %s", _span(chunk), exc)
+            return
+        if res.returncode != 0:
+            log.warning("Could not stop the start of ranks %s: %s", _span(chunk), res.error_text)
+
+    async def _record_never_started(self, job_id: str, ranks: Sequence[int], reason: str) -> dict[int, str]:
+        """Record ``ranks`` as cancelled without having run (``reason`` says why): one call per machine
+        (per :data:`CALL_RANKS`). Rank -> ``CANCELLED``, or ``EXISTS`` for one started meanwhile."""
+
+        async def one(chunk: list[int]) -> dict[int, str]:
+            args = [job_id, reason]
+            for r in chunk:
+                args += [self.node_of(r).root, str(r)]
+            node = self.node_of(chunk[0])
+            res = await self.runner(node).arun_script(runtime.NEVER_STARTED_SCRIPT, args, timeout=60)
+            if res.returncode != 0:
+                raise LaunchError(
+                    f"ranks {_span(chunk)} ({node.ip}): could not record them: {res.error_text}"
+                )
+            words = _launch_words(res.text)
+            return {r: words.get(r, "CANCELLED") for r in chunk}
+
+        calls = self._calls(job_id, ranks)
+        out: dict[int, str] = {}
+        for res in await fan_out(one, calls, self.call_limit):
+            if isinstance(res, BaseException):
+                raise res
+            out.update(res)
+        return out
 
     def launch(self, spec: TaskSpec, job_id: str, stage: str = "run", **guards: float) -> dict[int, str]:
         return run_sync(self.alaunch(spec, job_id, stage, **guards))
@@ -549,7 +538,7 @@ class GangClient:
             if tasks:
                 await asyncio.wait(tasks, timeout=deadline)
         finally:
-            await _cancel_bounded(tasks)
+            await cancel_bounded(tasks)
         late = RunnerError("", f"no answer within {timeout:g}s")
         out: list[R | BaseException] = []
         for task in tasks:
@@ -638,117 +627,3 @@ class GangClient:
         self, job_id: str, ranks: Sequence[int] | None = None, grace: float = 3.0, *, reason: str = ""
     ) -> None:
         run_sync(self.acancel(job_id, ranks, grace, reason=reason))
-
-
-def cancel_reason(status: GangStatus) -> str:
-    """What the siblings of a failed rank read as the reason of their cancel: the rank and why it
-    failed, so a sibling's own log already says what went wrong ("rank 2 failed first: exited with
-    code 1"), whichever watcher told it."""
-    cause = status.root_cause()
-    if cause is None:
-        return "a rank failed"
-    return (
-        f"rank {cause.rank} failed first: {cause.reason}"
-        if cause.reason
-        else f"rank {cause.rank} failed first"
-    )
-
-
-@dataclass
-class MonitorState:
-    """What a watcher carries between polls: log offsets and when a node first stopped answering."""
-
-    offsets: dict[int, int] = field(default_factory=dict)
-    unreachable_since: dict[int, float] = field(default_factory=dict)
-    cancel_issued: bool = False
-    #: when each rank was last sent the gang's cancel (fail-fast), to send it again if it lives on
-    cancel_sent: dict[int, float] = field(default_factory=dict)
-    #: what the backend says of a lost rank's node (asked once per rank)
-    lost_why: dict[int, str | None] = field(default_factory=dict)
-
-
-async def _lost_reason(client: GangClient, rank: int, st: MonitorState) -> str | None:
-    """The backend's word on why a lost rank's node is gone (e.g. an EC2 spot interruption), once."""
-    if rank not in st.lost_why:
-        try:
-            st.lost_why[rank] = await asyncio.to_thread(client.backend.lost_reason, client.handle.nodes[rank])
-        except Exception as exc:  # the explanation is a courtesy: the rank is lost either way
-            log.info("Why rank %s's node is gone could not be asked: %s", rank, exc)
-            st.lost_why[rank] = None
-    return st.lost_why[rank]
-
-
-def _cancel_due(poll: Poll, st: MonitorState, grace: float) -> list[int]:
-    """The ranks a failed gang's watcher sends its cancel to now: every unfinished rank that answered
-    this round and was not sent it yet, or was sent it a while ago and still runs."""
-    due = []
-    for r in poll.status.ranks:
-        if r.terminal or r.rank in poll.unreachable:
-            continue
-        wait = grace + RECANCEL_AFTER * (3 if r.rank in poll.cancel_seen else 1)
-        if poll.at - st.cancel_sent.get(r.rank, -math.inf) > wait:
-            due.append(r.rank)
-    return due
-
-
-async def watch(
-    client: GangClient,
-    job_id: str,
-    *,
-    poll_interval: float = 0.5,
-    fail_fast: bool = True,
-    grace: float = 3.0,
-    lost_after: float = 10.0,
-    state: MonitorState | None = None,
-    mark: bool = True,
-) -> AsyncGenerator[Poll, None]:
-    """Poll a job until every rank is terminal, yielding each :class:`Poll`.
-
-    The gang policy lives here: the first failed or lost rank cancels every unfinished sibling at
-    once (that is what makes fail-fast take about a second), and a node that keeps failing to
-    answer for ``lost_after`` seconds is reported lost.
-    """
-    st = state or MonitorState()
-    while True:
-        poll = await client.apoll(job_id, st.offsets, mark=mark)
-        for rank, (off, data) in poll.chunks.items():
-            st.offsets[rank] = off + len(data)
-        for r in poll.status.ranks:
-            if r.rank in poll.unreachable:
-                since = st.unreachable_since.setdefault(r.rank, poll.at)
-                if poll.at - since >= lost_after:
-                    r.state, r.end = LOST, since
-                    r.reason = (
-                        f"node {r.ip} stopped answering for {lost_after:.0f}s: {poll.unreachable[r.rank]}"
-                    )
-                    why = await _lost_reason(client, r.rank, st)
-                    if why:
-                        r.reason += f"; {why}"
-                else:
-                    r.state = RUNNING
-            else:
-                st.unreachable_since.pop(r.rank, None)
-        just_cancelled = False
-        if fail_fast and poll.status.failed:
-            # every rank still running gets the cancel; one that did not answer this round (its call
-            # would only hang) gets it when it answers, and one the cancel did not reach (its call
-            # failed: an overloaded exec server, a node back from a hang) or that lives on well past
-            # the cancel's SIGKILL gets it again
-            pending = _cancel_due(poll, st, grace)
-            if pending:
-                if st.cancel_issued:
-                    log.info(
-                        "Ranks %s of job %s still run after the cancel; cancelling again", pending, job_id
-                    )
-                else:
-                    log.info("Rank failed; cancelling ranks %s of job %s", pending, job_id)
-                st.cancel_sent.update(dict.fromkeys(pending, poll.at))
-                await client.acancel(job_id, pending, grace, wait=False, reason=cancel_reason(poll.status))
-            just_cancelled = not st.cancel_issued
-            st.cancel_issued = True
-            poll.status.cancel_requested = True
-        yield poll
-        if poll.status.done:
-            return
-        # right after a cancel, look again soon: SIGTERMed siblings are usually gone within 0.1 s
-        await asyncio.sleep(min(poll_interval, 0.1) if just_cancelled else poll_interval)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -20,11 +21,12 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from airflow_provider_sky import runtime, runtime_retry
-from airflow_provider_sky.gang import HUNG_PREFIX, LOST, ORPHANED_REASON, GangStatus, RankStatus
+from airflow_provider_sky import replace, runtime, runtime_retry
+from airflow_provider_sky.gang import HUNG_PREFIX, LOST, ORPHANED_REASON, UNKNOWN, GangStatus, RankStatus
 from airflow_provider_sky.hang import HangWatch, watch_gang
-from airflow_provider_sky.jobs import GangClient, MonitorState, Poll, fan_out
+from airflow_provider_sky.jobs import GangClient, Poll, fan_out
 from airflow_provider_sky.runners.base import RunnerError
+from airflow_provider_sky.watch import MonitorState
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +213,26 @@ class GangPoll(Poll):
     error: str = ""
     #: why a failed final attempt is not retried ("no retry left", "... not retryable: ...")
     verdict: str = ""
+    # cause, failure_message and message are worked out once per poll: every rank trigger of the gang reads
+    # the same poll, and each asking anew is O(N) per trigger, O(N^2) per poll (seconds at 1,024 ranks)
+
+    @functools.cached_property
+    def cause(self) -> RankStatus | None:
+        """``status.root_cause()``."""
+        return self.status.root_cause()
+
+    @functools.cached_property
+    def failure_message(self) -> str:
+        """``status.failure_message()``."""
+        return self.status.failure_message()
 
     def message(self) -> str:
         """The gang's outcome in one paragraph: this attempt's root cause, then every earlier attempt's."""
-        msg = self.error or self.status.failure_message()
+        return self._message
+
+    @functools.cached_property
+    def _message(self) -> str:
+        msg = self.error or self.failure_message
         if self.max_attempts > 1 and (self.history or self.attempt > 1):
             msg += f" (attempt {self.attempt}/{self.max_attempts})"
         if self.verdict and self.max_attempts > 1:
@@ -267,6 +285,8 @@ async def watch_attempts(
     """
     policy = policy or RetryPolicy()
     st = state or AttemptState()
+    if policy.retries:
+        await replace.refresh_handle(client)  # a lost node may have been replaced before we (re)started
     while True:
         aid = runtime_retry.attempt_job_id(job_id, st.attempt)
         st.current_id = aid
@@ -305,11 +325,13 @@ async def watch_attempts(
         nxt = st.attempt + 1
         note = f"attempt {nxt}/{policy.attempts}: {why}"
         yield _gang_poll(last, st, policy, final=False)  # the rank tasks log this attempt's end
-        error = await _next_attempt(client, job_id, st.attempt, policy, grace)
+        error, replaced = await _next_attempt(
+            client, job_id, st.attempt, policy, grace, status, watch_kwargs.get("poll_interval", 0.5)
+        )
         entry = {
             "attempt": st.attempt,
             "job_id": aid,
-            "why": why,
+            "why": why + replaced,  # the rank tasks' boundary line says it too
             "message": status.failure_message(),
             "ranks": [r.to_dict() for r in status.ranks],
         }
@@ -318,6 +340,7 @@ async def watch_attempts(
             await _forget(client, job_id)
             yield _gang_poll(last, st, policy, final=True, error=f"{status.failure_message()}; {error}")
             return
+        note += replaced
         log.info("Job %s: %s", job_id, note)
         st.history.append(entry)
         st.attempt = nxt
@@ -334,13 +357,24 @@ FOLLOW_TIMEOUT = 90.0
 
 
 async def _next_attempt(
-    client: GangClient, job_id: str, attempt: int, policy: RetryPolicy, grace: float
-) -> str:
-    """Start attempt ``attempt + 1``: '' once started, else why it could not be."""
+    client: GangClient,
+    job_id: str,
+    attempt: int,
+    policy: RetryPolicy,
+    grace: float,
+    status: GangStatus | None = None,
+    poll_interval: float = 0.5,
+) -> tuple[str, str]:
+    """Start attempt ``attempt + 1``: ('', what was replaced for it) once started, else (why not, '').
+
+    The wait (``retry_delay``) runs to a due time kept on the nodes, so a watcher that restarted during
+    it waits only what is left. Then lost nodes are replaced (``replace``), what attempt ``attempt``
+    left is killed and checked gone, and every rank starts."""
     nxt = attempt + 1
     nid = runtime_retry.attempt_job_id(job_id, nxt)
+    await replace.refresh_handle(client)  # another watcher may have replaced a node already
     peek = (await client.apoll(nid, max_log=0, mark=False)).status
-    if len(_missing(peek)) < len(peek.ranks):
+    if any(r.state != UNKNOWN and r.rank not in _missing(peek) for r in peek.ranks):
         # another watcher (or our earlier self) started it: follow it once each of its ranks exists (a
         # rank not created yet would read as lost and fail the attempt)
         deadline = time.monotonic() + FOLLOW_TIMEOUT
@@ -348,15 +382,28 @@ async def _next_attempt(
             await asyncio.sleep(0.2)
             peek = (await client.apoll(nid, max_log=0, mark=False)).status
         log.info("Job %s: following attempt %s, started by another watcher", job_id, nxt)
-        return ""
+        return "", await replace.recorded_note(client, job_id, status, nxt) if status is not None else ""
     delay = policy.delay_before(nxt)
     if delay:
-        log.info("Job %s: attempt %s in %.1fs (retry_delay)", job_id, nxt, delay)
-        await asyncio.sleep(delay)
+        due = await _due(client, job_id, nxt, time.time() + delay)
+        wait = max(0.0, min(delay, due - time.time()))
+        if wait < delay - 0.5:
+            log.info(
+                "Job %s: attempt %s in %.1fs (the rest of its %.1fs retry_delay)", job_id, nxt, wait, delay
+            )
+        else:
+            log.info("Job %s: attempt %s in %.1fs (retry_delay)", job_id, nxt, wait)
+        await asyncio.sleep(wait)
+    replaced = ""
+    if status is not None and replace.lost_ranks(status):
+        done = await replace.replace_once(client, job_id, status, nxt, poll_interval)
+        if done.error:
+            return f"attempt {nxt} not started: {done.error}", ""
+        replaced = done.note()
     left = await _clean(client, runtime_retry.attempt_job_id(job_id, attempt))
     if left:
-        return f"attempt {nxt} not started: processes of attempt {attempt} still run ({left})"
-    return await _relaunch(client, job_id, nxt)
+        return f"attempt {nxt} not started: processes of attempt {attempt} still run ({left})", ""
+    return await _relaunch(client, job_id, nxt), replaced
 
 
 async def _per_machine(
@@ -397,9 +444,13 @@ async def _clean(client: GangClient, aid: str) -> str:
 async def _relaunch(client: GangClient, job_id: str, attempt: int) -> str:
     """Start every rank of ``attempt`` from attempt 1's files: '' when each started (or existed)."""
     now = time.time()
+    aid = runtime_retry.attempt_job_id(job_id, attempt)
+    flags = client._gang_flags(aid) if client.num_ranks > 1 else {}
 
     def args_of(chunk: list[int]) -> list[str]:
-        return runtime_retry.relaunch_args(job_id, attempt, now, [(client.node_of(r).root, r) for r in chunk])
+        targets = [(client.node_of(r).root, r) for r in chunk]
+        flag = flags.get(client.backend.machine_of(client.node_of(chunk[0])), "")
+        return runtime_retry.relaunch_args(job_id, attempt, now, targets, client.handle.ips, flag)
 
     out = await _per_machine(client, job_id, runtime_retry.RELAUNCH_SCRIPT, args_of)
     words: dict[str, list[str]] = {}
@@ -413,12 +464,31 @@ async def _relaunch(client: GangClient, job_id: str, attempt: int) -> str:
     bad = {w: rs for w, rs in words.items() if w not in ("STARTED", "EXISTS")}
     if not errors and not bad:
         return ""
-    aid = runtime_retry.attempt_job_id(job_id, attempt)
     await client.acancel(aid, grace=1.0, reason=f"attempt {attempt} could not start")
     if "STOPPED" in bad:
         return f"attempt {attempt} not started: a user stopped the gang (marked a task failed or cleared it)"
     said = "; ".join(errors + [f"{w} ranks {', '.join(rs)}" for w, rs in bad.items()])
     return f"attempt {attempt} could not start: {said}"
+
+
+async def _due(client: GangClient, job_id: str, attempt: int, due: float) -> float:
+    """When ``attempt`` is due: the time the first watcher wrote on the nodes, else ``due`` (written now).
+
+    A watcher that restarted during the retry delay (a triggerer restart, a new bridge) reads it back
+    instead of waiting the whole delay again; nodes that do not answer are skipped."""
+    out = await _per_machine(
+        client,
+        job_id,
+        runtime_retry.DUE_SCRIPT,
+        lambda c: [str(int(attempt)), f"{due:.3f}", *_triples(client, job_id, c)],
+    )
+    found = []
+    for res in out:
+        if isinstance(res, str):
+            for line in res.split():
+                with contextlib.suppress(ValueError):
+                    found.append(float(line))
+    return min(found) if found else due
 
 
 async def _forget(client: GangClient, job_id: str) -> None:

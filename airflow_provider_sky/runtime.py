@@ -6,7 +6,8 @@ Per (job id, rank) a directory ``<root>/jobs/<job id>/<rank>/`` holds ``cmd.sh``
 wrapper), ``pid`` (wrapper), ``pgid`` (the user's process group), ``start``, ``end``, ``exit``
 (written to a temp file, then renamed), ``cancel`` (marker holding the reason), ``polled`` (the
 last watcher's clock), ``orphaned``, ``progress`` (``$SKY_PROGRESS_FILE``: the rank touches it to
-show it is alive), ``hang/`` (made when a watcher found it hung) and ``log``. Every process of a rank carries its mark in its
+show it is alive), ``hang/`` (made when a watcher found it hung), ``times`` (when the log grew, by
+the watchers' clocks; ``tsz`` its last size) and ``log``. Every process of a rank carries its mark in its
 environment (:data:`MARKED_FUNCS`). The scripts travel on stdin and take only validated ids,
 integers and paths as arguments, so nothing a user wrote is ever on a command line.
 """
@@ -15,442 +16,21 @@ from __future__ import annotations
 
 import re
 import shlex
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from airflow_provider_sky.exitcodes import describe_exit
+from airflow_provider_sky.node_scripts import CANCEL_SCRIPT as CANCEL_SCRIPT
+from airflow_provider_sky.node_scripts import CLOCK_FUNC, CMD_PROLOGUE, KEEPER_SCRIPT, WRAPPER
+from airflow_provider_sky.node_scripts import MARKED_FUNCS as MARKED_FUNCS
+from airflow_provider_sky.node_scripts import NEVER_STARTED_SCRIPT as NEVER_STARTED_SCRIPT
+from airflow_provider_sky.node_scripts import STATUS_SCRIPT as STATUS_SCRIPT
+from airflow_provider_sky.node_scripts import TEARDOWN_SCRIPT as TEARDOWN_SCRIPT
+from airflow_provider_sky.node_scripts import teardown_script as teardown_script
+
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,180}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-#: Every process a rank starts inherits ``SKY_PROVIDER_MARK=<rank dir>/`` in its environment, so a
-#: node finds all of them through ``/proc/<pid>/environ`` whatever they did to their process group or
-#: session (``setsid``, double forks, ``nohup``). ``marked MARK...`` prints the pids whose environment
-#: holds one of the marks (a prefix: ``<root>/jobs/`` is every process of a cluster's node). No single
-#: quote in it: it is embedded in single-quoted helper scripts. The patterns go to ``grep -f -`` on
-#: stdin: building ``-e`` arguments one ``set --`` at a time is quadratic (6 s for 1,024 marks).
-MARKED_FUNCS = r"""
-marked() {
-  [ -r /proc/self/environ ] || return 0
-  [ $# -gt 0 ] || return 0
-  printf "SKY_PROVIDER_MARK=%s\n" "$@" | grep -l -F -f - /proc/[0-9]*/environ 2>/dev/null |
-    while read -r _f; do _p=${_f#/proc/}; echo "${_p%/environ}"; done
-}
-killmarked() {
-  _s=$1; shift
-  for _p in $(marked "$@"); do kill "-$_s" "$_p" 2>/dev/null; done
-}
-"""
-
-#: The wrapper. It runs the user's command in a child shell (its own session and process group,
-#: so a kill reaches the whole tree but not the wrapper), and always records the exit code. The
-#: child alone carries the mark; when the job has secrets, its output goes through a ``sed`` that
-#: masks them before anything reaches the log on disk.
-WRAPPER = r"""#!/bin/sh
-# airflow-provider-sky rank wrapper: the user's command runs in a child shell, so an `exit`,
-# `exec` or `set -e` in it can never skip recording its exit code.
-d=$1
-cwd=$2
-now() { t=$(date +%s.%N 2>/dev/null); case "$t" in *N*|'') t=$(date +%s);; esac; printf '%s\n' "$t"; }
-tick() { sleep 0.05 2>/dev/null || sleep 1; }
-sh_=/bin/sh
-if command -v bash >/dev/null 2>&1; then sh_=$(command -v bash); fi
-cd "$cwd" 2>/dev/null || cd
-now > "$d/start"
-out="$d/log"
-if [ -f "$d/mask" ]; then
-  rm -f "$d/out" "$d/filter.done"
-  if mkfifo -m 600 "$d/out" 2>/dev/null; then
-    u=''
-    echo | sed -u p >/dev/null 2>&1 && u=-u
-    exec 3<"$d/mask"
-    rm -f "$d/mask"
-    (LC_ALL=C sed $u -f /dev/fd/3 <"$d/out" >>"$d/log" 2>&1; : > "$d/filter.done") &
-    exec 3<&-
-    out="$d/out"
-  else
-    rm -f "$d/mask"
-    echo "airflow-provider-sky: could not create a pipe to mask secrets; output is not masked" >>"$d/log"
-  fi
-fi
-# the memory cgroup's OOM-kill count (v2 memory.events, v1 memory.oom_control; a container sees its own at
-# the mount's root): a rank SIGKILLed while it grew was killed for memory, not by a person or a cancel
-oomk() {
-  for f in $(sed -n 's|^[0-9]*:memory:\(.*\)|/sys/fs/cgroup/memory\1/memory.oom_control|p; s|^0::\(.*\)|/sys/fs/cgroup\1/memory.events|p' /proc/self/cgroup 2>/dev/null) \
-           /sys/fs/cgroup/memory.events /sys/fs/cgroup/memory/memory.oom_control; do
-    [ -r "$f" ] || continue
-    while read -r k v; do [ "$k" = oom_kill ] && { printf '%s\n' "$v"; return 0; }; done < "$f"
-  done
-  echo 0
-}
-oom0=$(oomk)
-if command -v setsid >/dev/null 2>&1; then
-  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" setsid "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null &
-else
-  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null &
-fi
-child=$!
-echo "$child" > "$d/pgid.tmp" && mv "$d/pgid.tmp" "$d/pgid"
-echo "$$" > "$d/pid.tmp" && mv "$d/pid.tmp" "$d/pid"
-trap ':' TERM INT HUP
-while :; do
-  wait "$child"
-  rc=$?
-  kill -0 "$child" 2>/dev/null || break
-done
-# the end is when the command ended: taken first (a cancel wakes every wrapper of a machine at once)
-now > "$d/end.tmp"
-[ ! -e "$d/secrets" ] || rm -f "$d/secrets"
-if [ "$out" != "$d/log" ]; then
-  # let the filter flush the last lines (bounded: a leftover background process may hold the pipe)
-  i=0; while [ ! -f "$d/filter.done" ] && [ "$i" -lt 40 ]; do tick; i=$((i + 1)); done
-  rm -f "$d/out"
-fi
-mv "$d/end.tmp" "$d/end"
-if [ "$rc" = 137 ]; then oom1=$(oomk); [ "$oom1" -gt "$oom0" ] 2>/dev/null && : > "$d/oom"; fi
-echo "$rc" > "$d/exit.tmp" && mv "$d/exit.tmp" "$d/exit"
-"""
-
-#: The first lines of every ``cmd.sh``: the env, then the secrets (sourced and deleted at once),
-#: in the rank's own shell, so a value too big for the process environment still reaches ``run``.
-CMD_PROLOGUE = """__sky_d=$1; shift
-. "$__sky_d/env"
-if [ -f "$__sky_d/secrets" ]; then . "$__sky_d/secrets"; rm -f "$__sky_d/secrets"; fi
-unset __sky_d
-"""
-
-#: One call per machine per poll, covering every rank there (each with its own node root), so it
-#: forks as little as it can: ``read`` (a builtin) for the small files, one ``wc`` for every log's size,
-#: ``tail | head`` only when there are new log bytes. At 1,024 ranks on one machine a fork per rank
-#: per poll is seconds of CPU every interval. The poller's clock (``now``, or ``-``) is left in
-#: ``polled``: the node's dead-man's switch and other watchers read it. Arguments: ``now``, then
-#: ``root job rank offset max`` per rank. Per rank: a header line, then ``n`` log bytes, ``xn`` bytes
-#: of an unreadable exit file and ``cn`` bytes of the cancel reason.
-#:
-#: A log's size must be read after its rank's exit file was seen (a rank reported over with a short
-#: size would lose its last lines), so the batch also says which ranks had exited before it measured;
-#: a rank that exits during the call gets its size read again on its own. A log the batch did not
-#: list (created since, or a name ``wc`` prints differently) is measured on its own too.
-STATUS_SCRIPT = r"""
-now=$1; shift
-sizes() {
-  _x=''; _k=$(($# / 5))
-  while [ "$_k" -gt 0 ]; do
-    if [ -f "$1/jobs/$2/$3/exit" ]; then _x="${_x}1"; else _x="${_x}0"; fi
-    set -- "$@" "$1/jobs/$2/$3/log"; shift 5; _k=$((_k - 1))
-  done
-  printf '%s\n' "x$_x"
-  [ $# -gt 0 ] && wc -c -- "$@" 2>/dev/null
-  :
-}
-sizes_=$(sizes "$@")
-{
-read -r early <&3 || early=x
-early=${early#x}
-lsz=''; lname=''; read -r lsz lname <&3 || :
-while [ $# -ge 5 ]; do
-  root=$1; j=$2; r=$3; off=$4; max=$5; shift 5
-  d="$root/jobs/$j/$r"
-  ex=-; st=-; en=-; sz=-; c=0; n=0; pl=-; o=0; xn=0; cn=0; m=0; pg=-; h=0
-  e1=${early%"${early#?}"}; early=${early#?}
-  if [ -n "$lname" ] && [ "$lname" = "$d/log" ]; then
-    sz=$lsz; lsz=''; lname=''; read -r lsz lname <&3 || :
-  fi
-  if [ ! -d "$d" ]; then
-    state=missing
-  else
-    [ -f "$d/cancel" ] && c=1
-    [ -f "$d/orphaned" ] && o=1
-    [ -d "$d/hang" ] && h=1
-    # the rank's progress file (SKY_PROGRESS_FILE): its mtime, a fork only for ranks that touch one
-    [ -f "$d/progress" ] && pg=$(date -r "$d/progress" +%s 2>/dev/null)
-    [ -f "$d/start" ] && read -r st < "$d/start"
-    [ -f "$d/polled" ] && read -r pl < "$d/polled"
-    [ "$now" = - ] || printf '%s\n' "$now" > "$d/polled"
-    if [ -f "$d/exit" ]; then
-      state=exited
-    elif [ -f "$d/pid" ] && read -r pid < "$d/pid"; then
-      case "$pid" in ''|*[!0-9]*) pid=0;; esac
-      if [ "$pid" -gt 0 ] && kill -0 "$pid" 2>/dev/null; then state=running
-      elif [ -f "$d/exit" ]; then state=exited
-      else state=lost; fi
-    else
-      state=pending
-    fi
-    if [ "$state" = exited ]; then
-      [ "$e1" = 1 ] || sz=-
-      ex=''
-      read -r ex < "$d/exit" || :
-      v=${ex#-}
-      case "$v" in
-        ''|*[!0-9]*) state=badexit; ex=-; xn=$(wc -c < "$d/exit"); xn=$((xn + 0)); [ "$xn" -gt 200 ] && xn=200;;
-      esac
-      [ -f "$d/end" ] && read -r en < "$d/end"
-      [ -f "$d/oom" ] && m=1
-    fi
-    if [ "$sz" = - ] && [ -f "$d/log" ]; then sz=$(wc -c < "$d/log"); sz=$((sz + 0)); fi
-    if [ "$c" = 1 ]; then cn=$(wc -c < "$d/cancel"); cn=$((cn + 0)); [ "$cn" -gt 500 ] && cn=500; fi
-  fi
-  case "$sz" in ''|*[!0-9]*) sz=0;; esac
-  case "$st" in ''|*[!0-9.]*) st=-;; esac
-  case "$en" in ''|*[!0-9.]*) en=-;; esac
-  case "$pl" in ''|*[!0-9.]*) pl=-;; esac
-  case "$pg" in ''|*[!0-9]*) pg=-;; esac
-  if [ "$sz" -gt "$off" ] && [ "$max" -gt 0 ]; then n=$((sz - off)); [ "$n" -gt "$max" ] && n=$max; fi
-  printf '@ %s %s %s %s %s %s %s %s %s %s %s %s %s %s %s %s\n' "$j" "$r" "$state" "$ex" "$st" "$en" "$sz" "$c" "$n" "$pl" "$o" "$xn" "$cn" "$m" "$pg" "$h"
-  if [ "$n" -gt 0 ]; then tail -c +$((off + 1)) "$d/log" | head -c "$n"; fi
-  if [ "$xn" -gt 0 ]; then head -c "$xn" "$d/exit"; fi
-  if [ "$cn" -gt 0 ]; then head -c "$cn" "$d/cancel"; fi
-done
-} 3<<SKY_SIZES
-$sizes_
-SKY_SIZES
-"""
-
-#: The delayed SIGKILL of a fail-fast cancel, run detached: ``sh -c KILLER sh TICKS GROUPS`` with the
-#: marks in ``$SKY_KILL_MARKS`` (one per line). It leaves as soon as everything it watches is gone.
-KILLER = (  # no single quote in it: it travels inside one
-    MARKED_FUNCS
-    + r"""
-cd /
-ticks=$1; gs=$2; shift 2
-nl="
-"
-oldifs=$IFS; IFS=$nl; set -f; set -- $SKY_KILL_MARKS; set +f; IFS=$oldifs
-i=0
-while [ "$i" -lt "$ticks" ]; do
-  up=""
-  for pg in $gs; do kill -0 "-$pg" 2>/dev/null && up=1; done
-  [ -z "$up" ] && [ -z "$(marked "$@")" ] && exit 0
-  sleep 0.1 2>/dev/null || sleep 1; i=$((i + 1))
-done
-for pg in $gs; do kill -KILL "-$pg" 2>/dev/null || kill -KILL "$pg" 2>/dev/null; done
-i=0
-while [ "$i" -lt 20 ] && [ -n "$(marked "$@")" ]; do
-  killmarked KILL "$@"; sleep 0.1 2>/dev/null || sleep 1; i=$((i + 1))
-done
-"""
-)
-
-#: TERM every listed rank's process group and every process carrying its mark, SIGKILL what is left
-#: after the grace, then wait (bounded) until they are gone. ``reason`` goes in each unfinished rank's
-#: cancel marker. A rank that already exited keeps its outcome; processes it left behind are killed.
-#: Arguments: ``grace mode reason``, then ``root job rank`` per rank: one call covers every rank of a
-#: machine, whatever node root each has (one ``grep`` of ``/proc`` finds all their processes).
-CANCEL_SCRIPT = (
-    MARKED_FUNCS
-    + r"""
-grace=$1; mode=$2; reason=$3; shift 3
-tick() { sleep 0.1 2>/dev/null || sleep 1; }
-groups=''
-nl='
-'
-marks=${extra_mark:-}
-while [ $# -ge 3 ]; do
-  d="$1/jobs/$2/$3"; shift 3
-  marks="$marks$nl$d/"
-  [ -d "$d" ] || continue
-  [ -f "$d/exit" ] && continue
-  printf '%s\n' "$reason" > "$d/cancel"
-  [ -f "$d/pgid" ] || continue
-  read -r pg < "$d/pgid" || continue
-  case "$pg" in ''|*[!0-9]*) continue;; esac
-  kill -TERM "-$pg" 2>/dev/null || kill -TERM "$pg" 2>/dev/null
-  groups="$groups $pg"
-  echo "C $d"
-done
-oldifs=$IFS; IFS=$nl; set -f; set -- $marks; set +f; IFS=$oldifs
-killmarked TERM "$@"
-if [ "$mode" = nowait ]; then
-  # fail-fast: return at once; a detached helper SIGKILLs whatever is left after the grace
-  killer='__KILLER__'
-  frac=${grace#*.}; ticks=$(( ${grace%.*} * 10 + ${frac%??} ))
-  SKY_KILL_MARKS=$marks
-  export SKY_KILL_MARKS
-  if command -v setsid >/dev/null 2>&1; then setsid sh -c "$killer" sh "$ticks" "$groups" </dev/null >/dev/null 2>&1 &
-  else nohup sh -c "$killer" sh "$ticks" "$groups" </dev/null >/dev/null 2>&1 & fi
-  exit 0
-fi
-# A group is alive while it has a member that is not a zombie (a slow init may reap late).
-# `kill -0` is a builtin and answers most rounds; `ps` (a fork) only tells zombies apart.
-alive() {
-  [ -n "$(marked "$@")" ] && return 0
-  any=''
-  for pg in $groups; do
-    if kill -0 "-$pg" 2>/dev/null || kill -0 "$pg" 2>/dev/null; then any="$any $pg"; fi
-  done
-  [ -n "$any" ] || return 1
-  if out=$(ps -eo pgid=,stat= 2>/dev/null); then
-    printf '%s\n' "$out" | awk -v g="$any" 'BEGIN { n = split(g, a, " "); for (i = 1; i <= n; i++) w[a[i]] = 1 }
-      ($1 in w) && $2 !~ /^Z/ { f = 1 } END { exit !f }'
-    return $?
-  fi
-  return 0
-}
-limit=$(awk "BEGIN{print int($grace * 10)}")
-i=0
-while alive "$@" && [ "$i" -lt "$limit" ]; do tick; i=$((i + 1)); done
-if alive "$@"; then
-  for pg in $groups; do
-    kill -KILL "-$pg" 2>/dev/null || kill -KILL "$pg" 2>/dev/null
-    command -v pkill >/dev/null 2>&1 && pkill -KILL -s "$pg" 2>/dev/null
-    echo "K $pg"
-  done
-  killmarked KILL "$@"
-fi
-i=0
-while alive "$@" && [ "$i" -lt 50 ]; do killmarked KILL "$@"; tick; i=$((i + 1)); done
-left=$(marked "$@")
-[ -z "$left" ] || echo "LEFT" $left
-exit 0
-""".replace("__KILLER__", KILLER)
-)
-
-#: Ranks the gang start skips because a sibling already failed: each record says cancelled (exit 143,
-#: the reason in ``cancel``) without anything having run. ``job reason`` then ``root rank`` pairs; an
-#: existing rank directory is left alone (``EXISTS <rank>``, else ``CANCELLED <rank>``).
-NEVER_STARTED_SCRIPT = r"""
-j=$1; reason=$2; shift 2
-umask 077
-t=$(date +%s.%N 2>/dev/null); case "$t" in *N*|'') t=$(date +%s);; esac
-while [ $# -ge 2 ]; do
-  d="$1/jobs/$j/$2"; r=$2; shift 2
-  if [ -e "$d" ]; then echo "EXISTS $r"; continue; fi
-  mkdir -p "$d"
-  printf '%s\n' "$reason" > "$d/cancel"
-  printf '%s\n' "$t" > "$d/start"; printf '%s\n' "$t" > "$d/end"
-  echo 143 > "$d/exit.tmp" && mv "$d/exit.tmp" "$d/exit"
-  echo "CANCELLED $r"
-done
-"""
-
-#: Kill everything any job under the listed roots started (found by the mark, so a lost job directory or
-#: exit file loses nothing), stop their keepers, then remove each root (``REMOVED <root>``, or ``ABSENT
-#: <root>`` when it was gone already). ``sh -s -- GRACE ROOT...``: the roots of one machine.
-TEARDOWN_SCRIPT = r"""
-grace=$1; shift
-nl="
-"
-roots=''
-for root in "$@"; do
-  roots="$roots$root$nl"
-  if [ -f "$root/keeper.pid" ] && read -r kp < "$root/keeper.pid"; then
-    case "$(tr '\000' ' ' < "/proc/$kp/cmdline" 2>/dev/null)" in *sky-keeper*) kill -KILL "-$kp" 2>/dev/null || kill -KILL "$kp" 2>/dev/null ;; esac
-  fi
-done
-marks=''
-triples=''
-oldifs=$IFS; IFS=$nl; set -f
-for root in $roots; do
-  IFS=$oldifs; set +f
-  marks="$marks$root/jobs/$nl"
-  for d in "$root"/jobs/*/*; do
-    [ -d "$d" ] || continue
-    r=${d##*/}; j=${d%/*}; j=${j##*/}
-    triples="$triples$root$nl$j$nl$r$nl"
-  done
-  IFS=$nl; set -f
-done
-set -- $triples
-IFS=$oldifs; set +f
-(
-  extra_mark=${marks%$nl}
-  set -- "$grace" wait "torn down" "$@"
-  __CANCEL__
-)
-# a wrapper still alive without an exit code: kill it, but only if that pid is still our wrapper
-# (pids are reused; without /proc a reused pid can't be told apart, so it is left alone)
-IFS=$nl; set -f
-for root in $roots; do
-  IFS=$oldifs; set +f
-  for d in "$root"/jobs/*/*; do
-    [ -f "$d/pid" ] || continue
-    [ -f "$d/exit" ] && continue
-    read -r pid < "$d/pid" || continue
-    [ -r "/proc/$pid/cmdline" ] || continue
-    case "$(tr '\000' ' ' < "/proc/$pid/cmdline" 2>/dev/null)" in
-      *"$d/rank.sh"*) kill -KILL "$pid" 2>/dev/null ;;
-    esac
-  done
-  if [ -d "$root" ]; then echo "REMOVED $root"; else echo "ABSENT $root"; fi
-  IFS=$nl; set -f
-done
-set -- $roots
-IFS=$oldifs; set +f
-[ $# -eq 0 ] || rm -rf -- "$@" || exit 1
-"""
-
-#: The node's keeper (one per cluster root, or one for all roots of a machine): a dead-man's switch
-#: that kills a job nobody polls any more (``orphan_timeout`` per rank), and SkyPilot's autodown for a
-#: cluster left idle (``idle_down``). It counts its own ticks rather than comparing clocks, forks only
-#: ``sleep``, and exits when it has nothing left to guard. ``sh -c KEEPER sky-keeper TICK TICK_MS`` with
-#: the roots in ``$SKY_KEEPER_ROOTS`` (one per line).
-KEEPER_SCRIPT = (
-    MARKED_FUNCS
-    + r"""
-tick=$1; tick_ms=$2
-nl="
-"
-oldifs=$IFS; IFS=$nl; set -f; set -- $SKY_KEEPER_ROOTS; set +f; IFS=$oldifs
-cd /
-for root in "$@"; do [ -d "$root" ] && printf '%s\n' "$$" > "$root/keeper.pid"; done
-idle=0; launched=-
-while :; do
-  sleep "$tick" 2>/dev/null || sleep 1
-  any=0; active=0
-  for root in "$@"; do
-    [ -d "$root" ] || continue
-    any=1
-    for d in "$root"/jobs/*/*; do
-      [ -f "$d/pid" ] || continue
-      [ -f "$d/exit" ] && continue
-      active=1
-      [ -f "$d/orphaned" ] && continue
-      to=0; [ -f "$d/orphan_timeout" ] && read -r to < "$d/orphan_timeout"
-      case "$to" in ''|*[!0-9]*) to=0;; esac
-      [ "$to" -gt 0 ] || continue
-      pl=-; [ -f "$d/polled" ] && read -r pl < "$d/polled"
-      spl=-; sidle=0; [ -f "$d/keeper" ] && read -r spl sidle < "$d/keeper"
-      case "$sidle" in ''|*[!0-9]*) sidle=0;; esac
-      if [ "$pl" != "$spl" ]; then sidle=0; else sidle=$((sidle + tick_ms)); fi
-      printf '%s %s\n' "$pl" "$sidle" > "$d/keeper"
-      if [ "$sidle" -ge $((to * 1000)) ]; then
-        printf 'orphaned: nothing polled this job for %ss (Airflow lost it); the node killed its processes\n' "$to" > "$d/orphaned"
-        pg=''; [ -f "$d/pgid" ] && read -r pg < "$d/pgid"
-        case "$pg" in ''|*[!0-9]*) pg='';; esac
-        [ -n "$pg" ] && kill -TERM "-$pg" 2>/dev/null
-        killmarked TERM "$d/"
-        (sleep 3; [ -n "$pg" ] && kill -KILL "-$pg" 2>/dev/null; killmarked KILL "$d/") </dev/null >/dev/null 2>&1 &
-      fi
-    done
-  done
-  [ "$any" = 1 ] || exit 0
-  root=$1
-  l=-; [ -f "$root/launched" ] && read -r l < "$root/launched"
-  if [ "$active" = 1 ] || [ "$l" != "$launched" ]; then idle=0; launched=$l; continue; fi
-  down=0; [ -f "$root/idle_down" ] && read -r down < "$root/idle_down"
-  case "$down" in ''|*[!0-9]*) down=0;; esac
-  [ "$down" -gt 0 ] || exit 0
-  idle=$((idle + tick_ms))
-  [ "$idle" -ge $((down * 1000)) ] || continue
-  # idle for idle_down: tear the cluster down on this machine (SkyPilot's autodown)
-  for r in "$@"; do killmarked KILL "$r/jobs/"; done
-  ik=
-  for r in "$@"; do
-    [ -f "$r/idle_kill" ] && read -r ik < "$r/idle_kill"
-    if [ -f "$r/idle_rm" ]; then while read -r p; do [ -n "$p" ] && rm -rf "$p"; done < "$r/idle_rm"; fi
-    rm -rf "$r"
-  done
-  # the node itself ends with this process (a pod's entrypoint): its resources go back
-  case "$ik" in ''|*[!0-9]*) ;; *) kill -TERM "$ik" 2>/dev/null;; esac
-  exit 0
-done
-"""
-)
-
-
-def teardown_script() -> str:
-    """The teardown script with the cancel logic inlined: ``sh -s -- GRACE ROOT...``, one call for
-    every node root of one machine (the local backend's 1,024 nodes: one scan of /proc, not 1,024)."""
-    return TEARDOWN_SCRIPT.replace("__CANCEL__", CANCEL_SCRIPT)
 
 
 def check_job_id(job_id: str) -> str:
@@ -537,7 +117,9 @@ class Guard:
     ``orphan_timeout``: seconds without a poll after which the node kills the job (0: off).
     ``idle_down``: seconds a cluster may sit with nothing running before the node tears it down
     (0: never); ``idle_rm``: further paths the node removes then (its cluster record); ``idle_kill``: a
-    process the node then ends, whose end ends the node itself (a pod's entrypoint; 0: none).
+    process the node then ends, whose end ends the node itself (a pod's entrypoint; 0: none);
+    ``idle_poweroff``: a command the node runs last, as its user, to power itself off (an EC2 instance
+    launched with shutdown behaviour ``terminate`` is then terminated by EC2; '': none).
     ``keeper_roots``: the roots one keeper watches (a machine that hosts several nodes runs one
     keeper for all); empty: this launch starts none. ``now``: the launcher's clock.
     """
@@ -546,6 +128,7 @@ class Guard:
     idle_down: int = 0
     idle_rm: Sequence[str] = ()
     idle_kill: int = 0
+    idle_poweroff: str = ""
     keeper_roots: Sequence[str] | None = None
     keeper_tick: float = 5.0
     now: float = 0.0
@@ -589,8 +172,77 @@ def launch_script(
     return launch_many_script(job_id, [(root, rl, guard) for rl in ranks], wait_seconds)
 
 
+#: The wrappers' clock base, read once per launch: ``cb`` the epoch and ``cu`` /proc/uptime, both in
+#: centiseconds (empty without /proc or a ``date`` that prints nanoseconds: the wrappers then fork
+#: ``date``). See :data:`~airflow_provider_sky.node_scripts.WRAPPER`.
+CLOCK_BASE = (
+    """cb=''; cu=''
+if [ -r /proc/uptime ]; then
+  e_=$(date +%s%N 2>/dev/null) || e_=''
+  case "$e_" in
+    ''|*[!0-9]*) ;;
+    *) read -r u_ x_ < /proc/uptime; cu=${u_%.*}${u_#*.}; cu=${cu#"${cu%%[!0]*}"}; cb=$((e_ / 10000000));;
+  esac
+fi
+"""
+    + CLOCK_FUNC
+)
+
+
+#: ``never RANK`` (``$d`` its directory): a launcher's record of a rank it does not start because a
+#: rank of its machine failed, cancelled with that rank's failure as the reason (as
+#: :data:`NEVER_STARTED_SCRIPT` records them for the launch side); prints ``CANCELLED``, or ``EXISTS``
+#: when another launcher claimed the rank first.
+_NEVER_FUNC = r"""why_=''
+never() {
+  if [ -z "$why_" ]; then fr=; fc=; { read -r fr fc < "$gf"; } 2>/dev/null || :; why_="@rank-failed $fr $fc"; fi
+  [ -d "${d%/*}" ] || mkdir -p "${d%/*}"
+  if mkdir "$d" 2>/dev/null; then
+    clock
+    printf '%s\n' "$why_" > "$d/cancel"; printf '%s\n' "$T" > "$d/start"; printf '%s\n' "$T" > "$d/end"
+    printf '143\n' > "$d/exit"
+    echo "CANCELLED $1"
+  else
+    echo "EXISTS $1"
+  fi
+}"""
+
+
+#: With ``$gf`` (a machine's gang flag) and ``$g`` (the cancel grace) set: the flag's directory with what
+#: the machine's own fail-fast needs (``.grace``, and ``.cancel.sh``: one copy per machine and job, written
+#: aside and renamed so a wrapper never reads half of it); ``$gj`` is that directory. The gang start and
+#: a retry's relaunch both run it.
+FLAG_DIR = (
+    'gj="${gf%/*}"; [ -d "$gj" ] || mkdir -p "$gj"\n'
+    'printf "%s\\n" "$g" > "$gj/.grace"\n'
+    '[ -f "$gj/.cancel.sh" ] || { '
+    + _write('"$gj/.cancel.sh.$$"', CANCEL_SCRIPT)
+    + ' && mv "$gj/.cancel.sh.$$" "$gj/.cancel.sh"; }'
+)
+
+
+def flag_failure(flag: str, rank: int, code: int | None) -> str:
+    """Shell lines that write a failure seen elsewhere into a machine's gang flag (:func:`gang_flag`),
+    unless a rank of the machine wrote one first: its launchers then start no more ranks."""
+    return (
+        f"gf={shlex.quote(flag)}\n"
+        '[ -d "${gf%/*}" ] || mkdir -p "${gf%/*}"\n'
+        f'[ -s "$gf" ] || printf "%s %s\\n" {int(rank)} {"-" if code is None else int(code)} >> "$gf"\n'
+    )
+
+
+def gang_flag(root: str, job_id: str) -> str:
+    """The file a machine's ranks of a job report a failure in while its gang starts (one per machine:
+    the root of its first node); a dot name, so no loop over a job's rank directories sees it."""
+    return f"{_check_root(root)}/jobs/{check_job_id(job_id)}/.failed"
+
+
 def launch_many_script(
-    job_id: str, items: Sequence[tuple[str, RankLaunch, Guard]], wait_seconds: float = 20.0
+    job_id: str,
+    items: Sequence[tuple[str, RankLaunch, Guard]],
+    wait_seconds: float = 20.0,
+    flag: str | None = None,
+    grace: float = 3.0,
 ) -> str:
     """One script that writes and starts ranks of one machine, each under its node's root.
 
@@ -598,10 +250,32 @@ def launch_many_script(
     can never run a rank twice. Every wrapper is started before the script waits for any of them, then
     it prints ``STARTED <rank> <pid>`` once each wrapper has recorded its pid (``NOSTART <rank>`` if
     one did not within ``wait_seconds``).
+
+    ``flag`` (:func:`gang_flag`, shared by every launcher of the machine): once a rank started there has
+    failed on its own, the ranks not started yet are not: each is recorded cancelled right there, as
+    never started (``CANCELLED <rank>``, :data:`NEVER_STARTED_SCRIPT`'s record), the ranks this script
+    started are cancelled on the node once it has waited for their pids (one may have slipped past the
+    failing rank's own cancel), and the script ends with ``GANGFAILED rank=R code=C``, the first failure
+    written there. A 1,024-rank start
+    takes seconds; without it, a rank failing in its first second let the others start for nothing.
+
+    With ``flag``, the machine also cancels by itself (fail-fast on the node): each started rank is
+    listed in the flag's directory (``.ranks``, ``rank root`` lines) beside the cancel script
+    (``.cancel.sh``) and ``grace``; the first rank of the machine that fails on its own cancels every
+    sibling listed there at once (:data:`~airflow_provider_sky.node_scripts.WRAPPER`), with the reason
+    :func:`node_cancel_reason` reads. Across machines the watchers' poll still does it.
     """
     check_job_id(job_id)
     q = shlex.quote
     parts = ["set -e", "umask 077"]
+    if flag:
+        parts.append(f"gf={q(flag)}")
+        parts.append(f"g={max(0.0, float(grace)):.3f}")
+        parts.append(FLAG_DIR)
+    else:
+        parts.append("gf=")
+    parts.append(CLOCK_BASE)
+    parts.append(_NEVER_FUNC)
     prepared: set[str] = set()
     keepers: dict[tuple[str, ...], tuple[str, float]] = {}
     started: list[tuple[str, int]] = []
@@ -617,16 +291,24 @@ def launch_many_script(
                 parts.append(f'echo {int(guard.idle_down)} > "$root/idle_down"')
                 parts.append(_write('"$root/idle_rm"', "\n".join(guard.idle_rm)))
                 parts.append(f'echo {int(guard.idle_kill)} > "$root/idle_kill"')
+                if guard.idle_poweroff:
+                    parts.append(_write('"$root/idle_off"', guard.idle_poweroff))
+                else:
+                    parts.append('rm -f "$root/idle_off"')
             else:
                 parts.append(
                     'if [ -e "$root/idle_down" ] || [ -e "$root/idle_rm" ]; then '
-                    'rm -f "$root/idle_down" "$root/idle_rm" "$root/idle_kill"; fi'
+                    'rm -f "$root/idle_down" "$root/idle_rm" "$root/idle_kill" "$root/idle_off"; fi'
                 )
         d = f'"$root/jobs"/{q(job_id)}/{int(rl.rank)}'
         parts.append(f"d={d}")
+        parts.append(f'if [ -n "$gf" ] && [ -s "$gf" ]; then never {int(rl.rank)}; else')
         # mkdir of the rank directory is the claim: two launchers of one attempt never both start it
         parts.append('[ -d "${d%/*}" ] || mkdir -p "${d%/*}"')
         parts.append(f'if ! mkdir "$d" 2>/dev/null; then echo "EXISTS {int(rl.rank)}"; else')
+        # listed before it starts: a sibling failing from now on cancels it on the node (one short
+        # append, atomic with O_APPEND, whatever other launchers of the machine append meanwhile)
+        parts.append(f'[ -z "$gf" ] || printf "%s %s\n" {int(rl.rank)} "$root" >> "$gj/.ranks"')
         parts.append(_write('"$d/cmd.sh"', CMD_PROLOGUE + rl.command))
         parts.append(_write('"$d/env"', env_file(rl.env)))
         if rl.secrets:
@@ -645,9 +327,10 @@ def launch_many_script(
         parts.append(f"cwd={q(rl.cwd)}")
         parts.append('printf "%s\\n" "$cwd" > "$d/cwd"')
         parts.append(
-            'if command -v setsid >/dev/null 2>&1; then setsid sh "$d/rank.sh" "$d" "$cwd" </dev/null >/dev/null 2>&1 &\n'
-            'else nohup sh "$d/rank.sh" "$d" "$cwd" </dev/null >/dev/null 2>&1 & fi'
+            'if command -v setsid >/dev/null 2>&1; then setsid sh "$d/rank.sh" "$d" "$cwd" "$gf" "$cb" "$cu" </dev/null >/dev/null 2>&1 &\n'
+            'else nohup sh "$d/rank.sh" "$d" "$cwd" "$gf" "$cb" "$cu" </dev/null >/dev/null 2>&1 & fi'
         )
+        parts.append("fi")
         parts.append("fi")
         started.append((root, int(rl.rank)))
         roots = [root] if guard.keeper_roots is None else list(guard.keeper_roots)
@@ -662,9 +345,21 @@ def launch_many_script(
     for root, r in started:
         parts.append(
             f"d={q(root)}/jobs/{q(job_id)}/{r}; i=0\n"
+            'if [ -f "$d/rank.sh" ]; then\n'  # a rank recorded as never started has none
             f'while [ ! -f "$d/pid" ] && [ ! -f "$d/exit" ] && [ "$i" -lt {ticks} ]; do sleep 0.05 2>/dev/null || sleep 1; i=$((i + 1)); done\n'
-            f'if [ -f "$d/pid" ] || [ -f "$d/exit" ]; then p=; {{ read -r p < "$d/pid"; }} 2>/dev/null || :; echo "STARTED {r} $p"; else echo "NOSTART {r}"; fi'
+            f'if [ -f "$d/pid" ] || [ -f "$d/exit" ]; then p=; {{ read -r p < "$d/pid"; }} 2>/dev/null || :; echo "STARTED {r} $p"; else echo "NOSTART {r}"; fi\n'
+            "fi"
         )
+    triples = " ".join(f"{q(root)} {q(job_id)} {r}" for root, r in started)
+    parts.append(
+        'if [ -n "$gf" ] && [ -s "$gf" ]; then fr=; fc=; { read -r fr fc < "$gf"; } 2>/dev/null || :\n'
+        # a rank started after the failing rank's own cancel read the list: cancelled here (the cancel
+        # skips ranks with an exit code, so the never-started records and the failed rank stay as they are)
+        '  g=3; { read -r g < "$gj/.grace"; } 2>/dev/null || :\n'
+        f'  [ ! -f "$gj/.cancel.sh" ] || sh "$gj/.cancel.sh" "$g" nowait "@rank-failed $fr $fc" {triples} '
+        ">/dev/null 2>&1 </dev/null || :\n"
+        '  echo "GANGFAILED rank=$fr code=$fc"\nfi'
+    )
     return "\n".join(parts) + "\n"
 
 
@@ -673,9 +368,10 @@ def status_args(queries: Sequence[tuple[str, str, int, int, int]], now: float | 
 
     The ranks may sit under different node roots of one machine: one call asks them all. ``now``
     (the poller's clock) is left on the node as the last poll; ``None`` polls without leaving a
-    trace (a launch-side bridge must not keep an abandoned job alive).
+    trace (a launch-side bridge must not keep an abandoned job alive). Either way the clock dates
+    the log bytes the node holds (``times``, :class:`~airflow_provider_sky.logtext.LineClock`).
     """
-    args = ["-" if now is None else f"{now:.3f}"]
+    args = [f"-{time.time():.3f}" if now is None else f"{now:.3f}"]
     for root, job_id, rank, offset, max_bytes in queries:
         args += [
             _check_root(root),
@@ -740,6 +436,30 @@ def _num(text: str) -> float | None:
         return None
 
 
+#: the cancel reason a rank's wrapper writes in its machine's siblings when it failed first there
+_NODE_CANCEL = re.compile(r"@rank-failed (\d+) (-?\d+|-)( oom)?")
+
+
+def node_cancel_reason(text: str) -> str:
+    """A cancel reason as users read it: the node's fail-fast writes ``@rank-failed RANK CODE [oom]``
+    (a shell has no table of exit codes), told here as the watchers tell theirs (``rank 2 failed
+    first: exited with code 1``, :func:`~airflow_provider_sky.gang.cancel_reason`)."""
+    m = _NODE_CANCEL.fullmatch(text)
+    if m is None:
+        return text
+    # "-": a failure seen elsewhere that had no exit code (a lost node)
+    code = None if m.group(2) == "-" else int(m.group(2))
+    return failed_first(int(m.group(1)), code, oom=bool(m.group(3)))
+
+
+def failed_first(rank: int, code: int | None, *, oom: bool = False) -> str:
+    """``rank 2 failed first: exited with code 1``: the siblings' cancel reason for a failure known by
+    its rank and exit code (no code: ``rank 2 failed first``)."""
+    if code is None and not oom:
+        return f"rank {rank} failed first"
+    return f"rank {rank} failed first: {describe_exit(code, 'OOMKilled' if oom else None)}"
+
+
 class StatusParseError(ValueError):
     """The node's status output is not what the status script prints."""
 
@@ -762,7 +482,7 @@ def parse_status(output: bytes, offsets: Mapping[tuple[str, int], int] | None = 
         pos += n
         exit_text = output[pos : pos + xn].decode("utf-8", "replace")
         pos += xn
-        cancel_reason = output[pos : pos + cn].decode("utf-8", "replace").strip()
+        cancel_reason = node_cancel_reason(output[pos : pos + cn].decode("utf-8", "replace").strip())
         pos += cn
         rank = int(rank_s)
         code = int(ex) if ex.lstrip("-").isdigit() else None

@@ -1,6 +1,6 @@
 """The setup stage of a gang: start setup on every node, watch it, stop the rest on the first failure.
 
-A jobs-layer loop (like ``jobs.watch``), kept out of the hook, which owns connections and clients only.
+A jobs-layer loop (like ``watch.watch``), kept out of the hook, which owns connections and clients only.
 """
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from collections import deque
 from collections.abc import Callable
 
 from airflow_provider_sky.gang import BAD, CANCELLED, GangStatus
-from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, GangClient, MonitorState, run_sync, watch
+from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, GangClient, run_sync
 from airflow_provider_sky.logtext import TAIL_LINES, LineSplitter, tail_text
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.spec import TaskSpec
+from airflow_provider_sky.watch import MonitorState, watch
 
 
 class SetupFailed(Exception):
@@ -52,7 +53,9 @@ def run_setup(
             tail.append(line)
 
     async def go() -> GangStatus:
-        await client.alaunch(spec, job_id, stage="setup", orphan_timeout=orphan_timeout, idle_down=idle_down)
+        await client.alaunch(
+            spec, job_id, stage="setup", orphan_timeout=orphan_timeout, idle_down=idle_down, grace=grace
+        )
         state = MonitorState()
         last = None
         async for poll in watch(client, job_id, poll_interval=poll_interval, grace=grace, state=state):

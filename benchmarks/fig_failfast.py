@@ -4,7 +4,7 @@ Measured from the failing rank's own ``end`` timestamp (written by its wrapper o
 (a) the last sibling ``sleep 10000`` process gone, seen in /proc every 5 ms by a watcher thread, and
 (b) the last of the N rank triggers having fired its event (N SkyRankTrigger + 1 SkyGangTrigger under
 Airflow's SharedStreamManager, as in a triggerer). The fail-fast itself is the triggers' shared poll
-(``jobs.watch``): default poll_interval 0.5 s, grace 3 s.
+(``watch.watch``): default poll_interval 0.5 s, grace 3 s.
 
 Phase: in a triggerer a rank fails at a random moment of the poll cycle. Here the failing rank waits
 for a go-file in its home (the nodes' homes are on this machine) before its ``sleep 1; exit 1``; the

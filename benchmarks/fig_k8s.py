@@ -14,7 +14,7 @@ image ``docker.io/library/busybox:local``, pull policy ``Never``), interleaved i
 * gang start: ``GangClient.launch`` of ``sleep 10000`` on every rank (the call's duration, the
   first → last rank start spread from the status) vs a ``kubectl exec`` fan-out (one ``kubectl``
   process per pod, all at once) starting a detached ``sleep 10000`` in every pod;
-* fail-fast: rank N-1 runs ``sleep 2; exit 1``, the others ``sleep 10000``, watched by ``jobs.watch``
+* fail-fast: rank N-1 runs ``sleep 2; exit 1``, the others ``sleep 10000``, watched by ``watch.watch``
   (the poll loop the triggers share, poll 0.5 s, grace 3 s) vs a kubectl script that waits on the
   failing rank's attached ``kubectl exec`` and then fans out ``kubectl exec <pod> -- kill <pid>``;
 * teardown: ``backend.terminate`` (grace 3 s, the down task's default) → every pod gone.
@@ -58,7 +58,7 @@ IMAGE = "docker.io/library/busybox:local"
 CONTEXT = "local"
 #: the probe stops once provisioning N pods takes longer than this (or fails)
 PROBE_LIMIT = 120.0
-#: the fail-fast grace (``jobs.watch``'s default) and the teardown grace (the down task's default)
+#: the fail-fast grace (``watch.watch``'s default) and the teardown grace (the down task's default)
 GRACE = 3.0
 POLL = 0.5
 FAIL_AFTER = 2
@@ -670,20 +670,20 @@ def kubectl_start(cl: TestCluster, pods: list[str], n: int, log: Log) -> dict[st
         _cleanup(job, log)
 
 
-#: fail-fast: how long ``jobs.watch`` may take to end the gang (a few seconds when it works)
+#: fail-fast: how long ``watch.watch`` may take to end the gang (a few seconds when it works)
 WATCH_LIMIT = 120.0
 
 
 async def _to_end(client: Any, job_id: str, polls: list[Any]) -> None:
-    """``jobs.watch`` until every rank is terminal; every poll kept in ``polls`` (the caller bounds it)."""
-    from airflow_provider_sky.jobs import watch
+    """``watch.watch`` until every rank is terminal; every poll kept in ``polls`` (the caller bounds it)."""
+    from airflow_provider_sky.watch import watch
 
     async for poll in watch(client, job_id, poll_interval=POLL, grace=GRACE):
         polls.append(poll)
 
 
 def ours_failfast(client: Any, n: int, log: Log) -> dict[str, Any]:
-    """Rank N-1 ``sleep 2; exit 1``, the others ``sleep 10000``: launch, then ``jobs.watch`` to the end
+    """Rank N-1 ``sleep 2; exit 1``, the others ``sleep 10000``: launch, then ``watch.watch`` to the end
     (given up after :data:`WATCH_LIMIT`: an invalid sample saying what the watch saw)."""
     from airflow_provider_sky.jobs import GangClient
     from airflow_provider_sky.spec import task_from_args
@@ -717,12 +717,12 @@ def ours_failfast(client: Any, n: int, log: Log) -> dict[str, Any]:
         tracker.finish()
         _cleanup(job, log)
     if not polls:
-        raise RuntimeError(f"jobs.watch made no poll in {WATCH_LIMIT:g}s")
+        raise RuntimeError(f"watch.watch made no poll in {WATCH_LIMIT:g}s")
     ranks = polls[-1].status.ranks
     states = [r.state.value for r in ranks]
     error = None
     if not ended:
-        error = f"jobs.watch did not end within {WATCH_LIMIT:g}s; last poll {dict(Counter(states))}"
+        error = f"watch.watch did not end within {WATCH_LIMIT:g}s; last poll {dict(Counter(states))}"
     elif states[fail] != "failed" or states.count("cancelled") != n - 1:
         error = f"rank states {dict(Counter(states))}"
     if tracker.error:

@@ -457,7 +457,7 @@ class Bench:
             "fig 6: Kubernetes backend on tests/k8s's local cluster (1.20, two kubelets on this machine), N = 4 "
             "and the largest N provisioned within 120 s (--quick: 4). Processes timed from this machine's /proc "
             "(start ticks, pidfd exits). Start: launch(`sleep 10000`) vs one `kubectl exec` per pod at once "
-            "(detached sleep). Fail-fast: rank N-1 `sleep 2; exit 1`, exit = its `sleep 2` ending; jobs.watch "
+            "(detached sleep). Fail-fast: rank N-1 `sleep 2; exit 1`, exit = its `sleep 2` ending; watch.watch "
             "(poll 0.5 s, grace 3 s) vs the failing rank's attached kubectl exec returning, then a `kubectl exec "
             "kill` fan-out. Status timestamps are whole seconds in this image."
         )

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.jobs import GangClient, Poll, watch
+from airflow_provider_sky.jobs import GangClient, Poll
 from airflow_provider_sky.spec import TaskSpec, task_from_args
+from airflow_provider_sky.watch import watch
 
 
 def local_gang(

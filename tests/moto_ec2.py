@@ -14,10 +14,17 @@ and the fake network that stands in for booted machines.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import http.client
+import json
 import logging
+import os
 import pwd
+import shlex
+import shutil
 import socket
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -25,6 +32,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -54,6 +62,13 @@ class MotoEC2:
         self.url = f"http://127.0.0.1:{self.port}"
         #: the credentials the tests' own clients use (an admin's while IAM is enforced)
         self.keys = ("testing", "testing")
+
+    @classmethod
+    def at(cls, url: str, keys: tuple[str, str]) -> MotoEC2:
+        """A handle on a server another process runs (nothing started here)."""
+        this = cls.__new__(cls)
+        this.url, this.keys = url, keys
+        return this
 
     def start(self) -> MotoEC2:
         self.server.start()
@@ -137,7 +152,9 @@ class FaultProxy:
                     self.end_headers()
                     self.wfile.write(xml)
                     return
-                conn = http.client.HTTPConnection(proxy.target.hostname, proxy.target.port, timeout=60)
+                conn = http.client.HTTPConnection(
+                    proxy.target.hostname or "127.0.0.1", proxy.target.port, timeout=60
+                )
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
                 conn.request("POST", self.path, body, headers)
                 resp = conn.getresponse()
@@ -187,12 +204,54 @@ class FakeNetwork:
     #: instances whose SSH never answers (their address: a loopback port nothing listens on)
     dead: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    #: (instance, its shutdown behaviour) of each node powered off through :meth:`power_button`
+    powered_off: list[tuple[str, str]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _watcher: threading.Thread | None = None
+    _button: Path | None = None
+
+    #: shared mode (:meth:`share`): the assignments live in this JSON file, under an flock, so Airflow's
+    #: own processes (scheduler's tasks, triggerer) see the same network (``tests/fake_ec2_site``)
+    state: Path | None = None
+
+    def share(self, path: Path) -> Path:
+        """Write what another process needs to join this network; returns the file for
+        ``SKY_TEST_FAKE_EC2_NET`` (set only by tests)."""
+        hosts = [{"host": n.host, "port": n.port, "user": n.user, "home": n.home} for n in self.hosts.nodes]
+        doc = {"moto": self.moto.url, "keys": list(self.moto.keys), "pubkey": self.hosts.client_pubkey}
+        path.write_text(json.dumps({**doc, "hosts": hosts, "assigned": self.assigned}))
+        self.state = path
+        return path
+
+    @classmethod
+    def joined(cls, path: Path) -> FakeNetwork:
+        """The network another process shared (:meth:`share`)."""
+        doc = json.loads(path.read_text())
+        hosts = _SharedHosts([_SharedNode(i, **h) for i, h in enumerate(doc["hosts"])], doc["pubkey"])
+        return cls(hosts, MotoEC2.at(doc["moto"], tuple(doc["keys"])), state=path)  # type: ignore[arg-type]
+
+    @contextlib.contextmanager
+    def _shared(self) -> Iterator[None]:
+        """Under the lock (the file's too in shared mode), with ``assigned`` as the file has it."""
+        with self._lock:
+            if self.state is None:
+                yield
+                return
+            with open(f"{self.state}.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                doc = json.loads(self.state.read_text())
+                self.assigned = doc["assigned"]
+                yield
+                doc["assigned"] = self.assigned
+                tmp = self.state.with_suffix(".tmp")
+                tmp.write_text(json.dumps(doc))
+                tmp.replace(self.state)
 
     def endpoint(self, backend: Any, instance: Mapping[str, Any]) -> tuple[str, int, str]:
         iid = str(instance["InstanceId"])
         if iid in self.dead:
             return "127.0.0.1", _closed_port(), "nobody"
-        with self._lock:
+        with self._shared():
             if iid not in self.assigned:
                 live = self._live()
                 held = {i for inst, i in self.assigned.items() if inst in live}
@@ -223,12 +282,88 @@ class FakeNetwork:
     def power_off_gone(self) -> None:
         """Hosts whose instance moto no longer has live stop (their processes end), as EC2's would."""
         live = self._live()
-        for iid, index in self.assigned.items():
-            if iid not in live:
-                _kill(user_processes(self.hosts.nodes[index].user))
+        with self._shared():
+            gone = [index for iid, index in self.assigned.items() if iid not in live]
+        for index in gone:
+            _kill(user_processes(self.hosts.nodes[index].user))
 
     def host_of(self, instance_id: str) -> int:
         return self.assigned[instance_id]
+
+    def power_button(self) -> str:
+        """The fake's power supply: returns a power-off command for the connection's
+        ``poweroff_command``. A node that runs it (as its user, from the keeper) is powered off: its
+        processes end, and EC2's part is played through moto's API, as EC2 applies an instance's
+        ``InstanceInitiatedShutdownBehavior`` (read back from moto): ``terminate`` terminates it,
+        anything else (EC2's default is ``stop``) stops it."""
+        # under /tmp itself: pytest's tmp_path is not reachable by the hosts' users
+        directory = Path(tempfile.mkdtemp(prefix="sky-fake-power-"))
+        directory.chmod(0o1777)  # every host user may press its own button
+        self._button = directory
+        self._stop.clear()
+        self._watcher = threading.Thread(target=self._watch, args=(directory,), daemon=True)
+        self._watcher.start()
+        return f': > {shlex.quote(str(directory))}/"$(id -un)"'
+
+    def _watch(self, directory: Path) -> None:
+        while not self._stop.wait(0.2):
+            for pressed in list(directory.iterdir()):
+                try:
+                    self._power_off(pressed.name)
+                except Exception as exc:  # a test fake: say it, keep watching
+                    logging.getLogger(__name__).warning("FakeNetwork power-off of %s: %s", pressed.name, exc)
+                pressed.unlink()
+
+    def _power_off(self, user: str) -> None:
+        index = next(i for i, n in enumerate(self.hosts.nodes) if n.user == user)
+        live = self._live()
+        ec2 = self.moto.client()
+        for iid in [i for i, at in self.assigned.items() if at == index and i in live]:
+            attr = ec2.describe_instance_attribute(
+                InstanceId=iid, Attribute="instanceInitiatedShutdownBehavior"
+            )
+            behaviour = attr["InstanceInitiatedShutdownBehavior"]["Value"]
+            self.powered_off.append((iid, behaviour))
+            if behaviour == "terminate":
+                ec2.terminate_instances(InstanceIds=[iid])
+            else:
+                ec2.stop_instances(InstanceIds=[iid])
+        _kill(user_processes(user))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(5)
+        if self._button is not None:
+            shutil.rmtree(self._button, ignore_errors=True)
+
+
+@dataclass
+class _SharedNode:
+    index: int
+    host: str
+    port: int
+    user: str
+    home: str
+
+
+@dataclass
+class _SharedHosts:
+    """The sshd hosts as another process sees them (no daemons of its own): enough to give an instance
+    a fresh machine, as ``SSHDCluster._reset_home`` does."""
+
+    nodes: list[_SharedNode]
+    client_pubkey: str
+
+    def _reset_home(self, node: _SharedNode, pw: pwd.struct_passwd) -> None:
+        home = Path(pw.pw_dir)
+        SSHDCluster._clear_home(str(home))
+        ssh_dir = home / ".ssh"
+        ssh_dir.mkdir(mode=0o700)
+        (ssh_dir / "authorized_keys").write_text(self.client_pubkey + "\n")
+        for path in (home, ssh_dir, ssh_dir / "authorized_keys"):
+            os.chown(path, pw.pw_uid, pw.pw_gid)
+        os.chmod(ssh_dir / "authorized_keys", 0o600)
 
 
 _CLOSED: list[int] = []

@@ -15,11 +15,17 @@ fails the gang fast.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import re
+import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from airflow_provider_sky.dev.services import PostgresServer, RedisServer
@@ -35,7 +41,9 @@ from test_airflow_real import (  # noqa: F401  (imported tests run here against 
     _kill,
     _processes_of_job,
     test_failed_setup,
+    test_hang,
     test_hello,
+    test_retry,
     test_seed_failed_worker_run,
     test_seed_failed_worker_setup,
     test_segfault,
@@ -47,6 +55,8 @@ pytestmark = pytest.mark.airflow_services
 #: example DAGs beyond test_airflow_real's
 TASKFLOW = "sky_taskflow"
 MOVE = "sky_rel_triggerer_move"
+#: the job task hangs after the launch on try 1 (tests/dags/sky_rel_reattach.py), here on the local backend
+REATTACH = "sky_rel_reattach"
 TRIGGERERS = ("triggerer", "triggerer-2")
 
 
@@ -61,14 +71,21 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealAirflow]:
     sky = base / "sky"
     sky.mkdir()
     dags = _dags_with_seeds(base)
-    (dags / f"{MOVE}.py").symlink_to(REPO / "tests" / "dags" / f"{MOVE}.py")
+    for dag_id in (MOVE, REATTACH):
+        (dags / f"{dag_id}.py").symlink_to(REPO / "tests" / "dags" / f"{dag_id}.py")
     with contextlib.ExitStack() as cleanup:
         postgres = cleanup.enter_context(PostgresServer())
         redis = cleanup.enter_context(RedisServer())
         stack = AirflowStack(
             base / "airflow",
             dags,
-            {"SKY_PROVIDER_HOME": str(sky)},
+            {
+                "SKY_PROVIDER_HOME": str(sky),
+                # sky_rel_reattach's connection, here the local backend (both workers share this machine)
+                "AIRFLOW_CONN_SKY_REL_SSH": json.dumps({"conn_type": "sky_local"}),
+                # a task whose Celery worker died fails after this and is retried (Airflow's default: 300 s)
+                "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "45",
+            },
             sql_alchemy_conn=postgres.url,
             broker_url=redis.url,
             celery_workers=2,
@@ -194,24 +211,120 @@ def _triggerer_ids(
     return out
 
 
+def _wait_all_deferred(
+    stack: AirflowStack, run_id: str, keys: list[tuple[str, int]]
+) -> dict[tuple[str, int], tuple[Any, Any]]:
+    """Wait until every task of ``keys`` is deferred on a triggerer; their (state, triggerer job id)."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    held: dict[tuple[str, int], tuple[Any, Any]] = {}
+    while not held or not all(state == "deferred" and job for state, job in held.values()):
+        assert time.monotonic() < deadline, f"the gang's tasks never all deferred: {held}"
+        try:
+            held = _triggerer_ids(stack, MOVE, run_id, keys)
+            assert stack.dag_run(MOVE, run_id)["state"] in ("queued", "running"), held
+        except httpx.TimeoutException:  # an api-server busy past its 30 s read timeout: ask again
+            held = {}
+        time.sleep(0.5)
+    return held
+
+
+@dataclass
+class MoveGang:
+    """A running ``sky_rel_triggerer_move`` gang: every task deferred, ranks 0, 1, 3 sleeping, rank 2
+    waiting for ``go`` to fail."""
+
+    run_id: str
+    go: Path
+    keys: list[tuple[str, int]]
+    held: dict[tuple[str, int], tuple[Any, Any]]
+    job_id: str
+    sleeps: list[int]
+
+
+def _start_move_gang(real: RealAirflow, go_name: str) -> MoveGang:
+    stack = real.stack
+    go = real.sky.parent / go_name
+    run_id = stack.trigger(MOVE, conf={"go": str(go)})
+    keys = [("gang.rank", i) for i in range(4)] + [("gang.gang", -1)]
+    held = _wait_all_deferred(stack, run_id, keys)
+    job_id = stack.xcom(MOVE, run_id, "gang.job")[0]["job_id"]
+    sleeps = sorted(_processes_of_job(job_id, "sleep 10000"))
+    assert len(sleeps) == 3, f"ranks 0, 1 and 3 should each run one sleep: {sleeps}"
+    return MoveGang(run_id, go, keys, held, job_id, sleeps)
+
+
+def test_a_stalled_triggerer_that_resumes_cancels_nothing(
+    real: RealAirflow, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A triggerer stalls (SIGSTOP) past the health threshold, the other adopts its triggers, then it
+    resumes: Airflow cancels its stale copies with the *user-action* signal (``on_kill``), but the task
+    instances are still deferred, so the gang keeps running; a later failure still fails it fast."""
+    stack = real.stack
+    g = _start_move_gang(real, "go-rank-2-fail-after-stall")
+    run_id, go, keys, held, job_id, sleeps = g.run_id, g.go, g.keys, g.held, g.job_id, g.sleeps
+
+    stalled_job = held[("gang.rank", 0)][1]
+    stalled = stack.triggerer_jobs()[stalled_job]
+    moved = [k for k, (_, job) in held.items() if job == stalled_job]
+    stack.signal_service(stalled, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        now = _triggerer_ids(stack, MOVE, run_id, keys)
+        while any(now[k][1] == stalled_job for k in moved):
+            assert time.monotonic() - stopped_at < 150, f"triggers not adopted 150 s into the stall: {now}"
+            time.sleep(0.5)
+            now = _triggerer_ids(stack, MOVE, run_id, keys)
+    finally:
+        stack.signal_service(stalled, signal.SIGCONT)
+    adopted = time.monotonic() - stopped_at
+
+    # the resumed triggerer cancels its stale copies with the user-action signal: Airflow logs "Trigger
+    # cancelled by user action, invoking on_kill" in each moved task's log, then the copy's end
+    def stale_copies_ended() -> bool:
+        for task_id, i in moved:
+            text = real.log(MOVE, run_id, task_id, i)
+            at = text.find("Trigger cancelled by user action, invoking on_kill")
+            if at < 0 or "trigger completed" not in text[at:]:
+                return False
+        return True
+
+    deadline = time.monotonic() + 90
+    while not stale_copies_ended():
+        assert time.monotonic() < deadline, (
+            "the resumed triggerer never cancelled its stale copies: "
+            + (real.log(MOVE, run_id, *moved[0])[-3000:])
+        )
+        time.sleep(1)
+    time.sleep(3)  # a few polls after the stale copies' on_kill (which would have cancelled at once)
+    assert sorted(_processes_of_job(job_id, "sleep 10000")) == sleeps, "the resumed triggerer cancelled ranks"
+    assert all(state == "deferred" for state, _ in _triggerer_ids(stack, MOVE, run_id, keys).values())
+    for i in range(4):
+        assert stack.xcom(MOVE, run_id, "gang.rank", "sky_rank", i) is None, f"rank {i} reported an end"
+
+    go.touch()
+    state = stack.wait_run(MOVE, run_id, timeout=RUN_TIMEOUT)
+    assert state == "failed"
+    cause = stack.xcom(MOVE, run_id, "gang.rank", "sky_rank", 2)
+    assert cause["state"] == "failed" and cause["exit_code"] == 1, cause
+    others = [stack.xcom(MOVE, run_id, "gang.rank", "sky_rank", i) for i in (0, 1, 3)]
+    assert [o["state"] for o in others] == ["cancelled"] * 3, others
+    cancelled = max(float(o["end"]) for o in others) - float(cause["end"])
+    with capsys.disabled():
+        print(
+            f"\n{stalled} stalled: {len(moved)} triggers adopted in {adopted:.1f} s, its stale copies "
+            f"cancelled nothing; then rank 2 exit → siblings cancelled {cancelled:.2f} s"
+        )
+    assert cancelled < 3.0, f"siblings still ran {cancelled:.1f} s after rank 2 failed"
+    assert not _processes_of_job(job_id, "sleep 10000")
+    real.assert_cleaned_up(MOVE, run_id)
+
+
 def test_killing_a_triggerer_moves_its_triggers_and_cancels_nothing(
     real: RealAirflow, capsys: pytest.CaptureFixture[str]
 ) -> None:
     stack = real.stack
-    go = real.sky.parent / "go-rank-2-fail"
-    run_id = stack.trigger(MOVE, conf={"go": str(go)})
-    keys = [("gang.rank", i) for i in range(4)] + [("gang.gang", -1)]
-
-    deadline = time.monotonic() + RUN_TIMEOUT
-    held = _triggerer_ids(stack, MOVE, run_id, keys)
-    while not all(state == "deferred" and job for state, job in held.values()):
-        assert time.monotonic() < deadline, f"the gang's tasks never all deferred: {held}"
-        assert stack.dag_run(MOVE, run_id)["state"] in ("queued", "running"), held
-        time.sleep(0.5)
-        held = _triggerer_ids(stack, MOVE, run_id, keys)
-    job_id = stack.xcom(MOVE, run_id, "gang.job")[0]["job_id"]
-    sleeps = sorted(_processes_of_job(job_id, "sleep 10000"))
-    assert len(sleeps) == 3, f"ranks 0, 1 and 3 should each run one sleep: {sleeps}"
+    g = _start_move_gang(real, "go-rank-2-fail")
+    run_id, go, keys, held, job_id, sleeps = g.run_id, g.go, g.keys, g.held, g.job_id, g.sleeps
 
     victim_job = held[("gang.rank", 0)][1]
     jobs = stack.triggerer_jobs()
@@ -276,19 +389,15 @@ def test_a_rank_failing_while_no_triggerer_runs_is_cancelled_by_the_launch_side_
 ) -> None:
     """The gap of the move: the last triggerer is killed, then rank 2 fails before any triggerer runs.
 
-    The job task's launch-side watcher still watches the gang: the siblings are cancelled at once; the
-    triggerer started afterwards adopts the triggers, which report the outcome and fail the gang.
+    Something still stops the gang: here (every local rank on one machine) the machine itself, else the
+    job task's launch-side watcher (tests/test_bridge.py has both): the siblings are cancelled at once;
+    the triggerer started afterwards adopts the triggers, which report the outcome and fail the gang.
     """
     stack = real.stack
     go = real.sky.parent / "go-rank-2-fail-in-the-gap"
     run_id = stack.trigger(MOVE, conf={"go": str(go)})
     keys = [("gang.rank", i) for i in range(4)] + [("gang.gang", -1)]
-    deadline = time.monotonic() + RUN_TIMEOUT
-    held = _triggerer_ids(stack, MOVE, run_id, keys)
-    while not all(state == "deferred" and job for state, job in held.values()):
-        assert time.monotonic() < deadline, f"the gang's tasks never all deferred: {held}"
-        time.sleep(0.5)
-        held = _triggerer_ids(stack, MOVE, run_id, keys)
+    _wait_all_deferred(stack, run_id, keys)
     job_id = stack.xcom(MOVE, run_id, "gang.job")[0]["job_id"]
     assert len(_processes_of_job(job_id, "sleep 10000")) == 3
 
@@ -305,7 +414,9 @@ def test_a_rank_failing_while_no_triggerer_runs_is_cancelled_by_the_launch_side_
     state = stack.wait_run(MOVE, run_id, timeout=RUN_TIMEOUT)
     tis = real.tis(MOVE, run_id)
     with capsys.disabled():
-        print(f"\nno triggerer: rank 2 told to fail → siblings gone {gone:.2f} s (the launch-side watcher)")
+        print(
+            f"\nno triggerer: rank 2 told to fail → siblings gone {gone:.2f} s (the machine or the launch-side watcher)"
+        )
     assert gone < 5.0, f"siblings ran {gone:.1f} s after rank 2 was told to fail"
     assert state == "failed"
     cause = stack.xcom(MOVE, run_id, "gang.rank", "sky_rank", 2)
@@ -316,3 +427,75 @@ def test_a_rank_failing_while_no_triggerer_runs_is_cancelled_by_the_launch_side_
     assert tis[("gang.gang", -1)]["state"] == "failed"
     assert tis[("gang.down", -1)]["state"] == "success"
     real.assert_cleaned_up(MOVE, run_id)
+
+
+def _ancestors(pid: int) -> list[int]:
+    """``pid``'s parent, grandparent... up to init."""
+    out = []
+    while pid > 1:
+        try:
+            pid = int(Path(f"/proc/{pid}/status").read_text().split("PPid:", 1)[1].split()[0])
+        except (OSError, IndexError, ValueError):
+            break
+        out.append(pid)
+    return out
+
+
+def test_killing_the_celery_worker_after_the_launch_reattaches(
+    real: RealAirflow, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The Celery worker running the job task dies (SIGKILL to its process group) once every rank
+    started: the task's heartbeat stops, Airflow fails try 1 and the other worker's try 2 re-attaches to
+    try 1's job; each rank was started once; the run succeeds and nothing is left."""
+    stack = real.stack
+    tag = f"celery-{time.monotonic_ns() % 10**8}"
+    pid_file = tmp_path / "job.pid"
+    run_id = stack.trigger(REATTACH, conf={"pid_file": str(pid_file), "tag": tag})
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not (pid_file.exists() and pid_file.read_text().strip()):
+        assert time.monotonic() < deadline, "the job task never reached its launch"
+        time.sleep(0.2)
+    pid = int(pid_file.read_text())
+
+    def counts() -> list[str]:
+        return sorted(p.read_text() for p in real.sky.rglob(f"rel-{tag}.count"))
+
+    while len(counts()) < 4:
+        assert time.monotonic() < deadline, f"not every rank started: {counts()}"
+        time.sleep(0.2)
+    workers = {stack.procs[w].pid: w for w in stack.procs if w.startswith("celery-worker")}
+    worker = next((workers[p] for p in _ancestors(pid) if p in workers), None)
+    assert worker is not None, f"the job task {pid} runs under no Celery worker {workers}"
+    ti = stack.task_instance(REATTACH, run_id, "g.job", -1)
+    assert ti["state"] == "running" and ti["try_number"] == 1, ti
+
+    stack.kill_service(worker)  # the worker's machine crashed: no task process, no supervisor
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)  # the task process too, wherever Airflow put its process group
+    killed = time.monotonic()
+    try:
+        while True:
+            ti = stack.task_instance(REATTACH, run_id, "g.job", -1)
+            assert ti["state"] != "failed", f"the job task failed instead of retrying: {ti}"
+            if ti["try_number"] == 2 and ti["state"] == "success":
+                break
+            assert time.monotonic() - killed < 240, f"no try 2 of the job task 240 s after the kill: {ti}"
+            time.sleep(0.5)
+        reattached = time.monotonic() - killed
+        log2 = stack.task_log(REATTACH, run_id, "g.job", try_number=2)
+        started = counts()  # before the teardown removes the nodes' homes
+        for path in real.sky.rglob(f"rel-{tag}.count"):
+            path.with_name(f"rel-{tag}.go").touch()
+        assert stack.wait_run(REATTACH, run_id, timeout=RUN_TIMEOUT) == "success"
+    finally:
+        stack.start_service(worker)  # the later tests keep two workers
+    tis = real.tis(REATTACH, run_id)
+    assert [tis[("g.rank", i)]["state"] for i in range(4)] == ["success"] * 4
+    assert tis[("g.down", -1)]["state"] == "success"
+    job_id = stack.xcom(REATTACH, run_id, "g.job")[0]["job_id"]
+    assert job_id.endswith("-t1"), job_id  # try 1's job, re-attached
+    assert started == [f"{job_id}\n"] * 4, f"each rank must start exactly once: {started}"
+    assert "Reconnecting to existing job" in log2 and "Starting 4 rank(s)" not in log2, log2
+    with capsys.disabled():
+        print(f"\n{worker} killed after the launch: try 2 re-attached {reattached:.1f} s later")
+    real.assert_cleaned_up(REATTACH, run_id)

@@ -86,16 +86,7 @@ class RealAirflow:
         and printed at the end of the module, never silently.
         """
         text = self.stack.task_log(dag_id, run_id, task_id, map_index)
-        if "Trigger fired event" in text or "trigger completed" in text:
-            return text
-        mine = (f"dag_id={dag_id} ", f"run_id={run_id} ", f"map_index={map_index} ")
-        filed = [
-            line
-            for path in sorted(self.stack.logs.glob("triggerer*.log"))
-            for line in path.read_text(errors="replace").splitlines()
-            if all(m in line + " " for m in mine)
-            and ("task_id=" not in line or f"task_id={task_id} " in line + " ")
-        ]
+        filed = self.stack.filed_trigger_lines(dag_id, run_id, task_id, map_index, text)
         if filed:
             self.races.append(f"{dag_id} {task_id}[{map_index}]: {len(filed)} lines in triggerer*.log")
         return "\n".join([text, *filed])
@@ -279,8 +270,8 @@ def test_hello(real: RealAirflow) -> None:
     master = r"127\.\d+\.\d+\.\d+" if real.kube is None else re.escape(handle["nodes"][0]["ip"]) + r"\b"
     assert [t["map_index"] for t in ranks] == [0, 1, 2, 3]
     assert [t["state"] for t in ranks] == ["success"] * 4
-    # started in the triggerer, no worker renders the "rank N" label: the UI shows the map index = the rank
-    assert [t["rendered_map_index"] for t in ranks] == [str(i) for i in range(4)]
+    # started in the triggerer, no worker renders the "rank N" label: the scheduler's policy hook sets it
+    assert [t["rendered_map_index"] for t in ranks] == [f"rank {i}" for i in range(4)]
     for i in range(4):
         log = real.log("sky_hello", run_id, "hello.rank", i)
         assert f"rank {i} of 4" in log, log

@@ -1,3 +1,4 @@
+# ruff: noqa: F811 (the fixtures imported from aws_fixtures are parameters here)
 """The AWS EC2 backend against moto's server (real HTTP, reached through the connection's endpoint URL).
 
 moto boots nothing: the instances' SSH is the fake network of ``moto_ec2.FakeNetwork`` (each live moto
@@ -7,15 +8,14 @@ instance is one real sshd host of ``tests/sshd.py``); no test connects to a moto
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from airflow_provider_sky.backends.aws import AWSBackend
 from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.spec import task_from_args
+from aws_fixtures import backend, conn, hosts, moto, net  # noqa: F401 (fixtures)
 from moto_ec2 import (
     IMAGE,
     REGION,
@@ -30,49 +30,6 @@ from moto_ec2 import (
 from sshd import SSHDCluster, needs_sshd
 
 pytestmark = needs_sshd
-
-
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoEC2]:
-    server = MotoEC2().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHDCluster]:
-    with SSHDCluster(5, tmp_path_factory.mktemp("aws-sshd")) as c:
-        yield c
-        ssh.close_all()
-
-
-@pytest.fixture
-def net(moto: MotoEC2, hosts: SSHDCluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNetwork]:
-    moto.reset()
-    network = FakeNetwork(hosts, moto)
-    monkeypatch.setattr(AWSBackend, "endpoint", lambda self, inst: network.endpoint(self, inst))
-    yield network
-    ssh.close_all()
-    network.power_off_gone()
-
-
-def conn(moto_url: str, hosts: SSHDCluster, **extra: Any) -> dict[str, Any]:
-    """A sky_aws connection's config, as the hook hands it to the backend."""
-    config: dict[str, Any] = {
-        "login": "testing",
-        "password": "testing",
-        "region_name": REGION,
-        "endpoint_url": moto_url,
-        "private_key": hosts.client_key_text,
-        "image_id": IMAGE,
-        "provision_timeout": 30,
-    }
-    config.update(extra)
-    return {k: v for k, v in config.items() if v is not None}
-
-
-def backend(moto_url: str, hosts: SSHDCluster, **extra: Any) -> AWSBackend:
-    return AWSBackend.from_config(conn(moto_url, hosts, **extra))
 
 
 def _tags(instance: dict[str, Any]) -> dict[str, str]:
@@ -507,7 +464,8 @@ def test_a_node_whose_instance_ends_mid_run_is_lost_with_ec2s_reason(
     gang is cancelled."""
     import asyncio
 
-    from airflow_provider_sky.jobs import GangClient, watch
+    from airflow_provider_sky.jobs import GangClient
+    from airflow_provider_sky.watch import watch
 
     ec2 = moto.client()
     b = backend(moto.url, hosts)
@@ -537,60 +495,6 @@ def test_a_node_whose_instance_ends_mid_run_is_lost_with_ec2s_reason(
         ssh.close_all()
     assert b.terminate("spot").removed
     assert ours_left(ec2, "spot") == {}
-
-
-def _readme_policy() -> dict[str, Any]:
-    """The IAM policy JSON the README's AWS section gives users."""
-    import json
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    after = text[text.index("**IAM permissions**") :]
-    block = after[after.index("```json") + len("```json") : after.index("```", after.index("```json") + 7)]
-    policy: dict[str, Any] = json.loads(block)
-    return policy
-
-
-def test_the_readme_iam_policy_allows_the_whole_lifecycle(
-    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
-) -> None:
-    """moto enforcing IAM: a user holding exactly the README's policy provisions, finds, reaps and tears
-    down a cluster and uses the Test button; a call the policy lacks would be AccessDenied. (moto checks
-    the actions; it ignores Resource and Condition, so the tag conditions are not exercised here.)"""
-    import json
-
-    iam = moto.client(service="iam")
-    keys = {}
-    for user, policy in (
-        ("sky", _readme_policy()),
-        (
-            "admin",
-            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]},
-        ),
-    ):
-        iam.create_user(UserName=user)
-        iam.put_user_policy(UserName=user, PolicyName="p", PolicyDocument=json.dumps(policy))
-        key = iam.create_access_key(UserName=user)["AccessKey"]
-        keys[user] = (key["AccessKeyId"], key["SecretAccessKey"])
-    moto.keys = keys["admin"]
-    moto.enforce_iam(True)
-    try:
-        b = backend(moto.url, hosts, login=keys["sky"][0], password=keys["sky"][1])
-        assert b.test_connection().startswith(f"EC2 {REGION}")
-        b.provision("iam", task_from_args(num_nodes=2, run="true", resources={"disk_size": 64}), holder="d/r")
-        assert backend(moto.url, hosts, login=keys["sky"][0], password=keys["sky"][1]).find("iam") is not None
-        assert b.reap(min_age=0) == []
-        assert b.terminate("iam", holder="d/r").removed
-        assert ours_left(moto.client(), "iam") == {}
-        # keys EC2 does not know: refused with the cause and the fix named, nothing made
-        stranger = backend(moto.url, hosts, login="AKIANOBODY", password="wrong")
-        with pytest.raises(BackendError) as err:
-            stranger.provision("iam2", task_from_args(num_nodes=1, run="true"))
-        print("\nunknown keys:", err.value)
-        assert "credentials refused" in str(err.value) and "wrong" not in str(err.value)
-        assert ours_left(moto.client(), "iam2") == {}
-    finally:
-        moto.enforce_iam(False)
 
 
 def test_two_concurrent_provisions_of_one_cluster_make_one_set_of_instances(

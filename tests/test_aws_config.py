@@ -148,3 +148,48 @@ def test_nothing_fits_names_the_field_and_the_gpu_types() -> None:
     assert err.value.field == "resources.accelerators" and "A100:8" in err.value.message
     with pytest.raises(NoInstanceType, match="resources.cpus: no instance type .* cpus 3"):
         choose(task_from_args(run="true", resources={"cpus": 3}).resources)
+
+
+def test_with_the_amazon_provider_the_linked_connection_gives_a_session_not_keys() -> None:
+    """hooks/aws.py: credentials of the linked aws connection stay in the Amazon provider's session
+    factory (role_arn, profile_name, ...); ours, when the sky_aws connection sets any, win whole."""
+    from airflow_provider_sky.hooks.aws import merge_aws_connection as merge
+
+    theirs = aws_conn(
+        {
+            "region_name": "us-west-2",
+            "role_arn": "arn:aws:iam::123456789012:role/r",
+            "service_config": {"ec2": {"endpoint_url": "http://ec2-vpce"}},
+        },
+        login="THEIRS",
+        password="theirs-secret",
+    )
+    s = parse_aws_config(merge({"aws_conn_id": "aws_default", "private_key": KEY}, theirs))
+    assert s.session_factory is not None and (s.access_key_id, s.secret_access_key) == (None, None)
+    assert (s.region, s.endpoint_url) == ("us-west-2", "http://ec2-vpce")
+    assert "theirs-secret" not in repr(s)
+    ours = {"aws_conn_id": "aws_default", "private_key": KEY, "login": "OURS", "password": "ours"}
+    s = parse_aws_config(merge(ours, theirs))
+    assert s.session_factory is None and (s.access_key_id, s.region) == ("OURS", "us-west-2")
+
+
+def test_without_aws_conn_id_aws_default_is_used_when_it_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the Amazon provider's hooks: an empty aws_conn_id means aws_default, and none is no error."""
+    from airflow_provider_sky.hooks.sky import SkyAWSHook  # type: ignore[attr-defined]
+
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SKY_NOLINK", json.dumps({"conn_type": "sky_aws", "extra": {"private_key": KEY}})
+    )
+    monkeypatch.delenv("AIRFLOW_CONN_AWS_DEFAULT", raising=False)
+    kind, config = SkyAWSHook("sky_nolink").backend_config()
+    assert kind == "aws" and "region_name" not in config and "session_factory" not in config
+    aws = {"conn_type": "aws", "login": "K", "password": "S", "extra": {"region_name": "ap-south-1"}}
+    monkeypatch.setenv("AIRFLOW_CONN_AWS_DEFAULT", json.dumps(aws))
+    kind, config = SkyAWSHook("sky_nolink").backend_config()
+    s = parse_aws_config(config)
+    assert s.region == "ap-south-1" and s.session_factory is not None
+    # a named aws connection that does not exist is an error, as before
+    sky = {"conn_type": "sky_aws", "extra": {"private_key": KEY, "aws_conn_id": "aws_missing"}}
+    monkeypatch.setenv("AIRFLOW_CONN_SKY_NOLINK", json.dumps(sky))
+    with pytest.raises(Exception, match="aws_missing"):
+        SkyAWSHook("sky_nolink").backend_config()

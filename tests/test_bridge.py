@@ -20,8 +20,9 @@ from airflow_provider_sky import bridge as bridge_mod
 from airflow_provider_sky.backends.base import ClusterHandle
 from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.bridge import Bridge, BridgeRequest, bridge_watch, log_path_for, start_bridge
-from airflow_provider_sky.jobs import GangClient, Poll, watch
+from airflow_provider_sky.jobs import GangClient, Poll
 from airflow_provider_sky.spec import TaskSpec, task_from_args
+from airflow_provider_sky.watch import watch
 from leaks import bridges, processes_under
 from siblings import LastAlive, matching
 
@@ -70,14 +71,41 @@ class _TI:
         self.pushed[key] = value
 
 
-def test_a_rank_failing_at_once_is_cancelled_by_the_bridge(sky_home: Path) -> None:
+#: the launch's own line when it saw the failure itself (the machine's gang-start flag or its start watch)
+BY_LAUNCH = "failed during the gang start: rank 2 failed first"
+BY_BRIDGE = "Rank failed; cancelling ranks [0, 1, 3]"
+#: the machine cancelled its ranks itself (every local rank is on one machine): the bridge only watched
+BY_NODE = "ends: done"
+#: rank 2 takes its machine's list of ranks away before failing, as if every rank were on a machine of
+#: its own (SSH hosts, pods): the machine cannot stop the others, the bridge must
+NO_NODE_LIST = (
+    'j=${SKY_PROGRESS_FILE%/*}; j=${j%/*}; rm -f "$(printf %s "$j" | sed "s|/node-2/|/node-0/|")/.ranks"; '
+)
+
+
+@pytest.mark.parametrize(
+    ("run", "cancelled_by"),
+    [
+        # failing at once: the launch itself usually sees it (the machine or the bridge when the start
+        # was done first)
+        (AT_ONCE, (BY_LAUNCH, BY_NODE, BY_BRIDGE)),
+        # failing once the start is over, on the machine of its siblings: that machine stops them
+        (AT_ONCE.replace("exit 1", "sleep 2; exit 1"), (BY_NODE,)),
+        # failing once the start is over, where the machine cannot: the bridge, before any trigger runs
+        (AT_ONCE.replace("exit 1", f"sleep 2; {NO_NODE_LIST}exit 1"), (BY_BRIDGE,)),
+    ],
+    ids=["at-once", "after-the-start", "after-the-start-other-machines"],
+)
+def test_a_failing_rank_is_cancelled_by_the_job_tasks_own_code(
+    sky_home: Path, run: str, cancelled_by: tuple[str, ...]
+) -> None:
     """The seed scenario started by the job task's own code, no trigger: siblings gone < 1 s after the exit."""
     from airflow_provider_sky.gang import job_id_for
     from airflow_provider_sky.operators.job import SkyJobOperator
 
-    backend, handle, spec = _gang(sky_home, "once", AT_ONCE)
+    backend, handle, spec = _gang(sky_home, "once", run)
     job_id = job_id_for(_TI.dag_id, _TI.run_id, _TI.task_id, -1, 1)
-    op = SkyJobOperator(task_id="job", cluster=handle.to_dict(), num_nodes=4, run=AT_ONCE, sky_conn_id=None)
+    op = SkyJobOperator(task_id="job", cluster=handle.to_dict(), num_nodes=4, run=run, sky_conn_id=None)
     with LastAlive(f"SKYPILOT_TASK_ID={job_id}", tick=0.01) as siblings:
         ranks = op.execute({"ti": _TI(), "task_state_store": None})
         assert [r["job_id"] for r in ranks] == [job_id] * 4
@@ -98,7 +126,7 @@ def test_a_rank_failing_at_once_is_cancelled_by_the_bridge(sky_home: Path) -> No
     assert max(sibling_ends) - end2 < 1.0
     assert not matching(f"SKYPILOT_TASK_ID={job_id}")
     log = (sky_home / "bridge" / f"{job_id}.log").read_text()
-    assert "Rank failed; cancelling ranks [0, 1, 3]" in log and "ends: done" in log, log
+    assert any(line in log for line in cancelled_by) and "ends: done" in log, log
     backend.terminate("once")
 
 

@@ -21,9 +21,10 @@ import pytest
 from airflow_provider_sky.backends.base import Backend, BackendError, Teardown
 from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.backends.ssh import SSHBackend
-from airflow_provider_sky.jobs import GangClient, watch
+from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.spec import SpecError, TaskSpec, load_task_yaml, task_from_args
+from airflow_provider_sky.watch import watch
 from leaks import processes_under
 from sshd import SSHDCluster, _descendants, needs_sshd, user_processes
 

@@ -220,6 +220,55 @@ class _SlowStartBackend(LocalBackend):
         return _SlowHandshakeRunner(node.ip, node.home, 1.5 if rank >= 4 else 0.0)
 
 
+class _SlowAnswerRunner(LocalRunner):
+    """A local node whose start call answers ``delay`` seconds after its ranks started (a far host's
+    slow reply): the ranks run while the call is still in flight."""
+
+    def __init__(self, host: str, home: str, delay: float) -> None:
+        super().__init__(host, home)
+        self.delay = delay
+
+    async def arun_script(self, script: str, args: list[str] | None = None, timeout: float | None = None):  # type: ignore[no-untyped-def]
+        res = await super().arun_script(script, args, timeout)
+        if "rank.sh" in script:  # a gang start
+            await asyncio.sleep(self.delay)
+        return res
+
+
+class _SlowAnswerBackend(_SlowStartBackend):
+    """Nodes 4 and up start their ranks at once but answer the start 4 s late."""
+
+    def runner(self, node: Node) -> LocalRunner:
+        rank = int(node.node_id.split("-")[1])
+        return _SlowAnswerRunner(node.ip, node.home, 4.0 if rank >= 4 else 0.0)
+
+
+def test_a_failure_stops_the_start_calls_still_in_flight(sky_home: Path) -> None:
+    """Rank 1 fails at once while the start calls of ranks 4-7 have not answered (their ranks run): the
+    launch writes the failure into those machines' flags and cancels their ranks on a channel of its
+    own, instead of when each call answers (4 s later)."""
+    b = _SlowAnswerBackend(sky_home)
+    run = 'if [ "$SKYPILOT_NODE_RANK" = 1 ]; then exit 1; fi; sleep 10000'
+    spec = task_from_args(num_nodes=8, run=run)
+    client = GangClient(b, b.provision("c", spec))
+    t0 = time.time()
+    client.launch(spec, "job", grace=1.0)
+    assert time.time() - t0 >= 4.0  # the slow answers were waited for
+    status = client.peek("job")
+    fail_end = status.by_rank(1).end
+    assert fail_end is not None
+    for r in status.ranks:
+        if r.rank != 1:
+            assert (
+                r.state == "cancelled" and r.reason == "cancelled: rank 1 failed first: exited with code 1"
+            ), r
+            assert r.end is not None and r.end - fail_end < 2.0, (
+                f"rank {r.rank} ran on {r.end - fail_end:.1f} s"
+            )
+    b.terminate("c")
+    assert not _alive(_marked(str(sky_home)))
+
+
 def test_a_rank_failing_during_the_gang_start_stops_it(sky_home: Path) -> None:
     b = _SlowStartBackend(sky_home)
     run = 'touch "$HOME/ran"; if [ "$SKYPILOT_NODE_RANK" = 1 ]; then exit 1; fi; sleep 10000'
@@ -239,5 +288,26 @@ def test_a_rank_failing_during_the_gang_start_stops_it(sky_home: Path) -> None:
     assert _wait_for(lambda: all(r.terminal for r in client.peek("job").ranks), 5)
     ends = [r.end for r in client.peek("job").ranks if r.rank in (0, 2, 3)]
     assert fail_end is not None and max(e for e in ends if e) - fail_end < 1.0
+    b.terminate("c")
+    assert not _alive(_marked(str(sky_home)))
+
+
+def test_a_rank_failing_in_its_first_second_stops_a_wide_start_on_one_machine(sky_home: Path) -> None:
+    """128 ranks on one machine start in four parallel calls of 32: once rank 0 has failed, the nodes'
+    launchers start no more siblings (they did not know before: the launch-side watch only sees a call's
+    ranks when the whole call is done, and every sibling started, to be killed a moment later)."""
+    run = 'touch "$HOME/ran"; if [ "$SKYPILOT_NODE_RANK" = 0 ]; then exit 3; fi; sleep 10000'
+    b, client, spec = local_gang(sky_home, 128, run)
+    words = client.launch(spec, "job", grace=1.0)
+    never = [r for r, w in words.items() if w == "CANCELLED"]
+    assert len(never) >= 64, f"only {len(never)} of 127 siblings were not started: {words}"
+    assert set(words.values()) <= {"STARTED", "CANCELLED"}, words
+    status = client.peek("job")
+    assert status.root_cause() is not None and status.root_cause().rank == 0
+    for r in status.ranks[1:]:
+        assert r.state == "cancelled" and r.reason == "cancelled: rank 0 failed first: exited with code 3", r
+    for rank in never:
+        assert not (Path(client.node_of(rank).home) / "ran").exists(), f"rank {rank} ran"
+    assert _wait_for(lambda: all(r.terminal for r in client.peek("job").ranks), 10)
     b.terminate("c")
     assert not _alive(_marked(str(sky_home)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +17,9 @@ from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
 from airflow_provider_sky.backends.kubernetes.manifest import CLUSTER_LABEL
 from airflow_provider_sky.backends.registry import by_kind
-from airflow_provider_sky.jobs import GangClient, watch
+from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
+from airflow_provider_sky.watch import watch
 from k8s_cluster import Image, K8sCluster
 
 GPU_NODE = "127.0.0.2"  # k8s-local.sh's second node
@@ -156,6 +158,69 @@ def test_a_deleted_pod_is_lost_and_the_gang_fails_fast(backend: KubernetesBacken
     assert "lost" in poll.status.failure_message()
     backend.terminate("loss")
     assert _pods(backend, "loss") == []
+
+
+def _ghost_pod(b: KubernetesBackend, cluster: str, pod: str, image: str) -> None:
+    """A Running pod on a node no kubelet serves: nothing acts on it but the API server and us.
+
+    It stands in for a kubelet that is slow to finish a deletion (CI: a deleted pod, phase Failed, kept
+    62 s) or a node that cannot be reached.
+    """
+    b.core.create_namespaced_pod(
+        b.namespace,
+        {
+            "metadata": {"name": pod, "labels": {CLUSTER_LABEL: cluster}},
+            "spec": {"nodeName": "ghost-node", "containers": [{"name": "node", "image": image}]},
+        },
+    )
+    b.core.patch_namespaced_pod_status(
+        pod, b.namespace, {"status": {"phase": "Running", "podIP": "10.9.9.9"}}
+    )
+
+
+def test_teardown_removes_a_stopped_pod_the_kubelet_is_slow_to_let_go(
+    backend: KubernetesBackend, k8s_image: Image
+) -> None:
+    """Once the kubelet reports the containers stopped (phase Failed), the teardown does not wait for it."""
+    _ghost_pod(backend, "slowgo", "slowgo-worker1", k8s_image.name)
+
+    def kubelet_reports_stopped() -> None:  # what the kubelet does after killing the containers
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            pod = backend.core.read_namespaced_pod("slowgo-worker1", backend.namespace)
+            if pod.metadata.deletion_timestamp is not None:
+                backend.core.patch_namespaced_pod_status(
+                    "slowgo-worker1", backend.namespace, {"status": {"phase": "Failed"}}
+                )
+                return
+            time.sleep(0.1)
+
+    reporter = threading.Thread(target=kubelet_reports_stopped)
+    reporter.start()
+    started = time.monotonic()
+    try:
+        result = backend.terminate("slowgo")
+    finally:
+        reporter.join()
+    assert result.removed and result.unclean == (), result
+    assert _pods(backend, "slowgo") == []
+    assert time.monotonic() - started < 20  # not the 60 s wait for a kubelet that never finishes
+
+
+def test_a_pod_still_running_after_the_wait_is_reported_not_forced(
+    backend: KubernetesBackend, k8s_image: Image, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod nobody confirms stopped (an unreachable node) may still run the job: it is named, not hidden."""
+    import airflow_provider_sky.backends.kubernetes.backend as kb
+
+    monkeypatch.setattr(kb, "DELETE_WAIT", 3.0)
+    _ghost_pod(backend, "unreach", "unreach-worker1", k8s_image.name)
+    try:
+        result = backend.terminate("unreach")
+        assert result.unclean == ("unreach-worker1",), result
+        assert [p.metadata.name for p in _pods(backend, "unreach")] == ["unreach-worker1"]
+    finally:
+        backend.core.delete_namespaced_pod("unreach-worker1", backend.namespace, grace_period_seconds=0)
 
 
 def test_20_concurrent_commands_10_rounds_on_one_pod_all_succeed(backend: KubernetesBackend) -> None:

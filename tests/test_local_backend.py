@@ -88,3 +88,76 @@ def test_a_local_teardown_is_one_call_and_leaves_nothing(sky_home: Path) -> None
     assert CALLS.total() == 1
     assert not processes_under(sky_home)
     assert not (sky_home / "local" / "wide").exists()
+
+
+OTHER_MACHINE = """
+import json, sys
+from airflow_provider_sky.backends.base import BackendError, ClusterHandle
+from airflow_provider_sky.backends.local import LocalBackend
+from airflow_provider_sky.jobs import GangClient
+
+b = LocalBackend(sys.argv[1])
+handle = ClusterHandle.from_dict(json.loads(sys.argv[2]))
+for what, call in (
+    ("status", lambda: GangClient(b, handle).peek("job")),
+    ("teardown", lambda: b.terminate(handle.name)),
+):
+    try:
+        call()
+        print(what, "WORKED")
+    except BackendError as exc:
+        print(what, "REFUSED", exc)
+"""
+
+
+def test_a_worker_on_another_machine_is_refused_and_breaks_nothing(sky_home: Path) -> None:
+    """Celery workers on several machines sharing the state dir (the worst case: NFS): a poll or a
+    teardown from a machine that is not the cluster's says so instead of reporting every rank lost or
+    dropping the record of nodes it cannot reach. The other machine is a new UTS namespace with its own
+    host name (the same disk: the state dir is shared)."""
+    import json
+    import subprocess
+    import sys
+
+    from airflow_provider_sky.backends.local.backend import this_machine
+    from gangs import launched
+
+    b, handle = launched(sky_home, 2, "sleep 30")
+    assert {n["extra"]["machine"] for n in handle["nodes"]} == {this_machine()}
+    out = subprocess.run(
+        ["unshare", "--uts", "--", "sh", "-c", 'hostname sky-other-machine && exec "$@"', "sh"]
+        + [sys.executable, "-c", OTHER_MACHINE, str(sky_home), json.dumps(handle)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split()[:2] for line in lines] == [["status", "REFUSED"], ["teardown", "REFUSED"]], (
+        out.stdout
+    )
+    for line in lines:
+        assert f"provisioned the cluster ({this_machine()})" in line and "sky-other-machine" in line, line
+        assert "sky_ssh" in line, line  # the fix
+    # nothing changed: the ranks still run, the record is whole, and this machine's teardown works
+    from airflow_provider_sky.backends.base import ClusterHandle
+    from airflow_provider_sky.jobs import GangClient
+
+    status = GangClient(b, ClusterHandle.from_dict(handle)).peek("job")
+    assert [r.state for r in status.ranks] == ["running", "running"], status
+    assert b.terminate(handle["name"]).removed
+    assert b.find(handle["name"]) is None
+
+
+def test_every_rank_gets_its_own_nodes_home(sky_home: Path) -> None:
+    """Ranks sharing this machine are started in batches through one node's runner; each must still
+    have its own node's home as HOME (a rank writing ``~/x`` must not write into rank 0's home)."""
+    from airflow_provider_sky.backends.base import ClusterHandle
+    from airflow_provider_sky.jobs import GangClient
+    from gangs import launched, wait_done
+
+    b, handle = launched(sky_home, 3, 'echo "$SKYPILOT_NODE_RANK" > "$HOME/who"')
+    assert wait_done(GangClient(b, ClusterHandle.from_dict(handle))).status.succeeded
+    for i, node in enumerate(handle["nodes"]):
+        assert (Path(node["home"]) / "who").read_text() == f"{i}\n", node["home"]
+    assert b.terminate(handle["name"]).removed

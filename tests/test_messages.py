@@ -51,6 +51,30 @@ def test_every_rank_task_tells_the_same_failure(sky_home: Path) -> None:
     b.terminate("c")
 
 
+def test_a_wide_gang_tells_its_failure_in_a_short_line(sky_home: Path) -> None:
+    """100 real ranks, rank 50 fails: each rank task's message names runs of ranks and sums the return
+    codes, instead of listing 100 ranks and 100 codes (18 KB per rank task at 1,024 ranks)."""
+    b, handle = launched(
+        sky_home, 100, 'if [ "$SKYPILOT_NODE_RANK" = 50 ]; then sleep 1; exit 1; fi; sleep 10000'
+    )
+    ip = handle["nodes"][50]["ip"]
+    triggers: list[Any] = [SkyRankTrigger(rank=r, **trigger_kwargs(handle)) for r in (0, 50, 99)]
+
+    async def run() -> list[dict[str, Any]]:
+        manager = SharedStreamManager()
+        return await asyncio.gather(*(_subscribe(manager, i, t) for i, t in enumerate(triggers)))
+
+    events = asyncio.run(run())
+    picture = (
+        f"Job job failed: rank 50 ({ip}) exited with code 1; ranks 0-49, 51-99 cancelled. "
+        "Return codes of the 100 ranks: 'cancelled' x99, 1 x1"
+    )
+    assert [e["state"] for e in events] == ["cancelled", "failed", "cancelled"]
+    for e in events:
+        assert picture in e["message"] and len(e["message"]) < 400, e["message"]
+    b.terminate("c")
+
+
 def _marked(sky_home: Path, ti: TaskInstance | None) -> list[dict[str, Any]]:
     """Three ranks run; a user acts on rank 1's deferred task: its trigger's on_kill, then it is removed."""
     b, handle = launched(sky_home, 3, "sleep 10000")

@@ -213,7 +213,12 @@ class Rel:
         time.sleep(2.0)  # the scheduler drains executor events every loop (heartbeat 1 s)
 
     def log(self, dag_id: str, run_id: str, task_id: str, map_index: int = -1, try_number: int = 1) -> str:
-        return self.stack.task_log(dag_id, run_id, task_id, map_index, try_number)
+        """The task log, plus its lines Airflow's triggerer filed in its own log (see
+        ``AirflowStack.filed_trigger_lines``)."""
+        text = self.stack.task_log(dag_id, run_id, task_id, map_index, try_number)
+        if try_number != 1:
+            return text
+        return "\n".join([text, *self.stack.filed_trigger_lines(dag_id, run_id, task_id, map_index, text)])
 
     def handle(self, dag_id: str, run_id: str) -> dict[str, Any]:
         handle: dict[str, Any] = self.stack.xcom(dag_id, run_id, "g.cluster")
@@ -250,10 +255,16 @@ class Rel:
         return Path(handle["nodes"][rank]["root"]) / "jobs" / job_id / str(rank)
 
     def rank_pids(self, handle: dict[str, Any], job_id: str) -> list[tuple[int, int]]:
-        """Per rank: (wrapper pid, pgid of the user's command), read from the node's rank directory."""
+        """Per rank: (wrapper pid, pgid of the user's command), read from the node's rank directory.
+
+        The wrapper writes both files just after it started the command, so a rank whose command has
+        already left a mark may not have them yet: wait for them (the CI once read ``pid`` too early)."""
         out = []
         for rank in range(len(handle["nodes"])):
             d = self.rank_dir(handle, job_id, rank)
+            wait_for(
+                f"rank {rank}'s pid files", lambda d=d: (d / "pid").exists() and (d / "pgid").exists(), 10
+            )
             out.append((int((d / "pid").read_text()), int((d / "pgid").read_text())))
         return out
 
@@ -278,6 +289,8 @@ def rel(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
     dags.mkdir()
     for dag_file in sorted((REPO / "tests" / "dags").glob("sky_rel_*.py")):
         (dags / dag_file.name).symlink_to(dag_file)
+    # sky_rel_oom's gang is sky_test_oom's (imported from it: the DAG folder is on sys.path)
+    (dags / "sky_test_oom.py").symlink_to(REPO / "tests" / "dags" / "sky_test_oom.py")
     sky = base / "sky"
     sky.mkdir()
     rel: Rel | None = None
@@ -752,3 +765,69 @@ def test_retry_survives_a_triggerer_restart_and_mark_failed_stops_it(rel: Rel, c
     assert "cancelled" in log, log
     tis = rel.tis(dag, run_id)
     assert tis[("g.down", -1)]["state"] == "success"
+
+
+def _gang_error(rel: Rel, dag: str, run_id: str) -> str:
+    """The gang sensor's log with the lines Airflow's triggerer may have filed in its own log instead."""
+    return rel.log(dag, run_id, "g.gang") + (rel.stack.logs / "triggerer.log").read_text(errors="replace")
+
+
+def test_retries_exhausted_and_a_code_never_retried_under_the_scheduler(rel: Rel, case: Case) -> None:
+    """Issue 11 under the real scheduler: rank 1 exits 3 on every attempt (retries=2, retry_on_exit_codes
+    [3]): three attempts, each started once on every rank, the run fails and the error lists every
+    attempt; rank 1 exits 127 (command not found) under retry_on_exit_codes="nonzero": no second attempt,
+    the error says why."""
+    exhausted = case.trigger("sky_rel_retry_exhausted")
+    assert rel.stack.wait_run("sky_rel_retry_exhausted", exhausted, timeout=RUN_TIMEOUT) == "failed"
+    job_id = rel.job_id("sky_rel_retry_exhausted", exhausted)
+    assert rel.counts(case.tag) == [[job_id] * 3] * 4  # three attempts, each rank started once per attempt
+    summary = rel.stack.xcom("sky_rel_retry_exhausted", exhausted, "g.rank", "sky_rank", 1)
+    assert [a["attempt"] for a in summary["attempts"]] == [1, 2, 3], summary
+    assert all(a["state"] == "failed" and a["exit_code"] == 3 for a in summary["attempts"]), summary
+    error = _gang_error(rel, "sky_rel_retry_exhausted", exhausted)
+    assert re.search(
+        r"\(attempt 3/3\); not retried: no retry left \(retries=2\); attempt 1: .* -> rank 1 exited 3, "
+        r"retryable by retry_on_exit_codes; attempt 2: .* -> rank 1 exited 3, retryable",
+        error,
+    ), error[-4000:]
+    tis = rel.tis("sky_rel_retry_exhausted", exhausted)
+    assert all(
+        tis[("g.rank", r)]["state"] == "failed" and tis[("g.rank", r)]["try_number"] == 1 for r in range(4)
+    )
+    assert tis[("g.down", -1)]["state"] == "success"
+
+    for i in range(len(rel.hosts.nodes)):  # the count files are per tag: the second DAG's counts afresh
+        rel.home_file(i, f"rel-{case.tag}.count").unlink(missing_ok=True)
+    never = case.trigger("sky_rel_retry_not_retryable")
+    assert rel.stack.wait_run("sky_rel_retry_not_retryable", never, timeout=RUN_TIMEOUT) == "failed"
+    job_id = rel.job_id("sky_rel_retry_not_retryable", never)
+    assert rel.counts(case.tag) == [[job_id]] * 4  # one attempt only
+    summary = rel.stack.xcom("sky_rel_retry_not_retryable", never, "g.rank", "sky_rank", 1)
+    assert summary["exit_code"] == 127 and "attempts" not in summary, summary
+    error = _gang_error(rel, "sky_rel_retry_not_retryable", never)
+    assert (
+        "not retried: rank 1 exited 127 (command not found), not retryable: it fails the same way every "
+        "time (list 127 in retry_on_exit_codes to retry it)"
+    ) in error, error[-4000:]
+    assert rel.tis("sky_rel_retry_not_retryable", never)[("g.down", -1)]["state"] == "success"
+
+
+def test_an_oom_kill_is_reported_as_such_under_the_scheduler(rel: Rel, case: Case) -> None:
+    """Issue 11 under the real scheduler: the hosts' sshd in a 256 MiB memory cgroup; rank 1 grows until the
+    kernel's OOM killer ends it: it reads "out of memory (killed by the OOM killer)", never cancelled or a
+    plain SIGKILL, its sibling is cancelled, the run fails and the teardown runs."""
+    from test_oom import OOM, memory_cgroup
+
+    with memory_cgroup(256) as procs:
+        for node in rel.hosts.nodes:  # each sshd, so every session (and rank) it starts from now on
+            assert node.proc is not None
+            procs.write_text(str(node.proc.pid))
+        run_id = case.trigger("sky_rel_oom")
+        state = rel.stack.wait_run("sky_rel_oom", run_id, timeout=RUN_TIMEOUT)
+    assert state == "failed"
+    killed = rel.stack.xcom("sky_rel_oom", run_id, "g.rank", "sky_rank", 1)
+    sibling = rel.stack.xcom("sky_rel_oom", run_id, "g.rank", "sky_rank", 0)
+    assert killed["state"] == "failed" and killed["exit_code"] == 137 and killed["reason"] == OOM, killed
+    assert sibling["state"] == "cancelled" and "out of memory" in str(sibling["reason"]), sibling
+    tis = rel.tis("sky_rel_oom", run_id)
+    assert tis[("g.rank", 1)]["state"] == "failed" and tis[("g.down", -1)]["state"] == "success"

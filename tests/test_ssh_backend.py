@@ -13,10 +13,11 @@ import pytest
 
 from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.backends.ssh import SSHBackend
-from airflow_provider_sky.jobs import GangClient, watch
+from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.spec import task_from_args
+from airflow_provider_sky.watch import watch
 from sshd import SSHDCluster, needs_sshd, user_processes
 
 pytestmark = needs_sshd

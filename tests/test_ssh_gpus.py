@@ -19,10 +19,11 @@ import pytest
 
 from airflow_provider_sky.backends.base import BackendError, choose_resources
 from airflow_provider_sky.backends.ssh import SSHBackend
-from airflow_provider_sky.jobs import GangClient, watch
+from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.setup_stage import run_setup
 from airflow_provider_sky.spec import SpecError, TaskSpec, task_from_args
+from airflow_provider_sky.watch import watch
 from envdump import DUMP, parse
 from gpus import A100_80, H100, MI300X
 from sshd import SSHDCluster, needs_sshd, user_processes

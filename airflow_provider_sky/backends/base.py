@@ -140,6 +140,9 @@ class Backend(ABC):
     #: a process whose end ends a node (a pod's entrypoint): ended when the node goes down idle, so
     #: the node gives its resources back (0: none; the node's directories are removed either way)
     idle_down_kill: int = 0
+    #: a command a node runs last when the cluster goes down idle, powering the machine off (EC2: the
+    #: instance is launched to terminate on shutdown, so nothing keeps billing); '': none
+    idle_down_poweroff: str = ""
     #: remote calls in flight at once for one gang (status, cancel, start); 0: every call at once. A
     #: backend whose calls all go through one server that does real work per call (Kubernetes' exec:
     #: a runc exec on the node each) sets it, so that a call's time limit counts from its start,
@@ -165,6 +168,10 @@ class Backend(ABC):
         """
         return "" if self.shared_machine else node.node_id
 
+    def check_handle(self, handle: ClusterHandle) -> None:  # noqa: B027 - optional
+        """Raise :class:`BackendError` when this process cannot act on ``handle``'s nodes at all (the
+        local backend's nodes on another machine), before any call reports its ranks lost."""
+
     def fit(self, resources: Resources, num_nodes: int, name: str | None = None) -> list[tuple[str, str]]:
         """(field, why) for what stops ``num_nodes`` nodes with ``resources`` on this backend beyond its
         capabilities (GPUs a machine lacks, hosts too small); empty: they can be had. ``name``: the cluster,
@@ -175,6 +182,17 @@ class Backend(ABC):
         """Why a node that stopped answering is gone, when the backend can tell (an EC2 instance ended
         by a spot interruption); None when it cannot. Called once per lost rank, off the event loop."""
         return None
+
+    def replace_nodes(self, handle: ClusterHandle, ranks: Sequence[int]) -> ClusterHandle:
+        """Put a new node in place of each lost node of ``ranks`` (the healthy ones are kept) and record
+        it, so a teardown covers the new nodes; returns the cluster's handle, rank order unchanged.
+
+        Called between two attempts of a gang with retries, off the event loop, with the handle the
+        caller saw. A rank whose recorded node is no longer the one in ``handle`` was replaced already
+        (by another watcher): it is left as recorded. New nodes need no setup here: the caller runs it.
+        Default: this backend cannot; a :class:`BackendError` says why, and the retry fails naming it.
+        """
+        raise BackendError(f"the {self.kind} backend cannot replace a lost node")
 
     def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
         """What a node removes besides its runtime directory when the cluster goes down idle (``idle_down``):
@@ -461,3 +479,55 @@ def teardown_result(unclean: Mapping[str, str], nodes: Sequence[Node]) -> Teardo
     return Teardown(
         removed=not unclean, unclean=tuple(unclean[n.node_id] for n in nodes if n.node_id in unclean)
     )
+
+
+# -- lost nodes replaced between attempts ------------------------------------------------------------------
+
+
+def still_recorded(record: Mapping[str, Any], rank: int, seen: Node) -> bool:
+    """The record's node of ``rank`` is still the one a caller saw lost (not replaced by another)."""
+    nodes = record.get("nodes") or []
+    if not 0 <= rank < len(nodes):
+        return False
+    n = nodes[rank]
+    return bool(n.get("node_id") == seen.node_id and n.get("ip") == seen.ip and n.get("root") == seen.root)
+
+
+def record_replacement(record: Mapping[str, Any], rank: int, node: Node) -> dict[str, Any]:
+    """``record`` with ``node`` in place of rank ``rank``'s node; ``extra["replaced"]`` keeps the history
+    (a watcher that restarted with the old handle reads the record because of it)."""
+    out = copy.deepcopy(dict(record))
+    old = out["nodes"][rank]
+    out["nodes"][rank] = asdict(node)
+    extra = out.setdefault("extra", {})
+    extra.setdefault("replaced", []).append(
+        {
+            "rank": rank,
+            "old_ip": old.get("ip"),
+            "old_node_id": old.get("node_id"),
+            "ip": node.ip,
+            "at": _now(),
+        }
+    )
+    return out
+
+
+def replacements_recorder(
+    name: str, handle: ClusterHandle, new: Mapping[int, Node]
+) -> Callable[[dict[str, Any] | None], tuple[dict[str, Any] | None, list[str]]]:
+    """The head record's update that puts each of ``new`` (rank -> new node) in place of the node ``handle``
+    saw lost; a rank another watcher replaced meanwhile keeps its node, and ours is returned as spare (its
+    ``node_id``, for the caller to remove)."""
+
+    def change(rec: dict[str, Any] | None) -> tuple[dict[str, Any] | None, list[str]]:
+        if rec is None:
+            raise BackendError(f"cluster {name!r} has no record on its head: it was torn down")
+        spare = []
+        for r, node in new.items():
+            if still_recorded(rec, r, handle.nodes[r]):
+                rec = record_replacement(rec, r, node)
+            else:  # another watcher replaced it meanwhile: ours goes
+                spare.append(node.node_id)
+        return rec, spare
+
+    return change

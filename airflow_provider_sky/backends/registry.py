@@ -55,6 +55,9 @@ class BackendInfo:
     #: (extra naming another Airflow connection, ``module:function(config, conn) -> config``): settings
     #: taken from a connection of another provider (``ssh``, ``kubernetes``) instead of asking twice
     linked_conn: tuple[str, str] | None = None
+    #: the linked connection used when that extra is empty, if it exists (the Amazon provider's
+    #: ``aws_default``, as its hooks default to it); None: only a named one is linked
+    linked_default: str | None = None
 
     @property
     def extras(self) -> tuple[str, ...]:
@@ -72,7 +75,11 @@ class BackendInfo:
         if self.linked_conn is None:
             return None
         value = config.get(self.linked_conn[0])
-        return str(value) if value else None
+        return str(value) if value else self.linked_default
+
+    def linked_by_default(self, config: Mapping[str, Any]) -> bool:
+        """The linked connection is the default one, not named: a missing one is no error."""
+        return self.linked_conn is not None and not config.get(self.linked_conn[0])
 
     def merge_linked(self, config: Mapping[str, Any], conn: Any) -> dict[str, Any]:
         """``config`` completed from the linked connection ``conn`` (any object with Airflow's

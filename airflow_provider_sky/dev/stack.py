@@ -75,6 +75,11 @@ from urllib.parse import quote
 
 import httpx
 
+#: ``[database] sql_alchemy_connect_args`` of a SQLite stack: a writer waits up to 60 s for the database
+#: lock (sqlite3's default is 5 s). With four services writing on a busy 2-core machine a commit can wait
+#: longer than 5 s, and the scheduler then dies of "database is locked" (seen at a load average of 12-15).
+SQLITE_CONNECT_ARGS: dict[str, Any] = {"timeout": 60}
+
 #: start order; ``stop()`` terminates them all at once
 SERVICES: tuple[str, ...] = ("api-server", "scheduler", "dag-processor", "triggerer")
 #: Celery workers are named ``celery-worker-1``, ``celery-worker-2``...; triggerers after the first
@@ -302,6 +307,8 @@ class AirflowStack:
                     "AIRFLOW__CELERY__WORKER_PREFETCH_MULTIPLIER": "1",
                 }
             )
+        if not self.sql_alchemy_conn:  # SQLite: writers wait for the lock (see SQLITE_CONNECT_ARGS)
+            env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS"] = f"{__name__}.SQLITE_CONNECT_ARGS"
         if self.triggerers > 1:  # see dev/services.py: a stalled triggerer must not lose its triggers
             env["AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD"] = "60"
         env.update(self.extra_env)
@@ -501,6 +508,16 @@ class AirflowStack:
             os.killpg(proc.pid, sig)
         self._reap([proc], self.stop_grace)
 
+    def start_service(self, service: str) -> None:
+        """Start one service again (e.g. a Celery worker after :meth:`kill_service`); no wait."""
+        if service in self.procs:
+            raise StackError(f"{service} is already running")
+        self._spawn(service)
+
+    def signal_service(self, service: str, sig: int) -> None:
+        """Send a signal to one service's process group and keep it (SIGSTOP / SIGCONT: a stall)."""
+        os.killpg(self.procs[service].pid, sig)
+
     def triggerer_jobs(self) -> dict[int, str]:
         """Triggerer job id -> the service running it (``triggerer``, ``triggerer-2``...), for live jobs."""
         jobs = self._request("GET", "/api/v2/jobs", params={"job_type": "TriggererJob", "limit": 100})["jobs"]
@@ -628,6 +645,28 @@ class AirflowStack:
             params={"map_index": map_index, "full_content": "true"},
         )
         return render_log(data.get("content") or [])
+
+    def filed_trigger_lines(
+        self, dag_id: str, run_id: str, task_id: str, map_index: int = -1, log: str | None = None
+    ) -> list[str]:
+        """A started-from-trigger task's log lines that Airflow's triggerer filed in its own log instead.
+
+        Known Airflow race: the triggerer gets a trigger's log lines and its end over two sockets, and
+        when it handles the end first it drops the trigger's log file, so the last lines go to
+        ``triggerer*.log`` (seen when many triggers end in one burst). ``log``: the task log, when the
+        caller has already read it.
+        """
+        text = self.task_log(dag_id, run_id, task_id, map_index) if log is None else log
+        if "Trigger fired event" in text or "trigger completed" in text:
+            return []
+        mine = (f"dag_id={dag_id} ", f"run_id={run_id} ", f"map_index={map_index} ")
+        return [
+            line
+            for path in sorted(self.logs.glob("triggerer*.log"))
+            for line in path.read_text(errors="replace").splitlines()
+            if all(m in line + " " for m in mine)
+            and ("task_id=" not in line or f"task_id={task_id} " in line + " ")
+        ]
 
     def xcom(
         self, dag_id: str, run_id: str, task_id: str, key: str = "return_value", map_index: int = -1

@@ -97,7 +97,11 @@ class SkyHook(BaseHook):
         info, config = self._parse(conn)
         linked = info.linked_conn_id(config)
         if linked:
-            config = info.merge_linked(config, self.get_connection(linked))
+            try:
+                config = info.merge_linked(config, self.get_connection(linked))
+            except AirflowNotFoundException:
+                if not info.linked_by_default(config):
+                    raise
         return info.kind, config
 
     async def abackend_config(self) -> tuple[str, dict[str, Any]]:
@@ -113,7 +117,11 @@ class SkyHook(BaseHook):
         info, config = self._parse(conn)
         linked = info.linked_conn_id(config)
         if linked:
-            config = info.merge_linked(config, await self.aget_connection(linked))
+            try:
+                config = info.merge_linked(config, await self.aget_connection(linked))
+            except AirflowNotFoundException:
+                if not info.linked_by_default(config):
+                    raise
         return info.kind, config
 
     def test_connection(self) -> tuple[bool, str]:

@@ -144,6 +144,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
                     job_id,
                     orphan_timeout=float(self.orphan_timeout or 0),
                     idle_down=float(self.idle_down or 0),
+                    grace=float(self.grace),
                 )
                 self.log.info("Started: %s", started)
         except LaunchError as exc:

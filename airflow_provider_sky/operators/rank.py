@@ -11,13 +11,14 @@ from airflow.triggers.base import StartTriggerArgs
 
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.operators._watch import GangWatchMixin, triggerer_watch
+from airflow_provider_sky.policy import RANK_LABEL
 from airflow_provider_sky.retry import (
     OPERATOR_ARGS,
     RetryPolicy,
 )
-from airflow_provider_sky.triggers.gang import SkyRankTrigger, rank_outcome, rank_summary
+from airflow_provider_sky.triggers.gang import MAP_INDEX, SkyRankTrigger
+from airflow_provider_sky.triggers.outcome import rank_end_lines, rank_summary
 
-RANK_LABEL = "rank {{ task.rank }}"
 _NO_RETRIES = (
     "retries: rank tasks run without Airflow retries, because a rank retried alone would join a "
     "gang whose siblings are gone; retry the whole gang (clear the cluster, job and rank tasks)"
@@ -80,7 +81,7 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
             grace=grace,
             lost_after=lost_after,
             hang_timeout=hang_timeout,
-            rank="{{ ti.map_index }}",
+            rank=MAP_INDEX,
         )
         return cls.partial(
             start_from_trigger=True, start_trigger_args=start, lost_after=lost_after, **watch, **kwargs
@@ -146,7 +147,9 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
             return False
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
-        self.log.info("%s", rank_outcome(event))
+        # the short root cause first, then the outcome (what the triggerer logs when it ends the task)
+        for level, line in rank_end_lines({**event, "message": ""}):
+            getattr(self.log, level)("%s", line)
         summary = rank_summary(event)
         # pushed before failing too, so a failed rank's outcome can be read back from Airflow
         context["ti"].xcom_push(key="sky_rank", value=summary)

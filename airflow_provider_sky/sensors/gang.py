@@ -15,7 +15,8 @@ from airflow_provider_sky.retry import (
     OPERATOR_ARGS,
     RetryPolicy,
 )
-from airflow_provider_sky.triggers.gang import SkyGangTrigger, gang_outcome
+from airflow_provider_sky.triggers.gang import SkyGangTrigger
+from airflow_provider_sky.triggers.outcome import gang_outcome
 
 
 class SkyGangSensor(GangWatchMixin, BaseSensorOperator):

@@ -2,7 +2,7 @@
 
 The shared poll (``open_shared_stream``) makes one status call per node per interval, whatever the
 number of rank triggers and sensors watching, so the cost of watching N ranks is O(N). The fail-fast
-policy runs inside that poll (``jobs.watch``): cancelling siblings from the triggerer takes well under
+policy runs inside that poll (``watch.watch``): cancelling siblings from the triggerer takes well under
 a second, whereas waiting for a worker to pick up an event would add the scheduler's latency.
 """
 
@@ -18,12 +18,28 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow.triggers.base import BaseEventTrigger, TaskFailedEvent, TaskSuccessEvent, TriggerEvent
 
-from airflow_provider_sky.gang import BAD, CANCELLED, FAILED, SUCCEEDED, GangStatus
+from airflow_provider_sky.gang import (
+    BAD,
+    CANCELLED,
+    FAILED,
+    SUCCEEDED,
+    GangStatus,
+)
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import GangClient, Poll
-from airflow_provider_sky.logtext import LineSplitter
+from airflow_provider_sky.linetimes import aread_times
+from airflow_provider_sky.logtext import LineClock, LineSplitter, iso_time
 from airflow_provider_sky.retry import GangPoll, RetryPolicy, rank_attempts, stop_gang, watch_attempts
 from airflow_provider_sky.runners.base import RunnerError
+from airflow_provider_sky.triggers.outcome import (
+    attempt_boundary,
+    cancel_text,
+    gang_outcome,
+    rank_end_lines,
+    rank_outcome,
+    rank_summary,
+    root_cause_line,
+)
 
 if TYPE_CHECKING:
     import jinja2
@@ -35,14 +51,10 @@ T = TypeVar("T")
 LOG_BATCH = 500
 
 
-def _cancel_text(status: GangStatus) -> str:
-    """Why a gang with no failed rank was cancelled: whoever cancelled it said why (``on_kill``)."""
-    reason = status.cancel_reason or "a task watching it was marked failed or cleared by a user"
-    return status.failure_message() or f"Job {status.job_id} was cancelled from Airflow: {reason}"
-
-
 #: a trigger kwarg ``{XCOM: [task_id, key]}`` is that upstream XCom, read in the triggerer (``pulled``)
 XCOM = "__sky_xcom__"
+#: a rank trigger's ``rank`` until the triggerer sets it: the task's map index
+MAP_INDEX = "{{ ti.map_index }}"
 _PULLED: dict[tuple[Any, ...], Any] = {}
 _PULLED_MAX = 256
 
@@ -150,9 +162,23 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         self.end_from_trigger = bool(end_from_trigger)
 
     def render_template_fields(self, context: Context, jinja_env: jinja2.Environment | None = None) -> None:
-        """A task started in the triggerer gets its cluster, job and rank from templates (XCom, the map
-        index) rendered here, as text: turn them into values before the shared poll keys on them."""
-        super().render_template_fields(context, jinja_env)
+        """A task started in the triggerer gets its cluster, job and rank from the upstream XComs and its
+        map index: turn them into values before the shared poll keys on them.
+
+        Our own placeholders (``xcom_ref``, :data:`MAP_INDEX`) are read directly; only other values (a
+        user's templates) go through Jinja, which compiles each string anew: per rank trigger that was
+        most of the triggerer's CPU while a 1,024-rank gang's triggers started (py-spy, figure 5).
+        """
+        rest = []
+        for name in self.template_fields:
+            value = getattr(self, name)
+            if isinstance(value, str) and value == MAP_INDEX:
+                setattr(self, name, context["ti"].map_index)
+            elif not (isinstance(value, dict) and set(value) == {XCOM}):
+                rest.append(name)
+        if rest:
+            env = jinja_env or self.get_template_env()
+            self._do_render_template_fields(self, rest, context, env, set())
         self.cluster = pulled(context, self.cluster)
         self.job_id = pulled(context, self.job_id)
         self._settle()
@@ -247,9 +273,42 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         # Airflow calls on_kill for a mark-failed, a mark-success or a clear, and does not say which
         return f"{self._task_label(ti)}{where} was marked failed, marked success or cleared by a user"
 
+    async def _still_deferred(self) -> bool:
+        """Whether our task instance is still deferred, i.e. no user acted on it.
+
+        Airflow also calls ``on_kill`` on a triggerer that stalled past ``[triggerer]
+        triggerer_health_check_threshold`` and then finds its triggers given to another triggerer
+        (it cancels its copies with the user-action signal): the gang must live on there. A user's
+        mark-failed / mark-success / clear has changed the state before the trigger is cancelled.
+        """
+        ti = self.task_instance
+        if ti is None:
+            return False
+        try:
+            from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+            from asgiref.sync import sync_to_async
+
+            states = await sync_to_async(RuntimeTaskInstance.get_task_states)(
+                dag_id=ti.dag_id, map_index=ti.map_index, task_ids=[ti.task_id], run_ids=[ti.run_id]
+            )
+        except Exception:  # no supervisor to ask (dag.test) or the API failed: act as told
+            self.log.warning(
+                "Could not read the state of %s: acting on the cancel", ti.task_id, exc_info=True
+            )
+            return False
+        key = ti.task_id if ti.map_index is None or ti.map_index < 0 else f"{ti.task_id}_{ti.map_index}"
+        state = (states.get(ti.run_id) or {}).get(key)
+        return str(state) == "deferred"  # TaskInstanceState is a str enum
+
     async def on_kill(self) -> None:
         """A user marked the deferred task failed / cleared it: cancel the whole gang, saying who, and
-        start no further attempt."""
+        start no further attempt. A trigger moved to another triggerer (its task still deferred) cancels
+        nothing."""
+        if await self._still_deferred():
+            self.log.info(
+                "Trigger moved to another triggerer (task still deferred): job %s keeps running", self.job_id
+            )
+            return
         reason = self._user_action()
         self.log.info("Task acted on by a user: cancelling every rank of job %s (%s)", self.job_id, reason)
         client = await SkyHook(self.sky_conn_id).aclient(self.cluster)
@@ -288,28 +347,46 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
         extra = "" if map_index in (-1, self.rank, None) else f", map index {map_index}"
         return f"rank task {ti.task_id} [rank {self.rank}{extra}]"
 
-    async def _log_lines(self, lines: Iterable[str]) -> None:
-        """Log each line; every ``LOG_BATCH`` lines let the triggerer's other work run.
+    async def _log_lines(self, lines: Iterable[tuple[int, str]], clock: LineClock | None = None) -> None:
+        """Log each line of output, dated when its node printed it (``clock``, else now); blank lines
+        are left out (an empty ``INFO -`` line tells a reader nothing). Every ``LOG_BATCH`` lines let the
+        triggerer's other work run.
 
         A read of short lines is thousands of log calls: done in one go, they would hold up every
         other trigger of the triggerer, fail-fast polls included, for a good fraction of a second.
         """
-        for i, line in enumerate(lines, 1):
-            self.log.info("%s", line)
+        last_at, stamp = None, ""  # the lines of one read mostly share a time: format it once
+        for i, (offset, line) in enumerate(lines, 1):
+            if line.strip(" \t\r\f\v"):
+                at = clock.time_of(offset) if clock is not None else None
+                if at is None:
+                    self.log.info("%s", line)
+                else:
+                    if at != last_at:
+                        last_at, stamp = at, iso_time(at)
+                    self.log.info("%s", line, timestamp=stamp)
             if i % LOG_BATCH == 0:
                 await asyncio.sleep(0)
 
     async def _catch_up(
-        self, client: GangClient, lines: LineSplitter, offset: int, end: int, job_id: str | None = None
+        self,
+        client: GangClient,
+        lines: LineSplitter,
+        offset: int,
+        end: int,
+        job_id: str | None = None,
+        clock: LineClock | None = None,
     ) -> int:
         """Log the rank's output from ``offset`` to ``end`` in bounded reads; returns where it got to.
 
         One call for the whole rest would hold all of it at once (a rank printing 200 MB drove the
-        watcher past 1 GB).
+        watcher past 1 GB). Read late, the lines are dated from the node's records (``linetimes``).
         """
+        if clock is not None and offset < end:
+            await aread_times(client, job_id or self.job_id, self.rank, offset, end, clock)
         try:
             async for data in client.aread_range(job_id or self.job_id, self.rank, offset, end):
-                await self._log_lines(lines.feed(data))
+                await self._log_lines(lines.feed_at(data), clock)
                 offset += len(data)
         except RunnerError as exc:
             self.log.warning("Could not read rank %s's output past byte %s: %s", self.rank, offset, exc)
@@ -325,8 +402,10 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
 
     async def _watch(self, polls: AsyncIterator[Any]) -> AsyncGenerator[TriggerEvent, None]:
         expected = self.log_offset
-        lines = LineSplitter()  # the nodes masked the job's secrets already
+        lines = LineSplitter(offset=expected)  # the nodes masked the job's secrets already
+        clock = LineClock()  # when the nodes saw each part of this attempt's log
         attempt, ended = 1, 0  # the attempt whose log we stream; the last attempt whose end we logged
+        seen_at = None  # when the last poll we logged from was taken
         async for poll, client in polls:
             assert isinstance(poll, GangPoll) and isinstance(client, GangClient)
             if poll.attempt > attempt:  # a retry: finish the attempts we did not see end, then a boundary
@@ -334,30 +413,36 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                     if h["attempt"] < attempt or h["attempt"] <= ended:
                         continue
                     if h["attempt"] > attempt:
-                        expected = 0
-                        self.log.info("%s", _boundary(poll, h["attempt"]))
+                        expected, lines, clock = 0, LineSplitter(), LineClock()
+                        self.log.info("%s", attempt_boundary(poll, h["attempt"]))
                     mine = next((r for r in h["ranks"] if r["rank"] == self.rank), None)
                     if mine is not None:
                         expected = await self._catch_up(
-                            client, lines, expected, mine["log_size"], h["job_id"]
+                            client, lines, expected, mine["log_size"], h["job_id"], clock
                         )
-                        await self._log_lines(lines.flush())
+                        await self._log_lines(lines.flush_at(), clock)
                         self.log.info(
                             "attempt %s: %s", h["attempt"], rank_outcome({"rank": self.rank, **mine})
                         )
                     ended = h["attempt"]
-                attempt, expected = poll.attempt, 0
-                self.log.info("%s", _boundary(poll, attempt))
+                attempt, expected, lines, clock = poll.attempt, 0, LineSplitter(), LineClock()
+                self.log.info("%s", attempt_boundary(poll, attempt))
             try:
                 st = poll.status.by_rank(self.rank)
             except KeyError:
                 continue
             job_id = poll.status.job_id
             off, data = poll.chunks.get(self.rank, (st.log_size, b""))
+            if data and (seen_at is None or poll.at - seen_at > 2 * self.poll_interval + 0.5):
+                # bytes older than one poll (joined late, polls dropped): the node's records date them
+                await aread_times(client, job_id, self.rank, expected, off + len(data), clock)
+            seen_at = poll.at
+            clock.add(st.log_size, poll.at)
+            clock.forget_before(expected)
             if expected < off:  # joined late, or the stream read past us: fetch the gap ourselves
-                expected = await self._catch_up(client, lines, expected, off, job_id)
+                expected = await self._catch_up(client, lines, expected, off, job_id, clock)
             if off <= expected < off + len(data):
-                await self._log_lines(lines.feed(data[expected - off :]))
+                await self._log_lines(lines.feed_at(data[expected - off :]), clock)
                 expected = off + len(data)
             if not st.terminal:
                 continue
@@ -365,16 +450,16 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 not poll.final and poll.max_attempts > 1
             ):  # over for us in this attempt; the gang may be retried
                 if ended < attempt:
-                    expected = await self._catch_up(client, lines, expected, st.log_size, job_id)
-                    await self._log_lines(lines.flush())
+                    expected = await self._catch_up(client, lines, expected, st.log_size, job_id, clock)
+                    await self._log_lines(lines.flush_at(), clock)
                     outcome = {"rank": self.rank, **st.to_dict()}
                     self.log.info("attempt %s: %s", attempt, rank_outcome(outcome))
                     ended = attempt
                 continue
             # the rank is over: log the rest of its output, then its unfinished last line
-            expected = await self._catch_up(client, lines, expected, st.log_size, job_id)
-            await self._log_lines(lines.flush())
-            cause = poll.status.root_cause()
+            expected = await self._catch_up(client, lines, expected, st.log_size, job_id, clock)
+            await self._log_lines(lines.flush_at(), clock)
+            cause = poll.cause
             await self._hold()
             if st.state == SUCCEEDED:
                 message = f"rank {self.rank} ({st.ip}) succeeded"
@@ -383,8 +468,8 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
             elif st.state in BAD or poll.error:
                 message = poll.message()
             else:
-                message = f"rank {self.rank} ({st.ip}) {st.state}: " + _cancel_text(poll.status)
-                message += poll.message()[len(poll.status.failure_message()) :] if poll.history else ""
+                message = f"rank {self.rank} ({st.ip}) {st.state}: " + cancel_text(poll)
+                message += poll.message()[len(poll.failure_message) :] if poll.history else ""
             payload = {
                 "kind": "rank",
                 "job_id": self.job_id,
@@ -401,44 +486,34 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 "root_cause": cause.to_dict() if cause else None,
                 "attempt": poll.attempt,
                 "attempts": rank_attempts(poll, self.rank),
+                "headline": root_cause_line(poll.status, st, cause) if st.state != SUCCEEDED else "",
             }
-            yield self._end_event(payload) if self.end_from_trigger else TriggerEvent(payload)
+            yield self._end_event(payload) if self.end_from_trigger else ShortEvent(payload)
             return
 
     def _end_event(self, event: dict[str, Any]) -> TriggerEvent:
         """End the task here, saying in its log what ``execute_complete`` would have said."""
-        self.log.info("%s", rank_outcome(event))
+        for level, line in rank_end_lines(event):
+            getattr(self.log, level)("%s", line)
         summary = rank_summary(event)
         if event["state"] == SUCCEEDED:
             # sky_rank alone (no return_value copy): the triggerer writes each XCom of each of N rank
             # tasks one by one, in its main loop
             return TaskSuccessEvent(xcoms={"sky_rank": summary})
-        self.log.error("%s", event["message"])
         return TaskFailedEvent(xcoms={"sky_rank": summary})
 
 
-def rank_summary(event: dict[str, Any]) -> dict[str, Any]:
-    """What a rank task returns and pushes as ``sky_rank``: its outcome, readable back from Airflow (with
-    every attempt's when the gang was retried)."""
-    out = {k: event.get(k) for k in ("rank", "ip", "state", "exit_code", "reason", "start", "end")}
-    if len(event.get("attempts") or ()) > 1:
-        out["attempt"], out["attempts"] = event.get("attempt"), event["attempts"]
-    return out
+class ShortEvent(TriggerEvent):
+    """A trigger event Airflow's triggerer logs as one short line ("Trigger fired event ...
+    result=TriggerEvent<rank 2: failed>"), not its whole payload as a dict."""
 
+    def __init__(self, payload: Any, **kwargs: Any) -> None:
+        super().__init__(payload, **kwargs)
 
-def _boundary(poll: GangPoll, attempt: int) -> str:
-    """The line between two attempts in a rank's log: which attempt starts and why."""
-    why = next((h["why"] for h in poll.history if h["attempt"] == attempt - 1), "")
-    return f"==== attempt {attempt}/{poll.max_attempts}: {why} ===="
-
-
-def rank_outcome(event: dict[str, Any]) -> str:
-    """One log line: the rank's state, exit code, reason and how long it ran."""
-    duration = event.get("duration")
-    return (
-        f"rank {event['rank']} ({event['ip']}): {event['state']}, exit code {event['exit_code']}, "
-        f"{event['reason']}" + (f", {duration:.1f}s" if duration else "")
-    )
+    def __repr__(self) -> str:
+        p = self.payload if isinstance(self.payload, dict) else {}
+        who = f"rank {p['rank']}" if p.get("kind") == "rank" else str(p.get("kind") or "event")
+        return f"TriggerEvent<{who}: {p.get('state', '?')}>"
 
 
 class SkyGangTrigger(_SkyGangWatchTrigger):
@@ -469,12 +544,12 @@ class SkyGangTrigger(_SkyGangWatchTrigger):
                     + (f" on attempt {poll.attempt}/{poll.max_attempts}" if poll.attempt > 1 else ""),
                 )
             elif status.done and any(r.state == CANCELLED for r in status.ranks):
-                state, message = CANCELLED.value, _cancel_text(status)
+                state, message = CANCELLED.value, cancel_text(poll)
             else:
                 continue
             await self._hold()
             payload = {"kind": "gang", "state": state, "message": message, "gang": status.to_dict()}
-            yield self._end_event(payload) if self.end_from_trigger else TriggerEvent(payload)
+            yield self._end_event(payload) if self.end_from_trigger else ShortEvent(payload)
             return
 
     def _end_event(self, event: dict[str, Any]) -> TriggerEvent:
@@ -485,11 +560,3 @@ class SkyGangTrigger(_SkyGangWatchTrigger):
             return TaskSuccessEvent()
         self.log.error("%s", event["message"])
         return TaskFailedEvent()
-
-
-def gang_outcome(event: dict[str, Any]) -> list[str]:
-    """One log line per rank of a gang event: state, exit code, reason."""
-    return [
-        f"rank {r['rank']} ({r['ip']}): {r['state']}, exit code {r['exit_code']}, {r['reason']}"
-        for r in (event.get("gang") or {}).get("ranks", [])
-    ]

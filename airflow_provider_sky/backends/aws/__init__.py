@@ -24,7 +24,8 @@ BACKEND = BackendInfo(
     conn_fields={
         "aws_conn_id": {
             "label": "Reuse an aws connection",
-            "description": "Take credentials, region and endpoint URL from this standard aws connection",
+            "description": "Take credentials, region and endpoint URL from this standard aws connection "
+            "(empty: aws_default, if it exists)",
             "schema": _STR,
         },
         "region_name": {"label": "Region", "description": "e.g. us-east-1", "schema": _STR},
@@ -57,7 +58,7 @@ BACKEND = BackendInfo(
         "ssh_user": {"label": "SSH user", "schema": {"type": ["string", "null"], "default": "ubuntu"}},
         "image_id": {
             "label": "Image (AMI)",
-            "description": "Unless the task gives image_id; default: Ubuntu 22.04 of the region (SSM)",
+            "description": "Unless the task gives image_id; default: the newest Ubuntu 22.04 Canonical publishes in the region",
             "schema": _STR,
         },
         "use_private_ips": {
@@ -75,6 +76,12 @@ BACKEND = BackendInfo(
             "description": "For every instance to run and answer SSH",
             "schema": {"type": ["number", "null"], "default": 600},
         },
+        "poweroff_command": {
+            "label": "Power-off command (idle_down)",
+            "description": "What a node runs, as the SSH user, to power itself off when the cluster goes "
+            "down idle; the instance is launched to terminate on shutdown. none: never (reap() ends them)",
+            "schema": {"type": ["string", "null"], "default": "sudo -n shutdown -h now"},
+        },
         "host_key_policy": {
             "label": "Host key policy",
             "description": "pin (the key first seen at provision is pinned for the instance's life) or skip",
@@ -82,7 +89,11 @@ BACKEND = BackendInfo(
         },
     },
     extra_aliases=("aws_session_token", "aws_access_key_id", "aws_secret_access_key", "ssh_port"),
-    linked_conn=("aws_conn_id", "airflow_provider_sky.backends.aws.config:merge_aws_connection"),
+    # the Amazon provider's credential resolution when installed (role_arn, profile_name, ...), else the
+    # same fields read by backends.aws.config.merge_aws_connection
+    linked_conn=("aws_conn_id", "airflow_provider_sky.hooks.aws:merge_aws_connection"),
+    # as the Amazon provider's hooks: aws_default when aws_conn_id is empty (if it exists)
+    linked_default="aws_default",
 )
 
 

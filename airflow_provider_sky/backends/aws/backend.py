@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -61,9 +61,13 @@ class AWSBackend(Backend):
 
     kind = "aws"
 
+    #: a security group / key pair of ours with no instance, made over this many seconds ago, is left over
+    leftover_age = 900.0
+
     def __init__(self, settings: AWSSettings) -> None:
         self.settings = settings
         self.owner = settings.owner
+        self.idle_down_poweroff = settings.poweroff_command
         self.capabilities = BackendCapabilities(
             name="aws",
             max_nodes=1000,
@@ -229,6 +233,9 @@ class AWSBackend(Backend):
         if record is None:
             return None
         known = {n["node_id"]: n for n in record.get("nodes") or ()}
+        if sorted(known) == sorted(str(i["InstanceId"]) for i in ordered):  # the record's rank order (a
+            by_id = {str(i["InstanceId"]): i for i in ordered}  # replacement keeps the ranks it had)
+            ordered = [by_id[str(n["node_id"])] for n in record.get("nodes") or ()]
         return self._handle(name, [self._node(name, i, known.get(i["InstanceId"])) for i in ordered])
 
     # -- choosing ------------------------------------------------------------------------------------
@@ -292,27 +299,32 @@ class AWSBackend(Backend):
         subnet, vpc = api.subnet_vpc(ec2, s.subnet_id, zone)
         # the cluster's own group and key pair are made first: EC2 makes a name once, so they also keep a
         # concurrent provision of the same cluster out (it waits, then joins what this one makes)
-        try:
-            groups = list(s.security_group_ids)
-            if not groups:
-                groups = [api.create_security_group(ec2, name, self.owner, vpc, s.ssh_cidr)]
-                made["groups"] = groups
-            key_name = s.key_name
-            if not key_name:
-                key_name = api.import_key_pair(ec2, name, self.owner, self.public_key())
-                made["keys"] = [key_name]
-        except api.Duplicate as dup:
-            raise ClusterBusy(
-                f"cluster {name!r}: its {dup} exists: another provision of it is under way, or a teardown "
-                "could not delete it (tear the cluster down again: that deletes it)"
-            ) from None
+        groups, key_name = list(s.security_group_ids), s.key_name
+        for attempt in (1, 2):
+            try:
+                if not groups:
+                    groups = made["groups"] = [
+                        api.create_security_group(ec2, name, self.owner, vpc, s.ssh_cidr)
+                    ]
+                if not key_name:
+                    key_name = api.import_key_pair(ec2, name, self.owner, self.public_key())
+                    made["keys"] = [key_name]
+                break
+            except api.Duplicate as dup:
+                mine = made["groups"] + made["keys"]
+                if attempt == 1 and api.remove_leftovers(ec2, name, self.owner, self.leftover_age, mine):
+                    continue  # left over (idle_down, a killed provision): gone, made afresh
+                raise ClusterBusy(
+                    f"cluster {name!r}: its {dup} exists: another provision of it is under way, or a teardown "
+                    "could not delete it (tear the cluster down again: that deletes it)"
+                ) from None
         request = api.run_request(
             name,
             self.owner,
             n=spec.num_nodes,
             image=image,
             instance_type=itype.name,
-            key_name=key_name,
+            key_name=str(key_name),
             groups=groups,
             subnet=subnet,
             public_ip=not s.use_private_ips,
@@ -499,6 +511,14 @@ class AWSBackend(Backend):
         left += api.delete_key_pairs(self.ec2, made["keys"])
         return left
 
+    # -- replacing a lost instance -----------------------------------------------------------------------
+
+    def replace_nodes(self, handle: ClusterHandle, ranks: Sequence[int]) -> ClusterHandle:
+        """A new instance for each lost worker (``replacing``); the head cannot be replaced."""
+        from airflow_provider_sky.backends.aws.replacing import replace_nodes
+
+        return replace_nodes(self, handle, ranks)
+
     # -- teardown ------------------------------------------------------------------------------------
 
     def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
@@ -552,47 +572,10 @@ class AWSBackend(Backend):
     # -- orphans -------------------------------------------------------------------------------------
 
     def reap(self, min_age: float = 900.0) -> list[str]:
-        """Terminate the clusters of this owner that nobody uses any more, found by their tags alone.
+        """Terminate this owner's clusters nobody uses any more, found by their tags alone (``reap.py``)."""
+        from airflow_provider_sky.backends.aws.reap import reap
 
-        A cluster is an orphan when all its instances run, they were launched over ``min_age`` seconds ago
-        (a provision in progress has no record yet) and its head answers but holds no record of it: the
-        nodes' ``idle_down`` removed it, or its provision died before writing it. A cluster whose head
-        does not answer is left alone (it may be a network problem, not an orphan). Returns the names
-        terminated. Meant for a periodic maintenance task (see the README), so nothing keeps billing.
-        """
-        filters = [
-            {"Name": f"tag:{api.TAG_OWNER}", "Values": [self.owner]},
-            {"Name": "instance-state-name", "Values": list(api.LIVE_STATES)},
-        ]
-        try:
-            pages = self.ec2.get_paginator("describe_instances").paginate(Filters=filters)
-            found = [i for p in pages for r in p["Reservations"] for i in r["Instances"]]
-        except Exception as exc:
-            raise api.client_error("listing this owner's instances", exc) from None
-        clusters: dict[str, list[dict[str, Any]]] = {}
-        for inst in found:
-            name = api.tags_of(inst).get(api.TAG_CLUSTER)
-            if name and api.ours(inst, name, self.owner):
-                clusters.setdefault(name, []).append(inst)
-        now = time.time()
-        reaped = []
-        for name, instances in sorted(clusters.items()):
-            if any(i["State"]["Name"] != "running" for i in instances):
-                continue
-            launched = max(i["LaunchTime"].timestamp() for i in instances)
-            if now - launched < min_age:
-                continue
-            try:
-                head = self._node(name, self._ordered(name, instances)[0], None)
-                if self.records(head).read(name) is not None:
-                    continue
-            except (BackendError, RunnerError) as exc:
-                log.info("cluster %s: head not reachable, not reaped (%s)", name, exc)
-                continue
-            log.warning("cluster %s: no record on its head (idle or orphaned): terminating it", name)
-            self.terminate(name, holder=None)
-            reaped.append(name)
-        return reaped
+        return reap(self, min_age)
 
     # -- the Test button -----------------------------------------------------------------------------
 

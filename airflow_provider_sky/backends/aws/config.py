@@ -9,7 +9,7 @@ profile). Secrets stay in memory and out of ``repr``; nothing is written to disk
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,11 @@ DEFAULT_OWNER = "airflow-provider-sky"
 DEFAULT_USER = "ubuntu"
 DEFAULT_PROVISION_TIMEOUT = 600.0
 HOST_KEY_POLICIES = ("pin", "skip")
+#: what a node runs to power itself off when the cluster goes down idle (Ubuntu's and Amazon Linux's
+#: default user may sudo without a password); the instance is launched to terminate on shutdown
+DEFAULT_POWEROFF = "sudo -n shutdown -h now"
+#: the fields that carry credentials (taken whole from one connection)
+CREDENTIAL_FIELDS = ("login", "password", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,11 @@ class AWSSettings:
     owner: str = DEFAULT_OWNER
     provision_timeout: float = DEFAULT_PROVISION_TIMEOUT
     host_key_policy: str = "pin"
+    #: run by a node at idle_down to power itself off ('': nodes never power off; reap() ends them)
+    poweroff_command: str = DEFAULT_POWEROFF
+    #: ``(region) -> boto3 session``: the linked aws connection's session as the Amazon provider makes it
+    #: (``hooks/aws.py``: role_arn, profile_name, ...); None: the keys above, else boto3's default chain
+    session_factory: Callable[[str | None], Any] | None = field(default=None, repr=False, compare=False)
 
 
 def _flag(config: Mapping[str, Any], key: str) -> bool:
@@ -65,6 +75,13 @@ def _ids(raw: Any, key: str, prefix: str) -> tuple[str, ...]:
         if not item.startswith(prefix):
             raise BackendError(f"{key}: {item!r} is not an id ({prefix}...); give ids, comma-separated")
     return out
+
+
+def _poweroff(value: Any) -> str:
+    text = str(value or DEFAULT_POWEROFF).strip()
+    if "\n" in text or "\x00" in text:
+        raise BackendError("poweroff_command: one line, e.g. 'sudo -n shutdown -h now' (or 'none')")
+    return "" if text.lower() == "none" else text
 
 
 def parse_aws_config(config: Mapping[str, Any]) -> AWSSettings:
@@ -123,6 +140,8 @@ def parse_aws_config(config: Mapping[str, Any]) -> AWSSettings:
         owner=owner,
         provision_timeout=number(config, "provision_timeout", DEFAULT_PROVISION_TIMEOUT, float),
         host_key_policy=policy,
+        poweroff_command=_poweroff(config.get("poweroff_command")),
+        session_factory=config.get("session_factory"),
     )
 
 
@@ -137,8 +156,7 @@ def merge_aws_connection(config: Mapping[str, Any], aws_conn: Any) -> dict[str, 
         "region_name": extra.get("region_name"),
         "endpoint_url": extra.get("endpoint_url") or getattr(aws_conn, "host", None),
     }
-    creds = ("login", "password", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
-    if not any(config.get(k) not in (None, "") for k in creds):
+    if not any(config.get(k) not in (None, "") for k in CREDENTIAL_FIELDS):
         theirs.update(
             login=aws_conn.login or extra.get("aws_access_key_id"),
             password=aws_conn.password or extra.get("aws_secret_access_key"),

@@ -8,6 +8,7 @@ removed by ``sky-airflow:cluster`` = name and ``sky-airflow:owner`` = owner, nev
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -21,6 +22,8 @@ TAG_ROLE = "sky-airflow:role"
 TAG_OWNER = "sky-airflow:owner"
 #: the SSH host key first seen on the instance, pinned for its life
 TAG_HOST_KEY = "sky-airflow:host-key"
+#: when the cluster's security group / key pair was made (epoch seconds): tells a leftover from a mutex
+TAG_CREATED = "sky-airflow:created"
 #: states of an instance that still belongs to a cluster (terminated ones linger in listings for an hour)
 LIVE_STATES = ("pending", "running", "stopping", "stopped", "shutting-down")
 #: Canonical's account and the image name the default AMI is taken from (newest first)
@@ -93,18 +96,27 @@ def make_client(settings: AWSSettings, service: str = "ec2") -> Any:
         from botocore.config import Config
     except ImportError:
         raise BackendError("the aws backend needs boto3: pip install 'airflow-provider-sky[aws]'") from None
-    session = boto3.session.Session(
-        aws_access_key_id=settings.access_key_id,
-        aws_secret_access_key=settings.secret_access_key,
-        aws_session_token=settings.session_token,
-        region_name=settings.region,
-    )
-    if not session.region_name:
+    if settings.session_factory is not None:  # the Amazon provider's (hooks/aws.py): may assume a role
+        try:
+            session = settings.session_factory(settings.region)
+        except Exception as exc:
+            raise client_error(
+                "getting credentials from the aws connection (role_arn, profile)", exc
+            ) from None
+    else:
+        session = boto3.session.Session(
+            aws_access_key_id=settings.access_key_id,
+            aws_secret_access_key=settings.secret_access_key,
+            aws_session_token=settings.session_token,
+            region_name=settings.region,
+        )
+    region = settings.region or session.region_name
+    if not region:
         raise BackendError(
             "region_name: no region; set it in the connection (or its aws connection), e.g. us-east-1"
         )
     config = Config(retries={"max_attempts": 4, "mode": "standard"}, connect_timeout=10, read_timeout=60)
-    return session.client(service, endpoint_url=settings.endpoint_url, config=config)
+    return session.client(service, region_name=region, endpoint_url=settings.endpoint_url, config=config)
 
 
 def tag_filters(name: str, owner: str) -> list[dict[str, Any]]:
@@ -250,7 +262,7 @@ def create_security_group(ec2: Any, name: str, owner: str, vpc: str, ssh_cidr: s
             GroupName=f"sky-airflow-{name}",
             Description=f"airflow-provider-sky cluster {name}",
             VpcId=vpc,
-            TagSpecifications=[tag_spec("security-group", name, owner)],
+            TagSpecifications=[tag_spec("security-group", name, owner, **_created())],
         )["GroupId"]
     except Exception as exc:
         if error_code(exc)[0] == "InvalidGroup.Duplicate":
@@ -276,13 +288,50 @@ def import_key_pair(ec2: Any, name: str, owner: str, public_key: str) -> str:
         ec2.import_key_pair(
             KeyName=key_name,
             PublicKeyMaterial=public_key.encode(),
-            TagSpecifications=[tag_spec("key-pair", name, owner)],
+            TagSpecifications=[tag_spec("key-pair", name, owner, **_created())],
         )
     except Exception as exc:
         if error_code(exc)[0] == "InvalidKeyPair.Duplicate":
             raise Duplicate(f"key pair {key_name}") from None
         raise client_error(f"importing the key pair of cluster {name!r}", exc) from None
     return key_name
+
+
+def _created() -> dict[str, str]:
+    return {TAG_CREATED: str(int(time.time()))}
+
+
+def remove_leftovers(ec2: Any, name: str, owner: str, older_than: float, keep: Iterable[str] = ()) -> bool:
+    """Delete the cluster's own security group and key pair when every one of them (but ``keep``, made
+    by the caller) was made over ``older_than`` seconds ago; call only when no instance of the cluster
+    lives. They are the provisions' mutex for the seconds between their making and the launch, so old
+    ones are left over: by nodes that powered themselves off at ``idle_down`` (EC2 terminated the
+    instances, nothing deleted these), or by a provision killed before it launched. True if any went."""
+    kept = set(keep)
+    try:
+        groups = ec2.describe_security_groups(Filters=tag_filters(name, owner))["SecurityGroups"]
+        pairs = ec2.describe_key_pairs(Filters=tag_filters(name, owner))["KeyPairs"]
+    except Exception as exc:
+        raise client_error(f"listing what cluster {name!r} left", exc) from None
+    found = [
+        (str(r.get("GroupId") or r.get("KeyName")), tags_of(r))
+        for r in [*groups, *pairs]
+        if ours(r, name, owner) and str(r.get("GroupId") or r.get("KeyName")) not in kept
+    ]
+    now = time.time()
+    ages = [now - float(t[TAG_CREATED]) if t.get(TAG_CREATED, "").isdigit() else -1.0 for _, t in found]
+    if not found or min(ages) < older_than:
+        return False
+    group_ids = [str(g["GroupId"]) for g in groups if ours(g, name, owner) and g["GroupId"] not in kept]
+    key_names = [str(p["KeyName"]) for p in pairs if ours(p, name, owner) and p["KeyName"] not in kept]
+    log.warning(
+        "cluster %s: deleting its security group / key pair left over (%s; made %.0fs ago, no instance)",
+        name,
+        ", ".join(group_ids + key_names),
+        min(ages),
+    )
+    left = delete_security_groups(ec2, group_ids) + delete_key_pairs(ec2, key_names)
+    return not left
 
 
 def cluster_groups(ec2: Any, name: str, owner: str) -> list[str]:

@@ -9,9 +9,10 @@ ends every process the job started (a container's processes die with it).
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
@@ -27,12 +28,16 @@ from airflow_provider_sky.backends.base import (
     begin_teardown,
     check_reusable,
     new_record,
+    replacements_recorder,
+    still_recorded,
 )
 from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
 from airflow_provider_sky.backends.kubernetes.config import KubeSettings, parse_kube_config
 from airflow_provider_sky.backends.kubernetes.manifest import (
     CONTAINER,
+    ROLE_LABEL,
     cluster_selector,
+    dns_name,
     head_name,
     pod_manifest,
 )
@@ -50,6 +55,8 @@ DELETE_WAIT = 60.0
 #: and this much longer per pod: kubelets end a wide gang's containers a few per second (128 pods on the
 #: 2-core test machine: 65 s were not enough, 44 still terminating)
 DELETE_WAIT_PER_POD = 0.5
+#: pod phases in which no container runs any more
+_STOPPED = frozenset({"Failed", "Succeeded"})
 #: (verb, resource, subresource) the backend uses in its namespace: the README's RBAC
 NEEDED_PERMISSIONS = (
     ("create", "pods", None),
@@ -290,7 +297,7 @@ class KubernetesBackend(Backend):
             "nothing was started"
         ) from None
 
-    def _wait_running(self, name: str, pods: list[str], spec: TaskSpec) -> list[PodState]:
+    def _wait_running(self, name: str, pods: list[str], spec: TaskSpec | None = None) -> list[PodState]:
         """Until every pod runs; a pod that cannot start is the error (all or nothing)."""
         deadline = time.monotonic() + self.settings.provision_timeout
         unschedulable_since: dict[str, float] = {}
@@ -326,6 +333,11 @@ class KubernetesBackend(Backend):
         by_ip = {s.ip: s for s in states if s.ip}
         head_ip = next(s.ip for s in states if s.name == head)
         order = rank_order(list(by_ip), head_ip)
+        nodes = self._handle_nodes(name, [by_ip[ip] for ip in order])
+        return ClusterHandle(name=name, backend=self.kind, nodes=nodes, cloud="kubernetes")
+
+    def _handle_nodes(self, name: str, ordered: list[PodState]) -> tuple[Node, ...]:
+        """The nodes of running pods, in the order given; each node's home read from its pod."""
 
         def home(state: PodState) -> str:
             res = self._pod_runner(state.name, state.ip or "").run_script(_HOME_SCRIPT, timeout=60)
@@ -333,10 +345,9 @@ class KubernetesBackend(Backend):
                 raise BackendError(f"pod {state.name}: probe failed: {res.error_text}")
             return res.text.strip() or "/root"
 
-        ordered = [by_ip[ip] for ip in order]
         with ThreadPoolExecutor(min(16, len(ordered))) as pool:
             homes = list(pool.map(home, ordered))
-        nodes = tuple(
+        return tuple(
             Node(
                 ip=s.ip or "",
                 node_id=s.name,
@@ -346,7 +357,83 @@ class KubernetesBackend(Backend):
             )
             for s, h in zip(ordered, homes, strict=True)
         )
-        return ClusterHandle(name=name, backend=self.kind, nodes=nodes, cloud="kubernetes")
+
+    # -- replacing a lost pod ------------------------------------------------------------------------------
+
+    def replace_nodes(self, handle: ClusterHandle, ranks: Sequence[int]) -> ClusterHandle:
+        """A lost worker pod is deleted (if still there) and a new one made from a healthy worker's (same
+        labels, image, resources, affinity; a new name ``<cluster>-worker<n>``), waited for until it runs;
+        the record on the head names it, so the teardown (by label) and a restarted watcher see it.
+        The head cannot be replaced: it keeps the record."""
+        name = handle.name
+        head = head_name(name)
+        lost = [r for r in ranks if handle.nodes[r].extra.get("pod")]
+        if any(handle.nodes[r].extra.get("pod") == head for r in lost):
+            raise BackendError(
+                f"the head pod {head} keeps the cluster record: a lost head cannot be replaced"
+            )
+        keep = [n for i, n in enumerate(handle.nodes) if i not in ranks and n.extra.get("pod") != head]
+        record = self.records(name).load(name)
+        if record is None:
+            raise BackendError(f"cluster {name!r} has no record on its head: it was torn down")
+        todo = [r for r in lost if still_recorded(record, r, handle.nodes[r])]
+        if not todo:
+            return ClusterHandle.from_dict(record)
+        model = self._model(keep[0].extra["pod"] if keep else head)
+        self._delete([handle.nodes[r].extra["pod"] for r in todo], grace=0)
+        taken = {n.extra.get("pod") for n in handle.nodes} | {
+            str(r.get("old_node_id")) for r in (record.get("extra") or {}).get("replaced", [])
+        }
+        base = dns_name(name, 63 - len("-worker9999"))
+        numbers = [int(p.rsplit("worker", 1)[1]) for p in taken if p and p.rsplit("worker", 1)[-1].isdigit()]
+        nxt = max(numbers, default=0) + 1
+        made: dict[int, str] = {}
+        try:
+            for r in todo:
+                pod = f"{base}-worker{nxt}"
+                nxt += 1
+                manifest = copy.deepcopy(model)
+                manifest["metadata"]["name"] = pod
+                self._create(manifest)
+                made[r] = pod
+            states = {s.name: s for s in self._wait_running(name, list(made.values()))}
+            new = self._handle_nodes(name, [states[p] for p in made.values()])
+        except BaseException:
+            self._delete(list(made.values()), grace=0)
+            raise
+        by_rank = dict(zip(made, new, strict=True))
+
+        extra_pods = self.records(name).update(name, replacements_recorder(name, handle, by_rank))
+        self._delete(extra_pods, grace=0)
+        found = self.records(name).load(name)
+        assert found is not None
+        return ClusterHandle.from_dict(found)
+
+    def _model(self, pod: str) -> dict[str, Any]:
+        """The manifest of a new worker, from a running worker pod: its labels, annotations and spec,
+        without what the API server or the scheduler filled in (node, status, the token volume)."""
+        obj = self._call(f"reading pod {pod}", self.core.read_namespaced_pod, pod, self.namespace)
+        data = self.core.api_client.sanitize_for_serialization(obj)
+        meta = data.get("metadata") or {}
+        spec = data.get("spec") or {}
+        for key in ("nodeName", "hostname", "subdomain"):
+            spec.pop(key, None)
+        injected = {
+            v["name"]
+            for v in spec.get("volumes") or []
+            if v.get("name", "").startswith(("kube-api-access-", "default-token-"))
+        }
+        spec["volumes"] = [v for v in spec.get("volumes") or [] if v.get("name") not in injected]
+        for c in spec.get("containers") or []:
+            c["volumeMounts"] = [m for m in c.get("volumeMounts") or [] if m.get("name") not in injected]
+        labels = dict(meta.get("labels") or {})
+        labels[ROLE_LABEL] = "worker"
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": pod, "labels": labels, "annotations": dict(meta.get("annotations") or {})},
+            "spec": spec,
+        }
 
     # -- teardown ----------------------------------------------------------------------------------------
 
@@ -363,11 +450,27 @@ class KubernetesBackend(Backend):
                 log.warning("deleting pod %s/%s failed: %s", self.namespace, pod, exc)
 
     def _wait_gone(self, name: str, timeout: float) -> list[str]:
+        """Wait for the cluster's pods to leave the API; the names still there at ``timeout``.
+
+        A deleted pod whose phase is Failed or Succeeded has no container left running: the kubelet said so.
+        Its object can still stay for minutes while a slow or loaded kubelet reclaims volumes and cgroups
+        (62 s seen on the test machine): it is removed at once (grace 0, what ``kubectl delete --force``
+        does), and the kubelet cleans up after it. A pod still Running (an unreachable node, a kubelet
+        that has not killed it) is waited for and then reported, never forced: its processes may live.
+        """
         deadline = time.monotonic() + timeout
+        forced: set[str] = set()
         while True:
-            left = [pod_state(p).name for p in self._pods(name)]
-            if not left or time.monotonic() > deadline:
-                return left
+            states = [pod_state(p) for p in self._pods(name)]
+            if not states:
+                return []
+            stopped = [s.name for s in states if s.deleting and s.phase in _STOPPED and s.name not in forced]
+            if stopped:
+                log.info("cluster %s: %s stopped; removing the pod objects the kubelet keeps", name, stopped)
+                self._delete(stopped, grace=0)
+                forced.update(stopped)
+            if time.monotonic() > deadline:
+                return [s.name for s in states if s.name not in stopped]
             time.sleep(_POLL)
 
     def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,8 @@ from airflow_provider_sky.backends.base import (
     new_record,
     node_has,
     nodes_to_clean,
+    record_replacement,
+    still_recorded,
     teardown_result,
     unclean_reason,
     with_resources_recorded,
@@ -59,6 +64,36 @@ TEARDOWN_CHUNK = 1024
 def node_ip(block: int, i: int) -> str:
     """The loopback address of node ``i`` of the cluster holding address block ``block``."""
     return f"127.{block}.{i // 254}.{i % 254 + 1}"
+
+
+#: ``Node.extra`` key: the machine a local node lives on (see :func:`this_machine`)
+MACHINE = "machine"
+
+
+@functools.cache
+def this_machine() -> str:
+    """This machine's name for local nodes: the host name, plus ``/etc/machine-id`` where there is one.
+
+    Not the boot id: a record must stay usable (for its teardown) after a reboot of the same machine.
+    """
+    try:
+        machine_id = Path("/etc/machine-id").read_text().strip()
+    except OSError:
+        machine_id = ""
+    return f"{socket.gethostname()}/{machine_id[:12]}" if machine_id else socket.gethostname()
+
+
+def check_machine(node: Node, action: str) -> None:
+    """Refuse to act from another machine on a node of this one (a Celery worker elsewhere would see
+    no process of the node and report its ranks lost, or tear down nothing and drop the record)."""
+    home = node.extra.get(MACHINE)
+    if home is not None and home != this_machine():
+        raise BackendError(
+            f"the local backend runs every node on the machine that provisioned the cluster ({home}); "
+            f"this task runs on {this_machine()} and cannot {action} there. Run all of the gang's tasks "
+            "on one machine (e.g. a Celery queue served by one worker: the operators' queue argument), "
+            "or use a sky_ssh, sky_kubernetes or sky_aws connection"
+        )
 
 
 def default_state_dir() -> Path:
@@ -282,9 +317,9 @@ class LocalBackend(Backend):
         for i, ip in enumerate(rank_order(ips, head=ips[0])):
             home = cluster_dir / f"node-{i}"
             home.mkdir(parents=True, exist_ok=True)
-            extra: dict[str, Any] = {}
+            extra: dict[str, Any] = {MACHINE: this_machine()}
             if gpus is not None:
-                extra = {
+                extra |= {
                     GPU_NAME: gpus[0],
                     GPU_DEVICES: gpus[1][i],
                     MACHINE_GPUS: self.inventory().describe(),
@@ -303,6 +338,48 @@ class LocalBackend(Backend):
         self._store(name, new_record(handle, holder))
         return handle
 
+    def replace_nodes(self, handle: ClusterHandle, ranks: Sequence[int]) -> ClusterHandle:
+        """A lost local node (its directory gone) gets a new one: the next free node number of the
+        cluster, its own address and home, the lost node's GPUs. What still ran under the lost node's
+        root is killed first (on a real machine it went with the machine)."""
+        name = handle.name
+        with self._lock():
+            record = self._load(name)
+            if record is None:
+                raise BackendError(f"cluster {name!r} has no record here: it was torn down")
+            if record.get("down"):
+                raise BackendError(f"cluster {name!r} is being torn down")
+            ids = [n["node_id"] for n in record["nodes"]]
+            ids += [r.get("old_node_id") or "" for r in (record.get("extra") or {}).get("replaced", [])]
+            nxt = 1 + max(
+                (int(i.rsplit("-", 1)[1]) for i in ids if i.rsplit("-", 1)[-1].isdigit()), default=-1
+            )
+            cluster_dir = Path(record["extra"].get("dir", self.base / name))
+            block = int(record["extra"]["block"])
+            old: list[Node] = []
+            for rank in ranks:
+                seen = handle.nodes[rank]
+                if not still_recorded(record, rank, seen):
+                    continue  # replaced already (another watcher)
+                if nxt >= LOCAL_MAX_NODES:
+                    raise BackendError(f"cluster {name!r} has used all {LOCAL_MAX_NODES} node numbers")
+                home = cluster_dir / f"node-{nxt}"
+                home.mkdir(parents=True, exist_ok=True)
+                node = Node(
+                    node_ip(block, nxt), f"node-{nxt}", str(home / ".sky"), str(home), dict(seen.extra)
+                )
+                record = record_replacement(record, rank, node)
+                old.append(seen)
+                nxt += 1
+            self._store(name, record)
+        if old:  # the lost nodes' directories are gone: clean from the cluster's
+            left = self._clean([replace(n, home=str(cluster_dir)) for n in old], 0.5)
+            if left:
+                log.warning(
+                    "cluster %s: a replaced node could not be cleaned: %s", name, "; ".join(left.values())
+                )
+        return ClusterHandle.from_dict(record)
+
     def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
         """The cluster's directory and record (the keeper of this machine removes them)."""
         return [str(handle.extra.get("dir", self.base / handle.name)), str(self._record(handle.name))]
@@ -310,7 +387,11 @@ class LocalBackend(Backend):
     def find(self, name: str) -> ClusterHandle | None:
         return self._read(name)
 
+    def check_handle(self, handle: ClusterHandle) -> None:
+        check_machine(handle.nodes[0], f"reach cluster {handle.name!r}")
+
     def runner(self, node: Node) -> LocalRunner:
+        check_machine(node, f"reach node {node.ip}")
         return LocalRunner(node.ip, node.home)
 
     def workdir(self, node: Node, spec: TaskSpec) -> str:
@@ -333,6 +414,8 @@ class LocalBackend(Backend):
             record = self._load(name)
             if record is None:
                 return Teardown(removed=False)
+            for node in ClusterHandle.from_dict(record).nodes:  # before the record changes
+                check_machine(node, f"tear down cluster {name!r}")
             record, kept_for = begin_teardown(record, holder)
             self._store(name, record)
         if kept_for:

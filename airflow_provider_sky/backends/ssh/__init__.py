@@ -59,6 +59,12 @@ BACKEND = BackendInfo(
             '{"10.0.0.1": "H100:8", "10.0.0.2": "A100:4"}; empty: found on each host at provision',
             "schema": {"type": ["string", "null"], "format": "multiline"},
         },
+        "spare_hosts": {
+            "label": "Spare hosts",
+            "description": "Hosts kept aside, written like Hosts: one takes the rank of a host lost during a "
+            "gang with retries",
+            "schema": _STR,
+        },
         "ssh_conn_id": {
             "label": "Reuse an ssh connection",
             "description": "Take hosts, user and key from this standard ssh connection",

@@ -44,6 +44,9 @@ from airflow_provider_sky.backends.base import (
     finish_teardown,
     new_record,
     nodes_to_clean,
+    record_replacement,
+    recorded_resources,
+    still_recorded,
     teardown_result,
     unclean_reason,
     with_resources_recorded,
@@ -170,6 +173,7 @@ class SSHBackend(Backend):
         ready_timeout: float = 30.0,
         max_parallel: int = DEFAULT_MAX_PARALLEL,
         accelerators: Any = None,
+        spare_hosts: Sequence[str] = (),
     ) -> None:
         if not hosts:
             raise BackendError(
@@ -199,6 +203,26 @@ class SSHBackend(Backend):
                 f"{host_user}@{rest}",
             ):
                 names.setdefault(alias, endpoint)
+        self.spares: list[tuple[str, int]] = []
+        for entry in spare_hosts:
+            host_user, rest = _split_user(entry, user)
+            try:
+                endpoint = _split_host(rest, port)
+            except ValueError:
+                raise BackendError(
+                    f"spare_hosts: {entry!r} is not host, host:port or user@host:port"
+                ) from None
+            if not host_user:
+                raise BackendError(
+                    f"spare_hosts: no user for spare host {rest!r}; set the connection's login or write user@host"
+                )
+            if endpoint in self.users:
+                raise BackendError(
+                    f"spare_hosts: {rest!r} is also in hosts (or listed twice); a spare is a host kept aside "
+                    "for a lost one, list it once"
+                )
+            self.users[endpoint] = host_user
+            self.spares.append(endpoint)
         self.user = user
         self.head = _split_host(_split_user(head, user)[1], port) if head else self.endpoints[0]
         if self.head not in self.endpoints:
@@ -263,6 +287,7 @@ class SSHBackend(Backend):
             ready_timeout=s.ready_timeout,
             max_parallel=s.max_parallel,
             accelerators=s.accelerators,
+            spare_hosts=s.spare_hosts,
         )
 
     def test_connection(self) -> str:
@@ -555,6 +580,61 @@ class SSHBackend(Backend):
             return add_lease(record, holder), handle
 
         return self.records.update(name, join)
+
+    def replace_nodes(self, handle: ClusterHandle, ranks: Sequence[int]) -> ClusterHandle:
+        """A lost host's rank goes to the first spare host (``spare_hosts``) that answers, has what the
+        cluster was provisioned with and is in no node of the cluster; the record on the head names it,
+        so the teardown cleans it too. The head cannot be replaced: it keeps the record."""
+        name = handle.name
+        if not self.spares:
+            raise BackendError(
+                "no spare host: list hosts kept aside for lost ones in the connection's spare_hosts extra"
+            )
+
+        def change(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, ClusterHandle]:
+            if record is None:
+                raise BackendError(f"cluster {name!r} has no record on the head: it was torn down")
+            if record.get("down"):
+                raise BackendError(f"cluster {name!r} is being torn down")
+            current = ClusterHandle.from_dict(record)
+            res = recorded_resources(current) or Resources()
+            used = {(n.extra.get("host"), int(n.extra.get("port", 0))) for n in current.nodes}
+            for rank in ranks:
+                seen = handle.nodes[rank]
+                if not still_recorded(record, rank, seen):
+                    continue  # replaced already (another watcher)
+                if (seen.extra.get("host"), int(seen.extra.get("port", 0))) == self.head:
+                    raise BackendError(
+                        f"rank {rank}'s host is the head {self.head[0]}:{self.head[1]}, which keeps the "
+                        "cluster record: a lost head cannot be replaced"
+                    )
+                why: list[str] = []
+                for spare in self.spares:
+                    if spare in used:
+                        continue
+                    try:
+                        probe = self._probe(spare)
+                    except Exception as exc:
+                        why.append(f"{self._name(spare)}: not usable ({exc})")
+                        continue
+                    misfit = self._misfit(res, probe)
+                    if misfit:
+                        why.append(f"{self._name(spare)}: {misfit[1]}")
+                        continue
+                    count = len((record.get("extra") or {}).get("replaced", [])) + 1
+                    node = replace(self._node(rank, name, probe, res), node_id=f"node-{rank}-spare{count}")
+                    record = record_replacement(record, rank, node)
+                    used.add(spare)
+                    break
+                else:
+                    raise BackendError(
+                        f"no spare host left for rank {rank} (spare_hosts: {len(self.spares)}, "
+                        f"{len(self.spares) - len(why)} in use by this cluster)"
+                        + (": " + "; ".join(why) if why else "")
+                    )
+            return record, ClusterHandle.from_dict(record)
+
+        return self.records.update(name, change)
 
     def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
         def begin(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, Any]:

@@ -36,6 +36,8 @@ class SSHSettings:
     #: the hosts' GPUs as declared: ``"H100:8"`` for every host, or ``{host: "H100:8"}`` (JSON text or a
     #: mapping); hosts not declared are asked with nvidia-smi / rocm-smi at provision
     accelerators: Any = None
+    #: hosts kept aside: one takes the rank of a host lost during a gang with retries (``spare_hosts``)
+    spare_hosts: tuple[str, ...] = ()
 
 
 def _given(value: Any) -> bool:
@@ -98,7 +100,20 @@ def parse_ssh_config(config: Mapping[str, Any]) -> SSHSettings:
         ready_timeout=number(config, "ready_timeout", 30.0, float),
         max_parallel=number(config, "max_parallel", DEFAULT_MAX_PARALLEL, int),
         accelerators=config.get("accelerators"),
+        spare_hosts=_spares(config.get("spare_hosts")),
     )
+
+
+def _spares(raw: Any) -> tuple[str, ...]:
+    """``spare_hosts``: like ``host``, a comma-separated list (or a JSON list); anything else is named."""
+    if raw in (None, ""):
+        return ()
+    if not isinstance(raw, (str, list, tuple)):
+        raise BackendError(
+            f'spare_hosts: expected hosts as a comma-separated text or a list (e.g. "10.0.0.9,10.0.0.10"), '
+            f"got {raw!r}"
+        )
+    return _hosts(raw)
 
 
 #: the settings that together say how to authenticate: taken from one place only

@@ -1,0 +1,97 @@
+"""A lost EC2 instance of a gang with retries replaced by a new one (``Backend.replace_nodes``).
+
+Kept apart from ``backend.py`` (provision, find, terminate): the new instance copies a healthy one's
+launch spec and carries the cluster's tags, so finding and teardown by tag cover it as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from airflow_provider_sky.backends.aws import ec2 as api
+from airflow_provider_sky.backends.base import (
+    BackendError,
+    ClusterHandle,
+    replacements_recorder,
+    still_recorded,
+)
+
+if TYPE_CHECKING:
+    from airflow_provider_sky.backends.aws.backend import AWSBackend
+
+log = logging.getLogger(__name__)
+#: how long a failed replacement waits for the instances it made to be gone
+TERMINATE_WAIT = 600.0
+
+
+def replace_nodes(self: AWSBackend, handle: ClusterHandle, ranks: Sequence[int]) -> ClusterHandle:
+    """Each lost worker instance is terminated and one new instance launched with a healthy
+    instance's launch spec (image, type, key pair, security groups, subnet, spot, root disk) and the
+    cluster's tags; its SSH is waited for and its host key pinned, and the record on the head names it
+    in the lost one's rank. The head cannot be replaced: it keeps the record."""
+    name = handle.name
+    if 0 in ranks:
+        raise BackendError("the head instance keeps the cluster record: a lost head cannot be replaced")
+    head = handle.nodes[0]
+    record = self.records(head).load(name)
+    if record is None:
+        raise BackendError(f"cluster {name!r} has no record on its head: it was torn down")
+    todo = [r for r in ranks if still_recorded(record, r, handle.nodes[r])]
+    if not todo:
+        return ClusterHandle.from_dict(record)
+    kept = [n for i, n in enumerate(handle.nodes) if i not in ranks]
+    model = self._by_ids([str(kept[-1].extra.get("instance_id") or kept[-1].node_id)])
+    if not model:
+        raise BackendError(f"instance {kept[-1].node_id} of cluster {name!r} is not found in EC2")
+    lost_ids = [str(handle.nodes[r].extra.get("instance_id") or handle.nodes[r].node_id) for r in todo]
+    try:
+        self.ec2.terminate_instances(InstanceIds=lost_ids)
+    except Exception as exc:
+        log.warning("cluster %s: terminating lost instance(s) %s failed: %s", name, lost_ids, exc)
+    request = _relaunch_request(self, name, model[0], len(todo))
+    try:
+        launched = self.ec2.run_instances(**request)["Instances"]
+    except Exception as exc:
+        raise api.client_error(f"launching {len(todo)} x {request['InstanceType']}", exc) from None
+    ids = [str(i["InstanceId"]) for i in launched]
+    try:
+        nodes = self._reach(name, self._wait_running(name, ids), {})
+    except BaseException:
+        api.terminate_and_wait(self.ec2, ids, TERMINATE_WAIT)
+        raise
+    by_rank = dict(zip(todo, nodes, strict=True))
+
+    spare = self.records(head).update(name, replacements_recorder(name, handle, by_rank))
+    if spare:
+        self.ec2.terminate_instances(InstanceIds=spare)
+    found = self.records(head).load(name)
+    assert found is not None
+    return ClusterHandle.from_dict(found)
+
+
+def _relaunch_request(self: AWSBackend, name: str, model: Mapping[str, Any], n: int) -> dict[str, Any]:
+    """A RunInstances of ``n`` workers like ``model`` (a running instance of the cluster)."""
+    root_device, disk = model.get("RootDeviceName"), None
+    for bdm in model.get("BlockDeviceMappings") or ():
+        if bdm.get("DeviceName") == root_device and (bdm.get("Ebs") or {}).get("VolumeId"):
+            try:
+                vols = self.ec2.describe_volumes(VolumeIds=[bdm["Ebs"]["VolumeId"]])["Volumes"]
+                disk = int(vols[0]["Size"]) if vols else None
+            except Exception as exc:  # the image's default size then
+                log.info("cluster %s: reading the root volume's size failed: %s", name, exc)
+    return api.run_request(
+        name,
+        self.owner,
+        n=n,
+        image=str(model["ImageId"]),
+        instance_type=str(model["InstanceType"]),
+        key_name=str(model.get("KeyName") or self.settings.key_name or ""),
+        groups=[str(g["GroupId"]) for g in model.get("SecurityGroups") or ()],
+        subnet=str(model.get("SubnetId") or ""),
+        public_ip=not self.settings.use_private_ips,
+        root_device=str(root_device) if disk and root_device else None,
+        disk_size=disk,
+        spot=model.get("InstanceLifecycle") == "spot",
+    )

@@ -1,0 +1,52 @@
+"""A ``sky_aws`` connection's linked ``aws`` connection, resolved by the Amazon provider when it is installed.
+
+Why here and not in the backend: backends never import Airflow. With ``apache-airflow-providers-amazon``
+installed, the linked connection is read by its ``AwsConnectionWrapper`` and the boto3 session is made by
+its session factory (``AwsBaseHook``'s: ``role_arn`` and ``assume_role_method``/``assume_role_kwargs``,
+``profile_name``, web identity, ``service_config``, ``[aws] session_factory``), so credentials behave as
+for every other AWS task of the deployment. The backend only receives a function that makes that session,
+called when it first needs EC2; no credential is copied into the settings, logged or written anywhere.
+Without the Amazon provider, the same connection fields are read by
+:func:`airflow_provider_sky.backends.aws.config.merge_aws_connection` (keys, token, region, endpoint).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+from airflow_provider_sky.backends.aws.config import CREDENTIAL_FIELDS
+from airflow_provider_sky.backends.aws.config import merge_aws_connection as merge_fields
+
+
+def _session(wrapper: Any, region: str | None) -> Any:
+    """A boto3 session from the Amazon provider's session factory (assumes the role, if any)."""
+    from airflow.providers.amazon.aws.hooks.base_aws import SessionFactory
+
+    return SessionFactory(conn=wrapper, region_name=region, config=wrapper.botocore_config).create_session()
+
+
+def merge_aws_connection(config: Mapping[str, Any], aws_conn: Any) -> dict[str, Any]:
+    """``config`` (a ``sky_aws`` connection's) completed from the linked ``aws`` connection.
+
+    Credentials set on the ``sky_aws`` connection itself win, whole; otherwise they are the ``aws``
+    connection's as the Amazon provider resolves them (a ``session_factory`` the backend calls). Region
+    and endpoint: ours, else the ``aws`` connection's (its ``service_config`` for ``ec2`` first).
+    """
+    merged = merge_fields(config, aws_conn)
+    try:
+        from airflow.providers.amazon.aws.utils.connection_wrapper import AwsConnectionWrapper
+    except ImportError:  # the Amazon provider is not installed: the fields alone
+        return merged
+    wrapper = AwsConnectionWrapper(conn=aws_conn)
+    if not config.get("region_name") and wrapper.region_name:
+        merged["region_name"] = wrapper.region_name
+    endpoint = wrapper.get_service_endpoint_url("ec2")
+    if not config.get("endpoint_url") and endpoint:
+        merged["endpoint_url"] = endpoint
+    if not any(config.get(k) not in (None, "") for k in CREDENTIAL_FIELDS):
+        for key in CREDENTIAL_FIELDS:
+            merged.pop(key, None)  # the session carries them (or a role's, refreshed as they expire)
+        merged["session_factory"] = functools.partial(_session, wrapper)
+    return merged

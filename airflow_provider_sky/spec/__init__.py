@@ -1,0 +1,37 @@
+"""The task spec: a SkyPilot-style task YAML (or the same fields as Python arguments), validated up front.
+
+Everything a gang job needs is checked here, before any node is touched, so a typo or an impossible request
+fails at parse time with a message naming the field and the fix, instead of half a gang starting. This module
+imports neither Airflow nor any backend: operators, triggers and backends all build on it.
+"""
+
+from __future__ import annotations
+
+from airflow_provider_sky.spec.capabilities import (
+    BackendCapabilities,
+    check_backend,
+    describe_resources,
+    problems_error,
+    resource_problems,
+)
+from airflow_provider_sky.spec.common import RANK_VARIABLES, SpecError
+from airflow_provider_sky.spec.resources import Accelerator, Resources
+from airflow_provider_sky.spec.task import TaskSpec, is_bucket_source, parse_task, task_from_args
+from airflow_provider_sky.spec.yamlfile import load_task_yaml
+
+__all__ = [
+    "RANK_VARIABLES",
+    "Accelerator",
+    "BackendCapabilities",
+    "Resources",
+    "SpecError",
+    "TaskSpec",
+    "check_backend",
+    "describe_resources",
+    "is_bucket_source",
+    "load_task_yaml",
+    "parse_task",
+    "problems_error",
+    "resource_problems",
+    "task_from_args",
+]

@@ -1,0 +1,159 @@
+"""What every part of the task spec shares: the error type, the known keys and the value parsers."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+
+class SpecError(ValueError):
+    """Bad task spec. ``str()`` is ``'<field>: <message>'``; the message says what is wrong and how to fix it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+    def __reduce__(self) -> tuple[type[SpecError], tuple[str, str]]:
+        # The default reduce would call SpecError(str(self)) and fail: keep it picklable across processes.
+        return (SpecError, (self.field, self.message))
+
+
+#: Set by the provider per rank; a user value would silently break rank discovery, so it is an error.
+RANK_VARIABLES: frozenset[str] = frozenset(
+    {
+        "SKYPILOT_NODE_RANK",
+        "SKYPILOT_NODE_IPS",
+        "SKYPILOT_NUM_NODES",
+        "SKYPILOT_NUM_GPUS_PER_NODE",
+        "SKYPILOT_SETUP_NUM_GPUS_PER_NODE",
+        "SKYPILOT_SETUP_NODE_RANK",
+        "SKYPILOT_SETUP_NODE_IPS",
+        "SKYPILOT_TASK_ID",
+        "SKYPILOT_CLUSTER_INFO",
+        "MASTER_ADDR",
+        "WORLD_SIZE",
+        "NNODES",
+        "NODE_RANK",
+        "RANK",
+        "SKY_PROGRESS_FILE",
+        "SKY_ATTEMPT",
+    }
+)
+
+TOP_LEVEL_KEYS: tuple[str, ...] = (
+    "name",
+    "num_nodes",
+    "resources",
+    "setup",
+    "run",
+    "envs",
+    "secrets",
+    "workdir",
+    "file_mounts",
+)
+RESOURCE_KEYS: tuple[str, ...] = (
+    "infra",
+    "cloud",
+    "region",
+    "zone",
+    "cpus",
+    "memory",
+    "accelerators",
+    "instance_type",
+    "use_spot",
+    "image_id",
+    "disk_size",
+    "labels",
+    "any_of",
+    "ordered",
+)
+#: the keys that list alternatives (each entry a resources mapping; the first the backend can satisfy wins)
+ALTERNATIVE_KEYS: tuple[str, ...] = ("any_of", "ordered")
+_ENTRY_KEYS: tuple[str, ...] = tuple(k for k in RESOURCE_KEYS if k not in ALTERNATIVE_KEYS)
+# SkyPilot keys users may copy from existing YAML; named so the error says "unsupported", not "typo".
+_SKYPILOT_ONLY_TOP = frozenset({"service", "config", "volumes", "pool", "event_callback", "experimental"})
+_SKYPILOT_ONLY_RESOURCES = frozenset(
+    {
+        "ports",
+        "job_recovery",
+        "autostop",
+        "accelerator_args",
+        "disk_tier",
+        "network_tier",
+        "priority",
+    }
+)
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_CLOUD_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+_ACCEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_NUMBER = r"(\d+(?:\.\d+)?|\.\d+)"
+_CPUS = re.compile(rf"^{_NUMBER}(?P<plus>\+?)$")
+_MEMORY = re.compile(rf"^{_NUMBER}\s*(?:(?P<unit>[KMGTP])(?:IB|I|B)?)?(?P<plus>\+?)$", re.IGNORECASE)
+_MEMORY_UNIT_GIB = {"K": 2.0**-20, "M": 2.0**-10, "G": 1.0, "T": 2.0**10, "P": 2.0**20}
+_CLOUD_ALIASES = {"k8s": "kubernetes"}
+# For these the part after the first '/' is one name (a kube context may itself contain '/').
+_CONTEXT_CLOUDS = frozenset({"kubernetes", "ssh"})
+
+
+def _fmt_number(value: float) -> str:
+    """``8.0`` -> ``"8"``, ``0.5`` -> ``"0.5"``: show numbers the way a user writes them."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _type_name(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _unknown_key(prefix: str, key: str, valid: tuple[str, ...], unsupported: frozenset[str]) -> SpecError:
+    where = f"{prefix}.{key}" if prefix else key
+    scope = f"{prefix}:" if prefix else "the task"
+    if key in unsupported:
+        return SpecError(where, f"is a SkyPilot key this provider does not support; remove it from {scope}")
+    if not prefix and key in RESOURCE_KEYS:
+        return SpecError(where, f"belongs under resources:, e.g. 'resources: {{{key}: ...}}'")
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'?" if close else "valid keys are: " + ", ".join(valid)
+    return SpecError(where, f"unknown key in {scope}; {hint}")
+
+
+def _check_keys(
+    prefix: str, obj: Mapping[Any, Any], valid: tuple[str, ...], unsupported: frozenset[str]
+) -> None:
+    for key in obj:
+        if not isinstance(key, str):
+            where = prefix or "task"
+            raise SpecError(where, f"keys must be strings, got {key!r} ({_type_name(key)})")
+        if key not in valid:
+            raise _unknown_key(prefix, key, valid, unsupported)
+
+
+def _opt_str(value: object, where: str, what: str) -> str | None:
+    """An optional non-empty string (YAML ``key:`` with nothing after it means not given)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise SpecError(where, f"must be a non-empty string ({what}), got {value!r}")
+    return value.strip()
+
+
+def _coerce_value(raw: object, where: str, fix_none: str) -> str:
+    """YAML turns ``PORT: 29500`` into an int and ``DEBUG: true`` into a bool; the shell needs strings."""
+    if raw is None:
+        raise SpecError(where, f"a value must be given (null is not allowed); {fix_none}")
+    if isinstance(raw, bool):
+        text = "true" if raw else "false"
+    elif isinstance(raw, (int, float, str)):
+        text = str(raw)
+    else:
+        raise SpecError(
+            where, f"must be a string or number, got {_type_name(raw)} {raw!r}; quote it as a string"
+        )
+    if "\0" in text:
+        raise SpecError(where, "contains a NUL byte, which no environment variable can hold; remove it")
+    return text

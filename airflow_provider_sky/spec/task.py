@@ -1,0 +1,297 @@
+"""The task itself: num_nodes, setup, run, envs, secrets, workdir, file mounts, and the merge of overrides."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from airflow_provider_sky.spec.common import (
+    _ENV_NAME,
+    _SKYPILOT_ONLY_TOP,
+    _TASK_NAME,
+    _URL,
+    ALTERNATIVE_KEYS,
+    RANK_VARIABLES,
+    TOP_LEVEL_KEYS,
+    SpecError,
+    _check_keys,
+    _coerce_value,
+    _opt_str,
+    _type_name,
+)
+from airflow_provider_sky.spec.resources import (
+    Resources,
+    _overlay,
+    _parse_resource_options,
+    _resources_to_dict,
+)
+
+# ---------------------------------------------------------------------------------------------------------
+# envs, secrets, file mounts
+
+
+def _parse_env_mapping(value: object, section: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(section, f"must be a mapping of NAME: value, got {_type_name(value)} {value!r}")
+    out: dict[str, str] = {}
+    for key, raw in value.items():
+        where = f"{section}.{key}"
+        if not isinstance(key, str) or not _ENV_NAME.match(key):
+            raise SpecError(
+                where,
+                "is not a valid environment variable name; use letters, digits and '_', "
+                "not starting with a digit (e.g. MY_VAR)",
+            )
+        if key in RANK_VARIABLES:
+            raise SpecError(
+                where,
+                "is set by the provider for each rank (node rank, IPs, world size) and cannot be overridden; "
+                "rename your variable",
+            )
+        out[key] = _coerce_value(raw, where, f"set it here or pass it in {section}= when creating the task")
+    return out
+
+
+def is_bucket_source(source: str) -> bool:
+    """A URL source (``s3://``, ``gs://``, ``r2://``, ``https://`` ...) is a remote store, not a local path."""
+    return bool(_URL.match(source))
+
+
+def _parse_file_mounts(value: object) -> dict[str, str]:
+    section = "file_mounts"
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(
+            section, f"must be a mapping of REMOTE_PATH: LOCAL_PATH_OR_URL, got {_type_name(value)} {value!r}"
+        )
+    out: dict[str, str] = {}
+    for dest, src in value.items():
+        where = f"{section}.{dest}"
+        if not isinstance(dest, str) or not (dest.startswith("/") or dest.startswith("~/")):
+            raise SpecError(
+                where,
+                "the key is the destination on the node and must be an absolute path or start with '~/' "
+                "(e.g. /data or ~/data); the value is the local path or URL",
+            )
+        if ".." in dest.split("/"):
+            raise SpecError(
+                where,
+                "a '..' segment may not be in a destination: it could leave the node's home (or the "
+                "directory named); write the path without '..', e.g. ~/data or /data",
+            )
+        if not isinstance(src, str) or not src.strip():
+            raise SpecError(
+                where,
+                f"source must be a local path or a URL string such as s3://bucket/path, got {src!r} "
+                "(storage-object mounts are not supported)",
+            )
+        out[dest] = src.strip()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the task
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One validated gang task. Build it with :func:`parse_task`, :func:`load_task_yaml` or :func:`task_from_args`."""
+
+    run: str
+    num_nodes: int = 1
+    name: str | None = None
+    resources: Resources = field(default_factory=Resources)
+    setup: str | None = None
+    envs: dict[str, str] = field(default_factory=dict)
+    secrets: dict[str, str] = field(default_factory=dict, repr=False)
+    workdir: str | None = None
+    file_mounts: dict[str, str] = field(default_factory=dict)
+    #: SkyPilot's alternatives (``any_of`` / ``ordered`` / several accelerators), in the order written, when
+    #: there are two or more; ``resources`` is then the first. Empty: ``resources`` is the only choice.
+    alternatives: tuple[Resources, ...] = ()
+
+    @property
+    def resource_choices(self) -> tuple[Resources, ...]:
+        """Every acceptable ``resources``, in order of preference (one when there are no alternatives)."""
+        return self.alternatives or (self.resources,)
+
+    def with_resources(self, resources: Resources) -> TaskSpec:
+        """This task with one of its alternatives chosen (what a backend provisions)."""
+        return replace(self, resources=resources, alternatives=())
+
+    def __repr__(self) -> str:
+        # Secret names help debugging; their values must never reach a log through repr() or str().
+        secrets = {k: "<redacted>" for k in self.secrets}
+        return (
+            f"TaskSpec(run={self.run!r}, num_nodes={self.num_nodes!r}, name={self.name!r}, "
+            f"resources={self.resources!r}, setup={self.setup!r}, envs={self.envs!r}, secrets={secrets!r}, "
+            f"workdir={self.workdir!r}, file_mounts={self.file_mounts!r}, alternatives={self.alternatives!r})"
+        )
+
+    __str__ = __repr__
+
+    def to_dict(self, include_secrets: bool = False) -> dict[str, Any]:
+        """A SkyPilot-YAML-shaped dict (only what is set); it parses back to an equal spec."""
+        out: dict[str, Any] = {}
+        if self.name is not None:
+            out["name"] = self.name
+        out["num_nodes"] = self.num_nodes
+        if self.alternatives:
+            out["resources"] = {"ordered": [_resources_to_dict(r) for r in self.alternatives]}
+        elif resources := _resources_to_dict(self.resources):
+            out["resources"] = resources
+        if self.workdir is not None:
+            out["workdir"] = self.workdir
+        if self.file_mounts:
+            out["file_mounts"] = dict(self.file_mounts)
+        if self.setup is not None:
+            out["setup"] = self.setup
+        out["run"] = self.run
+        if self.envs:
+            out["envs"] = dict(self.envs)
+        if self.secrets:
+            out["secrets"] = {k: (v if include_secrets else "<redacted>") for k, v in self.secrets.items()}
+        return out
+
+    def redacted(self, text: str) -> str:
+        """``text`` with every secret value replaced by ``***``, for logs and error messages."""
+        values = sorted({v for v in self.secrets.values() if v}, key=len, reverse=True)
+        if not values:
+            return text
+        # One alternation, longest first, so a secret that contains another is hidden whole.
+        return re.sub("|".join(re.escape(v) for v in values), "***", text)
+
+
+def _parse_script(value: object, where: str, required: bool) -> str | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        if required:
+            raise SpecError(
+                where, "required: give the shell commands every node runs, e.g. run: python train.py"
+            )
+        return None
+    if not isinstance(value, str):
+        raise SpecError(
+            where,
+            f"must be a string of shell commands, got {_type_name(value)}; "
+            "join several commands with newlines using a YAML block ('|')",
+        )
+    if "\0" in value:
+        raise SpecError(where, "contains a NUL byte, which a shell script cannot hold; remove it")
+    return value
+
+
+def _parse_num_nodes(value: object) -> int:
+    where = "num_nodes"
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, str):
+            hint = (
+                f"write it unquoted, e.g. num_nodes: {value.strip()}" if value.strip().isdigit() else "e.g. 4"
+            )
+        else:
+            hint = "e.g. num_nodes: 4"
+        raise SpecError(where, f"must be a whole number >= 1, got {_type_name(value)} {value!r}; {hint}")
+    if value < 1:
+        raise SpecError(where, f"must be at least 1, got {value}; a gang needs one or more nodes")
+    return value
+
+
+def _merge(base: Mapping[str, object], overrides: Mapping[str, object] | None) -> dict[str, object]:
+    merged = dict(base)
+    for key, value in (overrides or {}).items():
+        if value is None:  # an argument left at its default: keep what the YAML says
+            continue
+        old = merged.get(key)
+        if key == "resources" and isinstance(old, Mapping) and isinstance(value, (Mapping, Resources)):
+            merged[key] = _merge_resources(old, value)
+        elif key in ("envs", "secrets") and isinstance(old, Mapping) and isinstance(value, Mapping):
+            merged[key] = {**old, **value}
+        elif key in ("envs", "secrets") and old is not None and not isinstance(old, Mapping):
+            continue  # keep the bad base value so its own error is reported
+        else:
+            merged[key] = value
+    return merged
+
+
+def _merge_resources(
+    base: Mapping[str, object], override: Mapping[str, object] | Resources
+) -> dict[str, object]:
+    """``resources`` given as an argument over the YAML's, key by key: the argument's keys win (also inside
+    the YAML's ``any_of`` / ``ordered`` entries), the YAML's other keys stay; a key given as ``None``
+    removes the YAML's."""
+    if isinstance(override, Resources):
+        override = _resources_to_dict(override)
+    removed = {k for k, v in override.items() if v is None}
+    given = {k: v for k, v in override.items() if v is not None}
+    merged = _overlay({k: v for k, v in base.items() if k not in removed}, given)
+    if any(k in given for k in ALTERNATIVE_KEYS):
+        for key in ALTERNATIVE_KEYS:
+            if key not in given:
+                merged.pop(key, None)  # the argument's alternatives replace the YAML's
+    for key in ALTERNATIVE_KEYS:
+        entries = merged.get(key)
+        if key in given or not isinstance(entries, (list, tuple)):
+            continue
+        merged[key] = [
+            _overlay({k: v for k, v in e.items() if k not in removed}, given) if isinstance(e, Mapping) else e
+            for e in entries
+        ]
+    return merged
+
+
+def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | None = None) -> TaskSpec:
+    """Parse a SkyPilot task YAML mapping as is.
+
+    ``overrides`` (Python arguments) replace top-level keys; ``envs``/``secrets`` are merged (override wins),
+    and so is ``resources``, key by key (see :func:`_merge_resources`). A ``None`` override means "not
+    given" and leaves the YAML value alone.
+    """
+    if not isinstance(obj, Mapping):
+        raise SpecError(
+            "task", f"must be a mapping of task keys (run, num_nodes, ...), got {_type_name(obj)}"
+        )
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise SpecError("overrides", f"must be a mapping of task keys, got {_type_name(overrides)}")
+    _check_keys("", obj, TOP_LEVEL_KEYS, _SKYPILOT_ONLY_TOP)
+    if overrides:
+        _check_keys("", overrides, TOP_LEVEL_KEYS, _SKYPILOT_ONLY_TOP)
+    data = _merge(obj, overrides)
+
+    run = _parse_script(data.get("run"), "run", required=True)
+    assert run is not None  # required=True raised otherwise
+    name = data.get("name")
+    if name is not None and (not isinstance(name, str) or not _TASK_NAME.match(name)):
+        raise SpecError(
+            "name",
+            f"{name!r} is not a valid task name; use 1-63 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (e.g. train-llm)",
+        )
+    envs = _parse_env_mapping(data.get("envs"), "envs")
+    secrets = _parse_env_mapping(data.get("secrets"), "secrets")
+    clash = sorted(envs.keys() & secrets.keys())
+    if clash:
+        raise SpecError(
+            f"secrets.{clash[0]}", "is also set in envs; keep it in secrets only (values there are redacted)"
+        )
+    options = _parse_resource_options(data.get("resources"))
+    return TaskSpec(
+        run=run,
+        num_nodes=_parse_num_nodes(data.get("num_nodes", 1)),
+        name=name,
+        resources=options[0],
+        alternatives=options if len(options) > 1 else (),
+        setup=_parse_script(data.get("setup"), "setup", required=False),
+        envs=envs,
+        secrets=secrets,
+        workdir=_opt_str(data.get("workdir"), "workdir", "a local directory synced to every node"),
+        file_mounts=_parse_file_mounts(data.get("file_mounts")),
+    )
+
+
+def task_from_args(**kwargs: object) -> TaskSpec:
+    """The YAML fields as Python keyword arguments (``resources`` may be a dict or a :class:`Resources`)."""
+    return parse_task(kwargs)

@@ -1,0 +1,149 @@
+# ruff: noqa: F811 (the fixtures imported from aws_fixtures are parameters here)
+"""The README's IAM policy against the backend's real calls.
+
+What moto (5.2.x) can check, and what it cannot: with auth enforced (``MotoEC2.enforce_iam``) it checks
+each call's action against the caller's policies (Allow / Deny, wildcards), but for EC2 it evaluates
+every statement against the resource ``*`` and with no condition keys of the request, so a statement's
+``Resource`` and its ``Condition`` (the tag conditions) are never exercised. So: the policy is shown to
+allow the whole lifecycle (actions), and its actions are shown to be exactly the ones the backend calls,
+recorded on the wire; the conditions are checked for their shape only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from airflow_provider_sky.backends.aws.ec2 import TAG_CREATED
+from airflow_provider_sky.backends.base import BackendError
+from airflow_provider_sky.spec import task_from_args
+from aws_fixtures import backend, hosts, moto, net  # noqa: F401 (fixtures)
+from moto_ec2 import REGION, FakeNetwork, Fault, FaultProxy, MotoEC2, ours_left
+from sshd import SSHDCluster, needs_sshd
+
+pytestmark = needs_sshd
+
+
+def _readme_policy() -> dict[str, Any]:
+    """The IAM policy JSON the README's AWS section gives users."""
+    import json
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    after = text[text.index("**IAM permissions**") :]
+    block = after[after.index("```json") + len("```json") : after.index("```", after.index("```json") + 7)]
+    policy: dict[str, Any] = json.loads(block)
+    return policy
+
+
+def test_the_readme_iam_policy_allows_the_whole_lifecycle(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
+) -> None:
+    """moto enforcing IAM: a user holding exactly the README's policy provisions, finds, reaps and tears
+    down a cluster and uses the Test button; a call the policy lacks would be AccessDenied. (moto checks
+    the actions; it ignores Resource and Condition, so the tag conditions are not exercised here.)"""
+    import json
+
+    iam = moto.client(service="iam")
+    keys = {}
+    for user, policy in (
+        ("sky", _readme_policy()),
+        (
+            "admin",
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]},
+        ),
+    ):
+        iam.create_user(UserName=user)
+        iam.put_user_policy(UserName=user, PolicyName="p", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName=user)["AccessKey"]
+        keys[user] = (key["AccessKeyId"], key["SecretAccessKey"])
+    moto.keys = keys["admin"]
+    moto.enforce_iam(True)
+    try:
+        b = backend(moto.url, hosts, login=keys["sky"][0], password=keys["sky"][1])
+        assert b.test_connection().startswith(f"EC2 {REGION}")
+        b.provision("iam", task_from_args(num_nodes=2, run="true", resources={"disk_size": 64}), holder="d/r")
+        assert backend(moto.url, hosts, login=keys["sky"][0], password=keys["sky"][1]).find("iam") is not None
+        assert b.reap(min_age=0) == []
+        assert b.terminate("iam", holder="d/r").removed
+        assert ours_left(moto.client(), "iam") == {}
+        # keys EC2 does not know: refused with the cause and the fix named, nothing made
+        stranger = backend(moto.url, hosts, login="AKIANOBODY", password="wrong")
+        with pytest.raises(BackendError) as err:
+            stranger.provision("iam2", task_from_args(num_nodes=1, run="true"))
+        print("\nunknown keys:", err.value)
+        assert "credentials refused" in str(err.value) and "wrong" not in str(err.value)
+        assert ours_left(moto.client(), "iam2") == {}
+    finally:
+        moto.enforce_iam(False)
+
+
+def _actions(policy: dict[str, Any]) -> set[str]:
+    out: set[str] = set()
+    for st in policy["Statement"]:
+        acts = st["Action"]
+        out.update([acts] if isinstance(acts, str) else acts)
+    return out
+
+
+def test_the_readme_policy_names_exactly_the_actions_the_backend_calls(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
+) -> None:
+    """Every path of the backend (the Test button, provision with a disk (its image's root device) and the
+    cluster's own group and key pair, find, reuse of a stopped cluster, a lost node's reason, reap with
+    leftovers, teardown, a provision failing part way), each EC2 call recorded by a proxy in front of
+    moto: the actions called are the policy's, no more and no fewer. And the policy's shape: one
+    version, every statement Allow with Resource '*', conditions only on keys EC2 defines."""
+    policy = _readme_policy()
+    assert policy["Version"] == "2012-10-17"
+    for st in policy["Statement"]:
+        assert st["Effect"] == "Allow" and st["Resource"] == "*" and st["Sid"]
+        assert all(a.startswith("ec2:") and "*" not in a for a in _actions({"Statement": [st]}))
+        for op, keys in (st.get("Condition") or {}).items():
+            assert op == "StringEquals"
+            assert set(keys) <= {"ec2:CreateAction", "aws:ResourceTag/sky-airflow:owner"}, keys
+    ec2 = moto.client()
+    proxy = FaultProxy(moto.url)
+    try:
+        b = backend(proxy.url, hosts)
+        b.test_connection()
+        spec = task_from_args(num_nodes=2, run="true", resources={"disk_size": 64})
+        h = b.provision("iam", spec, holder="d/r")
+        assert backend(proxy.url, hosts).find("iam") is not None
+        ids = [n.node_id for n in h.nodes]
+        ec2.stop_instances(InstanceIds=ids)
+        ec2.get_waiter("instance_stopped").wait(InstanceIds=ids, WaiterConfig={"Delay": 1})
+        h = backend(proxy.url, hosts).provision("iam", spec, holder="d/r2")  # StartInstances
+        assert b.lost_reason(h.nodes[1]) is None
+        assert b.reap(min_age=0) == []
+        assert b.terminate("iam", holder=None).removed
+        # a leftover group, deleted by reap; a provision failing after the launch undoes what it made
+        vpc = ec2.describe_vpcs()["Vpcs"][0]["VpcId"]
+        tags = [
+            {"Key": "sky-airflow:cluster", "Value": "left"},
+            {"Key": "sky-airflow:owner", "Value": "airflow-provider-sky"},
+            {"Key": TAG_CREATED, "Value": str(int(time.time()) - 3600)},
+        ]
+        ec2.create_security_group(
+            GroupName="sky-airflow-left",
+            Description="x",
+            VpcId=vpc,
+            TagSpecifications=[{"ResourceType": "security-group", "Tags": tags}],
+        )
+        b.reap(min_age=60)
+        assert ours_left(ec2, "left") == {}
+        proxy.faults.append(Fault("CreateTags", "UnauthorizedOperation", "no", after=0))
+        with pytest.raises(BackendError):
+            backend(proxy.url, hosts).provision("undo", task_from_args(num_nodes=1, run="true"))
+        proxy.faults.clear()
+        assert ours_left(ec2, "undo") == {}
+    finally:
+        proxy.stop()
+    called = {f"ec2:{a}" for a in proxy.calls}
+    print("\nEC2 actions called:", sorted(called))
+    assert called == _actions(policy), (
+        f"called, not in the policy: {sorted(called - _actions(policy))}; "
+        f"in the policy, never called: {sorted(_actions(policy) - called)}"
+    )

@@ -1,0 +1,98 @@
+"""The machine stops a gang by itself: the first rank of a machine to fail cancels its siblings there,
+with no watcher polling (the watchers' poll does the same across machines, a poll later)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from airflow_provider_sky.gang import CANCELLED, FAILED, RUNNING, SUCCEEDED
+from gangs import local_gang
+from test_containment import ESCAPES, _alive, _marked, _wait_for
+
+
+def _over(client, n: int) -> bool:
+    return all(r.terminal for r in client.peek("job").ranks) and len(client.peek("job").ranks) == n
+
+
+def test_a_failing_rank_cancels_its_siblings_on_the_machine_with_no_watcher(sky_home: Path) -> None:
+    """Nothing polls this job: before, the 15 siblings slept on until a watcher came; now they are gone
+    within a second of rank 5's segfault, each cancelled with the cause, their escaped children too."""
+    run = (
+        'if [ "$SKYPILOT_NODE_RANK" = 5 ]; then sleep 2; kill -SEGV $$; fi\n'
+        'if [ "$SKYPILOT_NODE_RANK" = 9 ]; then\n' + ESCAPES + "fi\n"
+        "sleep 10000"
+    )
+    b, client, spec = local_gang(sky_home, 16, run)
+    client.launch(spec, "job", grace=1.0)
+    assert _wait_for(lambda: _over(client, 16), 15), client.peek("job").ranks
+    status = client.peek("job")
+    failed = status.by_rank(5)
+    assert failed.state == FAILED and failed.reason == "segmentation fault (SIGSEGV)", failed
+    for r in status.ranks:
+        if r.rank != 5:
+            assert r.state == CANCELLED, r
+            assert r.reason == "cancelled: rank 5 failed first: segmentation fault (SIGSEGV)", r
+    assert status.root_cause() is not None and status.root_cause().rank == 5
+    gone = max(r.end for r in status.ranks if r.rank != 5) - failed.end
+    assert gone < 1.0, f"the last sibling ended {gone:.2f} s after the failure"
+    # the escaped processes of rank 9 go too (found by their mark), within the grace
+    assert _wait_for(lambda: not _alive(_marked(f"{client.node_of(9).root}/jobs/job/9/")), 5)
+    b.terminate("c")
+    assert not _alive(_marked(str(sky_home)))
+
+
+def test_a_cancelled_or_successful_rank_does_not_stop_its_siblings(sky_home: Path) -> None:
+    """Only a rank failing on its own stops the machine: a rank a watcher cancelled (exit 143) and a
+    rank that exited 0 leave the others running."""
+    run = 'if [ "$SKYPILOT_NODE_RANK" = 0 ]; then exit 0; fi; sleep 10000'
+    b, client, spec = local_gang(sky_home, 4, run)
+    client.launch(spec, "job", grace=1.0)
+    client.cancel("job", [1], grace=1.0, reason="a user asked")
+    time.sleep(1.5)
+    states = {r.rank: (r.state, r.reason) for r in client.peek("job").ranks}
+    assert states[0] == (SUCCEEDED, "succeeded")
+    assert states[1] == (CANCELLED, "cancelled: a user asked")
+    assert states[2][0] == RUNNING and states[3][0] == RUNNING, states
+    b.terminate("c")
+    assert not _alive(_marked(str(sky_home)))
+
+
+def test_the_ranks_clock_is_the_wall_clock(sky_home: Path) -> None:
+    """The wrappers read /proc/uptime from a base their launcher took with ``date`` (no fork per
+    timestamp): a rank's start and end still read as the wall clock, to the hundredth."""
+    b, client, spec = local_gang(sky_home, 2, "sleep 1")
+    before = time.time()
+    client.launch(spec, "job")
+    assert _wait_for(lambda: _over(client, 2), 10)
+    after = time.time()
+    for r in client.peek("job").ranks:
+        assert r.start is not None and r.end is not None, r
+        assert before - 0.02 <= r.start <= r.end <= after + 0.02, (before, r.start, r.end, after)
+        assert 0.95 <= r.end - r.start <= 1.5, r
+        assert len(str(r.end).split(".")[1]) <= 2  # centiseconds: the uptime clock was used
+    b.terminate("c")
+
+
+def test_a_later_attempt_of_the_gang_stops_on_the_machine_too(sky_home: Path) -> None:
+    """A whole-gang retry starts attempt k from attempt 1's files: its ranks are listed for the
+    machine's own fail-fast as a first start's are."""
+    import asyncio
+
+    from airflow_provider_sky import retry
+
+    run = 'if [ "${SKY_ATTEMPT:-1}" = 2 ] && [ "$SKYPILOT_NODE_RANK" = 1 ]; then sleep 1; exit 7; fi; sleep 10000'
+    b, client, spec = local_gang(sky_home, 4, run)
+    client.launch(spec, "job", grace=1.0)
+    client.cancel("job", grace=1.0, reason="attempt 1 is over")
+    assert asyncio.run(retry._relaunch(client, "job", 2)) == ""
+    assert _wait_for(lambda: all(r.terminal for r in client.peek("job.a2").ranks), 10)
+    status = client.peek("job.a2")
+    assert status.by_rank(1).reason == "exited with code 7"
+    for r in (0, 2, 3):
+        assert status.by_rank(r).reason == "cancelled: rank 1 failed first: exited with code 7", (
+            status.by_rank(r)
+        )
+    assert max(status.by_rank(r).end for r in (0, 2, 3)) - status.by_rank(1).end < 1.0
+    b.terminate("c")
+    assert not _alive(_marked(str(sky_home)))
