@@ -148,7 +148,14 @@ def _keeper_start(roots: Sequence[str], tick: float) -> str:
         + "(cd / && if command -v setsid >/dev/null 2>&1; then\n"
         f'  exec setsid sh -c "$ks" sky-keeper {tick:.3f} {int(tick * 1000)}\n'
         f'else exec nohup sh -c "$ks" sky-keeper {tick:.3f} {int(tick * 1000)}; fi) </dev/null >/dev/null 2>&1 &\n'
-        ";;\nesac\n"
+        # the pid is known now (setsid execs in place): written before the launch returns, so a teardown
+        # that comes before the keeper has run a line still finds and kills it
+        + "kp=$!\n"
+        + "".join(
+            f'[ -d {shlex.quote(r)} ] && printf "%s\\n" "$kp" > {shlex.quote(r + "/keeper.pid")}\n'
+            for r in roots
+        )
+        + ";;\nesac\n"
     )
 
 

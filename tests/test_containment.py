@@ -45,6 +45,21 @@ def _alive(pids: list[int]) -> list[int]:
     return out
 
 
+def _keepers(root: str) -> list[int]:
+    """The live keepers of the machine whose first root is ``root``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                env = Path(f"/proc/{entry}/environ").read_bytes()
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"SKY_KEEPER_ROOTS={root}".encode() in env and b"sky-keeper" in cmd:
+                out.append(int(entry))
+    return _alive(out)
+
+
 def _wait_for(cond, timeout: float = 10.0) -> bool:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -154,21 +169,21 @@ def test_teardown_stops_the_keeper(sky_home: Path) -> None:
     roots = [n.root for n in client.handle.nodes]
 
     def keepers() -> list[int]:
-        out = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    env = Path(f"/proc/{entry}/environ").read_bytes()
-                    cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-                except OSError:
-                    continue
-                if f"SKY_KEEPER_ROOTS={roots[0]}".encode() in env and b"sky-keeper" in cmd:
-                    out.append(int(entry))
-        return _alive(out)
+        return _keepers(roots[0])
 
     assert _wait_for(lambda: len(keepers()) == 1), "one keeper for the machine's nodes"
-    b.terminate("c")
-    assert _wait_for(lambda: not keepers(), 3)
+    down = b.terminate("c")
+    assert _wait_for(lambda: not keepers(), 3), down
+
+
+def test_a_teardown_right_after_the_launch_stops_the_keeper(sky_home: Path) -> None:
+    """The keeper may not have written its pid yet when a teardown comes: the launcher writes it."""
+    for _ in range(3):
+        b, client, spec = local_gang(sky_home, 2, "sleep 10000")
+        client.launch(spec, "job", orphan_timeout=600)
+        root = client.handle.nodes[0].root
+        down = b.terminate("c")
+        assert _wait_for(lambda root=root: not _keepers(root), 3), f"the keeper outlived the teardown: {down}"
 
 
 def test_an_idle_cluster_goes_down_by_itself(sky_home: Path) -> None:
