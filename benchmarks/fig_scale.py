@@ -42,10 +42,14 @@ def cap_for(n: int) -> float:
     return 300.0 + 0.6 * n
 
 
-def stack_env(ns: Sequence[int], state_dir: Path) -> dict[str, str]:
+def stack_env(ns: Sequence[int], state_dir: Path, trigger_select: int | None = None) -> dict[str, str]:
     """The stack's extra environment: the local backend's state dir and what a gang of max(ns) needs."""
     top = max(ns)
+    select = (
+        {"AIRFLOW__TRIGGERER__MAX_TRIGGER_TO_SELECT_PER_LOOP": str(trigger_select)} if trigger_select else {}
+    )
     return {
+        **select,
         "SKY_PROVIDER_HOME": str(state_dir),
         "BENCH_SCALE_NS": ",".join(str(n) for n in ns),
         # a mapped task of N ranks (Airflow's default limit is 1,024)
@@ -353,7 +357,7 @@ def run(plan: Any, base: Path, stack_cm: Any, log: Callable[..., None]) -> list[
     stack = AirflowStack(
         base / "airflow-scale",
         DAGS,
-        stack_env(plan.scale_ns, state),
+        stack_env(plan.scale_ns, state, plan.trigger_select),
         parallelism=PARALLELISM,
         ready_timeout=240,
     )

@@ -60,6 +60,8 @@ class Plan:
     at_once_only: bool = False  # `--only 1c`: figure 1's "fails at once" case alone
     scale_ns: tuple[int, ...] = (64, 256, 1024)  # fig 5: gang sizes under the real scheduler
     scale_reps: int = 1  # fig 5: runs of each DAG per N
+    #: fig 5: ``[triggerer] max_trigger_to_select_per_loop`` of its stack (None: Airflow's default, 50)
+    trigger_select: int | None = None
     k8s_ns: tuple[int, ...] = ()  # fig 6: gang sizes on Kubernetes (empty: 4 + the largest the cluster holds)
 
     @classmethod
@@ -509,6 +511,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--k8s-ns", default="", help="figure 6's gang sizes instead of 4 + the probed largest, e.g. 4,64"
     )
+    ap.add_argument(
+        "--trigger-select",
+        type=int,
+        default=None,
+        help="figure 5: the stack's [triggerer] max_trigger_to_select_per_loop (default: Airflow's, 50)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "latest.json"), help="where to write the JSON")
     ap.add_argument(
         "--trigger-delay",
@@ -533,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.k8s_ns:
         plan = dataclasses.replace(plan, k8s_ns=tuple(int(x) for x in args.k8s_ns.split(",") if x.strip()))
+    if args.trigger_select is not None:
+        plan = dataclasses.replace(plan, trigger_select=args.trigger_select)
     if args.trigger_delay is not None:
         plan = dataclasses.replace(plan, trigger_delay=args.trigger_delay)
     if "1c" in only and "1" not in only:
