@@ -328,6 +328,18 @@ def _delete_namespace(cluster: K8sCluster) -> None:
         api.api_client.close()
 
 
+def connection_extras(k8s: K8sCluster, image: Image) -> dict[str, Any]:
+    """A ``sky_kubernetes`` connection's extras for the test cluster."""
+    return {
+        "kube_config_path": k8s.kubeconfig,
+        "context": k8s.context,
+        "namespace": k8s.namespace,
+        "image": image.name,
+        "image_pull_policy": image.pull_policy,
+        "provision_timeout": 120,
+    }
+
+
 @pytest.fixture(scope="session")
 def k8s_image(k8s: K8sCluster) -> Image:
     """The busybox image, present on every node: the local cluster's own (``k8s-local.sh images`` builds

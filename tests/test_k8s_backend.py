@@ -20,7 +20,7 @@ from airflow_provider_sky.backends.registry import by_kind
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
 from airflow_provider_sky.watch import watch
-from k8s_cluster import Image, K8sCluster
+from k8s_cluster import Image, K8sCluster, connection_extras
 
 GPU_NODE = "127.0.0.2"  # k8s-local.sh's second node
 
@@ -28,14 +28,7 @@ GPU_NODE = "127.0.0.2"  # k8s-local.sh's second node
 @pytest.fixture(scope="module")
 def extras(k8s: K8sCluster, k8s_image: Image) -> dict[str, Any]:
     """A ``sky_kubernetes`` connection's extras for the test cluster."""
-    return {
-        "kube_config_path": k8s.kubeconfig,
-        "context": k8s.context,
-        "namespace": k8s.namespace,
-        "image": k8s_image.name,
-        "image_pull_policy": k8s_image.pull_policy,
-        "provision_timeout": 120,
-    }
+    return connection_extras(k8s, k8s_image)
 
 
 @pytest.fixture

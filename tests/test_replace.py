@@ -270,17 +270,9 @@ def test_k8s_deleted_pod_is_replaced_and_the_retry_succeeds(k8s: Any, k8s_image:
     from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
     from airflow_provider_sky.backends.kubernetes.manifest import CLUSTER_LABEL
     from airflow_provider_sky.backends.registry import by_kind
+    from k8s_cluster import connection_extras
 
-    backend = by_kind("kubernetes").make(
-        {
-            "kube_config_path": k8s.kubeconfig,
-            "context": k8s.context,
-            "namespace": k8s.namespace,
-            "image": k8s_image.name,
-            "image_pull_policy": k8s_image.pull_policy,
-            "provision_timeout": 120,
-        }
-    )
+    backend = by_kind("kubernetes").make(connection_extras(k8s, k8s_image))
     assert isinstance(backend, KubernetesBackend)
     try:
         spec = _spec(3)

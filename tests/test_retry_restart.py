@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from airflow_provider_sky.backends.local import LocalBackend
 from gangs import local_gang
 from leaks import processes_under
 
@@ -68,12 +69,17 @@ def _starts(starts: Path) -> Counter[tuple[str, str]]:
     return Counter(tuple(line.split()) for line in starts.read_text().splitlines())  # type: ignore[misc]
 
 
-def test_a_watcher_killed_in_the_retry_delay_resumes_it_and_starts_attempt_2_once(sky_home: Path) -> None:
+def _launch_and_watch(sky_home: Path, run_for: float) -> tuple[Path, LocalBackend, subprocess.Popen[str]]:
+    """Job ``job`` on a 2-node gang (rank 1 fails attempt 1) and its first watcher; the starts file."""
     starts = sky_home / "starts"
-    backend, client, task = local_gang(sky_home, 2, _run(starts, 0.5))
+    backend, client, task = local_gang(sky_home, 2, _run(starts, run_for))
     client.keep_secrets = True
     client.launch(task, "job")
-    first = _watcher(sky_home)
+    return starts, backend, _watcher(sky_home)
+
+
+def test_a_watcher_killed_in_the_retry_delay_resumes_it_and_starts_attempt_2_once(sky_home: Path) -> None:
+    starts, backend, first = _launch_and_watch(sky_home, 0.5)
     # attempt 1 failed and the delay began: its due time is on the nodes
     due_files = _wait_for(lambda: list(sky_home.glob("local/c/node-*/.sky/jobs/job/*/due.2")), 30, "due.2")
     due = float(due_files[0].read_text())
@@ -95,11 +101,7 @@ def test_a_watcher_killed_in_the_retry_delay_resumes_it_and_starts_attempt_2_onc
 
 
 def test_a_watcher_killed_after_attempt_2_started_is_followed_not_doubled(sky_home: Path) -> None:
-    starts = sky_home / "starts"
-    backend, client, task = local_gang(sky_home, 2, _run(starts, 3.0))
-    client.keep_secrets = True
-    client.launch(task, "job")
-    first = _watcher(sky_home)
+    starts, backend, first = _launch_and_watch(sky_home, 3.0)
     _wait_for(lambda: len(list(sky_home.glob("local/c/node-*/.sky/jobs/job.a2/*/pid"))) == 2, 40, "attempt 2")
     out = _kill(first)  # attempt 2 runs; its watcher is gone
     assert "attempt 2" not in out or "final 1" not in out
