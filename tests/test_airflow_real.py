@@ -38,7 +38,7 @@ import pytest
 
 from airflow_provider_sky.backends.kubernetes.manifest import CLUSTER_LABEL, cluster_selector
 from airflow_provider_sky.dev.stack import AirflowStack, parse_time
-from k8s_cluster import Image, K8sCluster
+from k8s_cluster import Image, K8sCluster, connection_extras
 from leaks import processes_under
 from sshd import SSHDCluster, needs_sshd
 
@@ -171,16 +171,8 @@ def _delete_pods(k8s: K8sCluster, selector: str) -> None:
 
 
 def _kubernetes_connection(k8s: K8sCluster, image: Image) -> str:
-    """``sky_default`` as a ``sky_kubernetes`` connection to the test cluster (as test_k8s_backend's extras)."""
-    extras = {
-        "kube_config_path": k8s.kubeconfig,
-        "context": k8s.context,
-        "namespace": k8s.namespace,
-        "image": image.name,
-        "image_pull_policy": image.pull_policy,
-        "provision_timeout": 120,
-    }
-    return json.dumps({"conn_type": "sky_kubernetes", "extra": extras})
+    """``sky_default`` as a ``sky_kubernetes`` connection to the test cluster."""
+    return json.dumps({"conn_type": "sky_kubernetes", "extra": connection_extras(k8s, image)})
 
 
 def _dags_with_seeds(base: Path) -> Path:
