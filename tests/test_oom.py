@@ -33,15 +33,37 @@ def _own_memory_cgroup() -> tuple[Path, str]:
     raise FileNotFoundError("no memory cgroup")
 
 
+def _make_group(name: str) -> tuple[Path, str]:
+    """Make ``name`` under this process's memory cgroup, else under the hierarchy's root.
+
+    The own cgroup is the right parent (its limits hold too), but a runner's cgroup may not take
+    children (a job cgroup already removed, a delegated one): the root always does for root.
+    """
+    errors = []
+    try:
+        own = [_own_memory_cgroup()]
+    except OSError as exc:
+        own, errors = [], [f"own cgroup: {exc}"]
+    v1 = Path("/sys/fs/cgroup/memory")
+    root = (v1, "v1") if v1.is_dir() else (Path("/sys/fs/cgroup"), "v2")
+    for parent, version in [*own, root]:
+        group = parent / name
+        try:
+            group.mkdir()
+        except OSError as exc:
+            errors.append(f"{group}: {exc}")
+            continue
+        return group, version
+    raise OSError("; ".join(errors))
+
+
 @contextlib.contextmanager
 def memory_cgroup(limit_mb: int) -> Iterator[Path]:
     """A child memory cgroup limited to ``limit_mb``; yields its ``cgroup.procs``. Needs root."""
     if os.geteuid() != 0:
         pytest.skip("making a memory cgroup needs root")
     try:
-        parent, version = _own_memory_cgroup()
-        group = parent / f"sky-oom-test-{os.getpid()}"
-        group.mkdir()
+        group, version = _make_group(f"sky-oom-test-{os.getpid()}")
     except OSError as exc:
         pytest.skip(f"cannot make a memory cgroup here: {exc}")
     try:
