@@ -50,6 +50,45 @@ AIRFLOW_DEFAULTS = {
 }
 
 
+#: Airflow's floor (``benchmarks/dags/bench_floor.py``): sky_gang's DAG shape with tasks that do
+#: nothing, and the shape with one hand-off less; dag id -> what the row calls it
+FLOORS = {
+    "bench_floor_true": "sky_gang's shape (4 hops)",
+    "bench_floor_three_hops": "3 hops (cluster + job as one task)",
+}
+
+
+def _floor_rows(
+    floors: dict[str, list[float]], ssh_true: list[float], timelines: dict[str, Any]
+) -> list[Row]:
+    """The floor runs and their ratio to the SSHOperator run: the least a gang of that shape takes."""
+    rows = []
+    for dag_id, name in FLOORS.items():
+        walls = floors[dag_id]
+        rows.append(
+            Row(
+                f"4 Airflow's floor: {name}, no provider work",
+                RANKS,
+                walls,
+                note="the same tasks doing nothing; ranks start and end in the triggerer",
+                extra={"tasks": timelines.get(dag_id, [])},
+            )
+        )
+        ratio = [a / b for a, b in zip(walls, ssh_true, strict=False)]
+        rows.append(
+            Row(
+                f"4 ..floor/SSHOperator: {name}",
+                RANKS,
+                ratio,
+                "x",
+                f"<= {RATIO_GOAL:g} leaves room",
+                bool(ratio) and statistics.median(ratio) <= RATIO_GOAL,
+                note="above the goal: no provider work can meet it with this shape",
+            )
+        )
+    return rows
+
+
 def settings_used() -> str:
     """Which scheduler pacing and bytecode the figures were taken with, for the table's notes."""
     if os.environ.get("SKY_BENCH_STACK_SETTINGS"):
@@ -250,7 +289,7 @@ def run(
     # untimed: the first run after the stack starts pays one-time costs (a fresh triggerer starts its
     # in-process API server on the first XCom read, workers import the provider cold)
     cold: dict[str, Any] = {}
-    for dag_id in ("bench_sky_true", "bench_ssh_true"):
+    for dag_id in ("bench_sky_true", "bench_ssh_true", *FLOORS):
         rid, state, s, e = _run(stack, dag_id)
         if state != "success":
             raise RuntimeError(f"{dag_id} run {rid} is {state}\n{_why(stack, dag_id, rid)}")
@@ -268,13 +307,16 @@ def run(
     once_failed: list[float] = []
     once_siblings: list[float] = []
     timelines: dict[str, Any] = {}
+    floors: dict[str, list[float]] = {dag_id: [] for dag_id in FLOORS}
+    order: list[tuple[str, str, list[float]]] = [
+        ("bench_sky_true", "success", sky_true),
+        ("bench_ssh_true", "success", ssh_true),
+        *((floor, "success", floors[floor]) for floor in FLOORS),
+        ("bench_sky_fail_fast", "failed", sky_fail),
+        ("bench_sky_at_once", "failed", []),
+    ]
     for i in range(plan.e2e_reps):
-        for dag_id, want, into in (
-            ("bench_sky_true", "success", sky_true),
-            ("bench_ssh_true", "success", ssh_true),
-            ("bench_sky_fail_fast", "failed", sky_fail),
-            ("bench_sky_at_once", "failed", []),
-        ):
+        for dag_id, want, into in order:
             loads.append(os.getloadavg()[0])
             rid, state, s, e = _run(stack, dag_id)
             if state != want:
@@ -296,8 +338,10 @@ def run(
                 if last is not None:
                     once_siblings.append(last - rank_end)
         log(
-            f"  fig4 #{i + 1} (load {loads[-4]:.1f}): sky true {sky_true[-1]:.1f} s, ssh true {ssh_true[-1]:.1f} s, "
-            f"sky fail-fast {sky_fail[-1]:.1f} s"
+            f"  fig4 #{i + 1} (load {loads[-len(order)]:.1f}): sky true {sky_true[-1]:.1f} s, "
+            f"ssh true {ssh_true[-1]:.1f} s, Airflow's floor "
+            + ", ".join(f"{FLOORS[d]} {v[-1]:.1f} s" for d, v in floors.items())
+            + f"; sky fail-fast {sky_fail[-1]:.1f} s"
             + (f" (rank 2 exit -> run failed {sky_fail_latency[-1]:.1f} s)" if sky_fail_latency else "")
             + (
                 f"; fails at once: siblings gone {once_siblings[-1]:.2f} s, run failed {once_failed[-1]:.1f} s"
@@ -334,6 +378,7 @@ def run(
             Row(f"4 sky true: {name}", RANKS, values, note="median over the timed runs")
             for name, values in parts.items()
         ),
+        *_floor_rows(floors, ssh_true, timelines),
         Row(
             "4 fail-fast run wall: sky_gang",
             RANKS,

@@ -1,0 +1,95 @@
+"""Figure 4, Airflow's floor: sky_gang's DAG shape with no provider work in it.
+
+The same tasks and hand-offs as ``bench_sky_true`` (cluster → job → 8 mapped rank tasks and a gang
+sensor, both started and ended in the triggerer → a teardown), each task doing nothing: the rank
+tasks' trigger (the standard provider's ``DateTimeTrigger``, a moment in the past) fires at once and
+ends its task from the triggerer, as the provider's rank triggers do. What this run takes is what
+Airflow's scheduler, executor and triggerer take for the shape; the provider cannot be faster.
+``bench_floor_three_hops`` is the shape with the cluster and job tasks as one task (one hand-off
+less), the least any gang of cluster, ranks and teardown can cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pendulum
+from airflow.sdk import DAG, BaseOperator, TaskGroup
+from airflow.triggers.base import StartTriggerArgs
+
+RANKS = 8
+#: a moment long past: the trigger fires on its first run
+PAST = pendulum.datetime(2020, 1, 1, tz="UTC")
+
+
+#: how the rank tasks and the gang sensor start: in the triggerer, ended from there (TaskSuccessEvent)
+IN_TRIGGERER: dict[str, Any] = {
+    "start_from_trigger": True,
+    "start_trigger_args": StartTriggerArgs(
+        trigger_cls="airflow.providers.standard.triggers.temporal.DateTimeTrigger",
+        trigger_kwargs={"moment": PAST, "end_from_trigger": True},
+        next_method="execute_complete",
+        next_kwargs=None,
+        timeout=None,
+    ),
+}
+
+
+class FloorOperator(BaseOperator):
+    """Returns ``value``; with :data:`IN_TRIGGERER` it starts and ends in the triggerer, never on a worker."""
+
+    start_from_trigger = False
+
+    def __init__(
+        self,
+        *,
+        value: Any = None,
+        start_from_trigger: bool = False,
+        start_trigger_args: StartTriggerArgs | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.value = value
+        self.start_from_trigger = start_from_trigger
+        if start_trigger_args is not None:
+            self.start_trigger_args = start_trigger_args
+
+    def execute(self, context: Any) -> Any:
+        return self.value
+
+    def execute_complete(self, context: Any, event: Any = None) -> None:
+        return None
+
+
+RANK_KWARGS = [{"value": i} for i in range(RANKS)]
+
+with DAG(
+    "bench_floor_true",
+    schedule=None,
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    tags=["bench"],
+):
+    with TaskGroup("gang"):
+        cluster = FloorOperator(task_id="cluster", value="handle")
+        job = FloorOperator(task_id="job", value=RANK_KWARGS)
+        ranks = FloorOperator.partial(task_id="rank", **IN_TRIGGERER).expand_kwargs(job.output)
+        gang = FloorOperator(task_id="gang", **IN_TRIGGERER)
+        cluster >> job >> [ranks, gang]
+        [ranks, gang] >> FloorOperator(task_id="down").as_teardown(setups=cluster)
+
+with DAG(
+    "bench_floor_three_hops",
+    schedule=None,
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    tags=["bench"],
+):
+    with TaskGroup("gang"):
+        launch = FloorOperator(task_id="job", value=RANK_KWARGS)
+        ranks = FloorOperator.partial(task_id="rank", **IN_TRIGGERER).expand_kwargs(launch.output)
+        gang = FloorOperator(task_id="gang", **IN_TRIGGERER)
+        launch >> [ranks, gang]
+        [ranks, gang] >> FloorOperator(task_id="down").as_teardown(setups=launch)
