@@ -116,6 +116,12 @@ while :; do
 done
 # the end is when the command ended: taken first, written once the log is complete
 clock; te=$T
+# stopped by the machine's own fail-fast (CANCEL_SCRIPT's `first`: signalled before any reason was
+# written): the reason goes in before the exit code, so no reader sees this rank failed on its own
+if [ "$rc" != 0 ] && [ -n "$gf" ] && [ ! -f "$d/cancel" ] && [ -f "${gf%/*}/.cancelling/reason" ]; then
+  _r=''; { read -r _r < "${gf%/*}/.cancelling/reason"; } 2>/dev/null || :
+  [ -z "$_r" ] || printf '%s\n' "$_r" > "$d/cancel"
+fi
 [ ! -e "$d/secrets" ] || rm -f "$d/secrets"
 if [ "$out" != "$d/log" ]; then
   # let the filter flush the last lines (bounded: a leftover background process may hold the pipe)
@@ -139,7 +145,9 @@ if [ "$rc" != 0 ] && [ -n "$gf" ] && [ ! -f "$d/cancel" ]; then
     ts=''
     while read -r r rt; do [ "$r" = "$me" ] || ts="$ts$rt$nl$job$nl$r$nl"; done < "$j/.ranks"
     oldifs=$IFS; IFS=$nl; set -f; set -- $ts; set +f; IFS=$oldifs
-    [ $# -eq 0 ] || sh "$j/.cancel.sh" "$g" nowait "@rank-failed $me $rc$m" "$@" >/dev/null 2>&1 </dev/null
+    # the reason first (whole: written aside, renamed), then the signals: see CANCEL_SCRIPT's `first`
+    printf '%s\n' "@rank-failed $me $rc$m" > "$j/.cancelling/reason.$$" && mv "$j/.cancelling/reason.$$" "$j/.cancelling/reason"
+    [ $# -eq 0 ] || sh "$j/.cancel.sh" "$g" first "@rank-failed $me $rc$m" "$@" >/dev/null 2>&1 </dev/null
   fi
 fi
 """
@@ -280,6 +288,10 @@ done
 #: cancel marker. A rank that already exited keeps its outcome; processes it left behind are killed.
 #: Arguments: ``grace mode reason``, then ``root job rank`` per rank: one call covers every rank of a
 #: machine, whatever node root each has (one ``grep`` of ``/proc`` finds all their processes).
+#: ``mode``: ``wait`` (until they are gone), ``nowait`` (return after the SIGTERMs), ``first`` (the
+#: machine's own fail-fast: ``nowait``, and a rank with a process group is signalled before any reason
+#: is written, since 1,000 reason files take the disk most of a second: its wrapper writes the reason
+#: itself from the job's ``.cancelling/reason`` before its exit code, see :data:`WRAPPER`).
 CANCEL_SCRIPT = (
     MARKED_FUNCS
     + r"""
@@ -294,10 +306,10 @@ while [ $# -ge 3 ]; do
   marks="$marks$nl$d/"
   [ -d "$d" ] || continue
   [ -f "$d/exit" ] && continue
-  printf '%s\n' "$reason" > "$d/cancel"
-  [ -f "$d/pgid" ] || continue
-  read -r pg < "$d/pgid" || continue
-  case "$pg" in ''|*[!0-9]*) continue;; esac
+  pg=''
+  [ ! -f "$d/pgid" ] || { read -r pg < "$d/pgid"; } 2>/dev/null || pg=''
+  case "$pg" in ''|*[!0-9]*) printf '%s\n' "$reason" > "$d/cancel"; continue;; esac
+  [ "$mode" = first ] || printf '%s\n' "$reason" > "$d/cancel"
   groups="$groups $pg"
   echo "C $d"
 done
@@ -312,7 +324,7 @@ if [ -n "$groups" ]; then
 fi
 oldifs=$IFS; IFS=$nl; set -f; set -- $marks; set +f; IFS=$oldifs
 killmarked TERM "$@"
-if [ "$mode" = nowait ]; then
+if [ "$mode" != wait ]; then
   # fail-fast: return at once; a detached helper SIGKILLs whatever is left after the grace
   killer='__KILLER__'
   frac=${grace#*.}; ticks=$(( ${grace%.*} * 10 + ${frac%??} ))

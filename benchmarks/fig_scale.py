@@ -345,10 +345,65 @@ def _warmup(stack: Any, clusters: LocalClusters, log: Callable[..., None]) -> Ro
     )
 
 
+def _alone_once(home: Path, n: int) -> tuple[float, Counter[str]]:
+    """One gang of N local ranks with no Airflow and no watcher: rank N/2 exits 3 after 5 s, the machine
+    stops its siblings; seconds from its exit to the last sibling's end, and the siblings' reasons."""
+    from airflow_provider_sky.backends.local import LocalBackend
+    from airflow_provider_sky.jobs import GangClient
+    from airflow_provider_sky.spec import task_from_args
+
+    failing = n // 2
+    run = f'if [ "$SKYPILOT_NODE_RANK" = {failing} ]; then sleep 5; exit 3; fi; sleep 10000'
+    b = LocalBackend(home)
+    task = task_from_args(num_nodes=n, run=run)
+    client = GangClient(b, b.provision("alone", task))
+    try:
+        client.launch(task, "job", grace=1.0)
+        deadline = time.monotonic() + 60 + n / 10
+        while time.monotonic() < deadline:
+            status = client.peek("job")
+            if len(status.ranks) == n and all(r.terminal for r in status.ranks):
+                break
+            time.sleep(1.0)
+        else:
+            raise RuntimeError(f"the {n}-rank gang did not end within {60 + n / 10:.0f} s")
+        exit_at = status.by_rank(failing).end
+        ends = [r.end for r in status.ranks if r.rank != failing]
+        if exit_at is None or None in ends:
+            raise RuntimeError(f"a rank has no end timestamp: {status.to_dict()}")
+        reasons = Counter(str(r.reason) for r in status.ranks if r.rank != failing)
+        return max(e for e in ends if e is not None) - exit_at, reasons
+    finally:
+        b.terminate("alone")
+
+
+def _node_alone(base: Path, n: int, reps: int, log: Callable[..., None]) -> Row:
+    """Figure 5's fail-fast with the machine to itself: what the provider's node fail-fast costs at N,
+    apart from what a busy scheduler and triggerer take from it."""
+    gone: list[float] = []
+    reasons: Counter[str] = Counter()
+    for i in range(reps):
+        g, r = _alone_once(base / f"sky-alone-{n}-{i}", n)
+        gone.append(g)
+        reasons.update(r)
+        log(f"  fig5 N={n} without Airflow #{i + 1}: rank {n // 2} exit -> last sibling gone {g:.2f} s")
+    return Row(
+        "5 fail-fast without Airflow: exit -> last sibling gone",
+        n,
+        gone,
+        "s",
+        f"< {GONE_GOAL:g} s",
+        max(gone) < GONE_GOAL,
+        note="no stack on the machine, no watcher: the machine's own cancel; siblings' reasons: "
+        + "; ".join(f"{k} x{v}" for k, v in reasons.most_common(3)),
+    )
+
+
 def run(plan: Any, base: Path, stack_cm: Any, log: Callable[..., None]) -> list[Row]:
     """Figure 5 for every N of ``plan.scale_ns`` (``plan.scale_reps`` runs of each DAG)."""
     from airflow_provider_sky.dev.stack import AirflowStack
 
+    alone = [_node_alone(base, n, plan.scale_reps, log) for n in plan.scale_ns]
     state = base / "sky-scale"
     state.mkdir(exist_ok=True)
     clusters = LocalClusters(state)
@@ -367,4 +422,4 @@ def run(plan: Any, base: Path, stack_cm: Any, log: Callable[..., None]) -> list[
     for n in plan.scale_ns:
         rows += _overhead(stack, clusters, n, plan.scale_reps, log)
         rows += _fail_fast(stack, clusters, n, plan.scale_reps, log)
-    return rows
+    return rows + alone
