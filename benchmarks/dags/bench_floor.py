@@ -63,33 +63,24 @@ class FloorOperator(BaseOperator):
 
 RANK_KWARGS = [{"value": i} for i in range(RANKS)]
 
-with DAG(
-    "bench_floor_true",
-    schedule=None,
-    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-    catchup=False,
-    max_active_runs=1,
-    tags=["bench"],
-):
-    with TaskGroup("gang"):
-        cluster = FloorOperator(task_id="cluster", value="handle")
-        job = FloorOperator(task_id="job", value=RANK_KWARGS)
-        ranks = FloorOperator.partial(task_id="rank", **IN_TRIGGERER).expand_kwargs(job.output)
-        gang = FloorOperator(task_id="gang", **IN_TRIGGERER)
-        cluster >> job >> [ranks, gang]
-        [ranks, gang] >> FloorOperator(task_id="down").as_teardown(setups=cluster)
+#: dag id -> whether the cluster and job tasks are one task (one hand-off less)
+SHAPES = {"bench_floor_true": False, "bench_floor_three_hops": True}
 
-with DAG(
-    "bench_floor_three_hops",
-    schedule=None,
-    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-    catchup=False,
-    max_active_runs=1,
-    tags=["bench"],
-):
-    with TaskGroup("gang"):
-        launch = FloorOperator(task_id="job", value=RANK_KWARGS)
-        ranks = FloorOperator.partial(task_id="rank", **IN_TRIGGERER).expand_kwargs(launch.output)
-        gang = FloorOperator(task_id="gang", **IN_TRIGGERER)
-        launch >> [ranks, gang]
-        [ranks, gang] >> FloorOperator(task_id="down").as_teardown(setups=launch)
+for dag_id, merged in SHAPES.items():
+    with DAG(
+        dag_id,
+        schedule=None,
+        start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+        catchup=False,
+        max_active_runs=1,
+        tags=["bench"],
+    ):
+        with TaskGroup("gang"):
+            job = FloorOperator(task_id="job", value=RANK_KWARGS)
+            setup = job if merged else FloorOperator(task_id="cluster", value="handle")
+            if not merged:
+                setup >> job
+            ranks = FloorOperator.partial(task_id="rank", **IN_TRIGGERER).expand_kwargs(job.output)
+            gang = FloorOperator(task_id="gang", **IN_TRIGGERER)
+            job >> [ranks, gang]
+            [ranks, gang] >> FloorOperator(task_id="down").as_teardown(setups=setup)
