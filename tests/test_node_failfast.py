@@ -42,6 +42,26 @@ def test_a_failing_rank_cancels_its_siblings_on_the_machine_with_no_watcher(sky_
     assert not _alive(_marked(str(sky_home)))
 
 
+def test_a_sibling_that_exits_nonzero_on_the_signal_is_cancelled_not_failed(sky_home: Path) -> None:
+    """The machine signals the siblings before any of their reasons is written (1,000 reason files take
+    the disk most of a second); a sibling whose program catches SIGTERM and exits 1, as a training
+    script's handler does, must still read as cancelled by rank 0, never as a second failure."""
+    run = (
+        "if [ \"$SKYPILOT_NODE_RANK\" = 0 ]; then sleep 1; exit 3; fi\ntrap 'exit 1' TERM\nsleep 10000 & wait"
+    )
+    b, client, spec = local_gang(sky_home, 4, run)
+    client.launch(spec, "job", grace=2.0)
+    assert _wait_for(lambda: _over(client, 4), 15), client.peek("job").ranks
+    status = client.peek("job")
+    for r in status.ranks:
+        if r.rank != 0:
+            assert r.state == CANCELLED and r.exit_code == 1, r
+            assert r.reason == "cancelled: rank 0 failed first: exited with code 3", r
+    assert status.root_cause() is not None and status.root_cause().rank == 0
+    b.terminate("c")
+    assert not _alive(_marked(str(sky_home)))
+
+
 def test_a_cancelled_or_successful_rank_does_not_stop_its_siblings(sky_home: Path) -> None:
     """Only a rank failing on its own stops the machine: a rank a watcher cancelled (exit 143) and a
     rank that exited 0 leave the others running."""
