@@ -67,6 +67,17 @@ for p_ in $PATH; do [ -f "${p_:-.}/bash" ] && [ -x "${p_:-.}/bash" ] && { sh_=${
 set +f; IFS=$oldifs
 cd "$cwd" 2>/dev/null || cd
 clock; printf '%s\n' "$T" > "$d/start"
+# cancelled before its command started (a cancel found no process group yet, or a rank of this machine
+# has failed: its gang flag is set): the command never runs, and nothing of it stays on disk
+if [ -f "$d/cancel" ] || { [ -n "$gf" ] && [ -s "$gf" ]; }; then
+  if [ ! -f "$d/cancel" ]; then
+    fr=''; fc=''; { read -r fr fc < "$gf"; } 2>/dev/null || :
+    printf '%s\n' "@rank-failed $fr $fc" > "$d/cancel"
+  fi
+  [ ! -e "$d/secrets" ] && [ ! -e "$d/mask" ] || rm -f "$d/secrets" "$d/mask"
+  clock; printf '%s\n' "$T" > "$d/end"; printf '143\n' > "$d/exit"
+  exit 0
+fi
 out="$d/log"
 if [ -f "$d/mask" ]; then
   rm -f "$d/out" "$d/filter.done"
@@ -108,6 +119,9 @@ child=$!
 # written in place (no `mv`): the readers take an empty or partial file as not written yet
 printf '%s\n' "$child" > "$d/pgid"
 printf '%s\n' "$$" > "$d/pid"
+# a cancel that found no pgid above wrote its reason, then read the pgid again: if that read came too
+# early, the reason is here now, and this rank stops itself (whichever comes second sends the signal)
+[ ! -f "$d/cancel" ] || kill -TERM "-$child" 2>/dev/null || kill -TERM "$child" 2>/dev/null || :
 trap ':' TERM INT HUP
 while :; do
   wait "$child"
@@ -308,8 +322,15 @@ while [ $# -ge 3 ]; do
   [ -f "$d/exit" ] && continue
   pg=''
   [ ! -f "$d/pgid" ] || { read -r pg < "$d/pgid"; } 2>/dev/null || pg=''
-  case "$pg" in ''|*[!0-9]*) printf '%s\n' "$reason" > "$d/cancel"; continue;; esac
-  [ "$mode" = first ] || printf '%s\n' "$reason" > "$d/cancel"
+  case "$pg" in
+    ''|*[!0-9]*)
+      # no process group yet: the reason first, then the pgid once more (its wrapper, writing its pgid
+      # meanwhile, checks for the reason right after: one of the two sends the signal; see WRAPPER)
+      printf '%s\n' "$reason" > "$d/cancel"
+      [ ! -f "$d/pgid" ] || { read -r pg < "$d/pgid"; } 2>/dev/null || pg=''
+      case "$pg" in ''|*[!0-9]*) continue;; esac;;
+    *) [ "$mode" = first ] || printf '%s\n' "$reason" > "$d/cancel";;
+  esac
   groups="$groups $pg"
   echo "C $d"
 done

@@ -304,7 +304,18 @@ def _fail_fast(stack: Any, clusters: LocalClusters, n: int, reps: int, log: Call
         exit_at = ranks[failing].get("end")
         siblings = [x for k, x in enumerate(ranks) if k != failing]
         ends = [float(x["end"]) for x in siblings if x.get("end")]
-        r["never_started"] = never = _never_started(siblings, exit_at)
+        never = _never_started(siblings, exit_at)
+        r["never_started"] = len(never)
+        # per rank: start and end after the failing exit, and the state (where the last ones came from)
+        r["rank_times"] = [
+            [
+                k,
+                round(float(x["start"]) - float(exit_at), 2) if x.get("start") and exit_at else None,
+                round(float(x["end"]) - float(exit_at), 2) if x.get("end") and exit_at else None,
+                str(x.get("state")),
+            ]
+            for k, x in enumerate(ranks)
+        ]
         running_ends = [float(x["end"]) for x in siblings if x.get("end") and x not in never]
         r["failing_rank"] = {k: v for k, v in ranks[failing].items() if k != "ip"}
         r["sibling_states"] = dict(Counter(str(x.get("state")) for x in siblings))

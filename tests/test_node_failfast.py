@@ -3,10 +3,13 @@ with no watcher polling (the watchers' poll does the same across machines, a pol
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
 from airflow_provider_sky.gang import CANCELLED, FAILED, RUNNING, SUCCEEDED
+from airflow_provider_sky.node_scripts import CMD_PROLOGUE, WRAPPER
+from airflow_provider_sky.runtime import env_file, node_cancel_reason
 from gangs import local_gang
 from test_containment import ESCAPES, _alive, _marked, _wait_for
 
@@ -116,3 +119,41 @@ def test_a_later_attempt_of_the_gang_stops_on_the_machine_too(sky_home: Path) ->
     assert max(status.by_rank(r).end for r in (0, 2, 3)) - status.by_rank(1).end < 1.0
     b.terminate("c")
     assert not _alive(_marked(str(sky_home)))
+
+
+def _rank_dir(root: Path, command: str) -> Path:
+    """A rank directory as the launcher writes it (command, env, a secret, the wrapper), not started."""
+    d = root / "jobs" / "job" / "0"
+    d.mkdir(parents=True)
+    (d / "cmd.sh").write_text(CMD_PROLOGUE + command)
+    (d / "env").write_text(env_file({"A": "1"}))
+    (d / "secrets").write_text(env_file({"TOKEN": "s3cret"}))
+    (d / "rank.sh").write_text(WRAPPER)
+    return d
+
+
+def test_a_rank_cancelled_before_its_command_started_never_runs_it(tmp_path: Path) -> None:
+    """A cancel that reaches a rank before its process group exists can only leave its reason: the
+    wrapper then must not start the command at all (before, it started it and the rank ran on)."""
+    marker = tmp_path / "ran"
+    d = _rank_dir(tmp_path, f"touch {marker}\nsleep 10000\n")
+    (d / "cancel").write_text("a user asked\n")
+    subprocess.run(["sh", str(d / "rank.sh"), str(d), str(tmp_path)], timeout=20, check=True)
+    assert not marker.exists()
+    assert (d / "exit").read_text() == "143\n" and (d / "end").read_text().strip()
+    assert (d / "cancel").read_text() == "a user asked\n"
+    assert not (d / "secrets").exists()  # never sourced, so removed here
+
+
+def test_a_rank_whose_machine_has_failed_never_runs_its_command(tmp_path: Path) -> None:
+    """A wrapper that starts after a rank of its machine failed (the gang flag is set) does not start
+    the command: it is recorded cancelled by that rank, as the launcher records the ranks it skips."""
+    marker = tmp_path / "ran"
+    d = _rank_dir(tmp_path, f"touch {marker}\n")
+    flag = d.parent / ".failed"
+    flag.write_text("3 1\n")
+    subprocess.run(["sh", str(d / "rank.sh"), str(d), str(tmp_path), str(flag)], timeout=20, check=True)
+    assert not marker.exists()
+    assert (d / "exit").read_text() == "143\n"
+    assert node_cancel_reason((d / "cancel").read_text().strip()) == "rank 3 failed first: exited with code 1"
+    assert not (d / "secrets").exists()
