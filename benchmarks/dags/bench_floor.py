@@ -83,4 +83,5 @@ for dag_id, merged in SHAPES.items():
             ranks = FloorOperator.partial(task_id="rank", **IN_TRIGGERER).expand_kwargs(job.output)
             gang = FloorOperator(task_id="gang", **IN_TRIGGERER)
             job >> [ranks, gang]
+            setup >> [ranks, gang]  # sky_gang's watchers read the cluster task's handle: its edges too
             [ranks, gang] >> FloorOperator(task_id="down").as_teardown(setups=setup)
