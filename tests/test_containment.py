@@ -122,7 +122,8 @@ def test_an_unreadable_exit_file_fails_the_rank_with_its_text(sky_home: Path, ga
     b, client, spec = local_gang(sky_home, 2, run)
     client.launch(spec, "job")
     exit_file = Path(client.node_of(1).root) / "jobs" / "job" / "1" / "exit"
-    assert _wait_for(exit_file.exists)
+    # its code is in (the wrapper writes the file in place: it exists, empty, a moment before)
+    assert _wait_for(lambda: exit_file.exists() and exit_file.read_text().strip() == "0")
     exit_file.write_text(garbage + "\n")
     poll = wait_done(client, grace=1.0)
     bad = poll.status.by_rank(1)
