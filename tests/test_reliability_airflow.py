@@ -289,14 +289,21 @@ def rel(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
     dags.mkdir()
     for dag_file in sorted((REPO / "tests" / "dags").glob("sky_rel_*.py")):
         (dags / dag_file.name).symlink_to(dag_file)
-    # sky_rel_oom's gang is sky_test_oom's (imported from it: the DAG folder is on sys.path)
-    (dags / "sky_test_oom.py").symlink_to(REPO / "tests" / "dags" / "sky_test_oom.py")
+    # sky_rel_oom's gang is sky_test_oom's, imported from it on PYTHONPATH: as a second DAG file in the
+    # folder its DAG was sometimes recorded under sky_rel_oom.py, and the stack waited for it forever
+    shared = base / "shared"
+    shared.mkdir()
+    (shared / "sky_test_oom.py").symlink_to(REPO / "tests" / "dags" / "sky_test_oom.py")
     sky = base / "sky"
     sky.mkdir()
     rel: Rel | None = None
     try:
         with SSHDCluster(4, base) as hosts:
-            env = {"SKY_PROVIDER_HOME": str(sky), "AIRFLOW_CONN_SKY_REL_SSH": hosts.sky_ssh_connection()}
+            env = {
+                "SKY_PROVIDER_HOME": str(sky),
+                "AIRFLOW_CONN_SKY_REL_SSH": hosts.sky_ssh_connection(),
+                "PYTHONPATH": os.pathsep.join(p for p in (str(shared), os.environ.get("PYTHONPATH")) if p),
+            }
             stack = AirflowStack(base / "airflow", dags, env)
             with stack:
                 rel = Rel(stack, hosts, sky, report)
