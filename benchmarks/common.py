@@ -21,6 +21,13 @@ REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
 
 
+def floor_env(folder: Path) -> dict[str, str]:
+    """A stack's environment for the floor DAGs (:mod:`benchmarks.floor`): the repository on
+    ``PYTHONPATH`` (the DAG files and the triggerer import that module) and the floor's moment files."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "BENCH_FLOOR_DIR": str(folder)}
+
+
 # ------------------------------------------------------------------------------------------ results
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from benchmarks.common import REPO, Hosts, Row
+from benchmarks.common import REPO, Hosts, Row, floor_env
 
 DAGS = REPO / "benchmarks" / "dags"
 RANKS = 8
@@ -103,7 +103,11 @@ def _env(hosts: Hosts, base: Path) -> dict[str, str]:
     nodes = hosts.nodes[:RANKS]
     sky = hosts.sky_connection()
     sky["host"] = ",".join(hosts.entries(RANKS))
-    env = {"SKY_PROVIDER_HOME": str(base / "sky-e2e"), "AIRFLOW_CONN_SKY_BENCH": json.dumps(sky)}
+    env = {
+        "SKY_PROVIDER_HOME": str(base / "sky-e2e"),
+        "AIRFLOW_CONN_SKY_BENCH": json.dumps(sky),
+        **floor_env(base / "floor"),
+    }
     if not os.environ.get("SKY_BENCH_STACK_SETTINGS"):
         env.update(AIRFLOW_DEFAULTS)
     if not os.environ.get("SKY_BENCH_NO_BYTECODE"):

@@ -23,7 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from benchmarks.common import REPO, Hosts, Row, forget_finished_pids
+from benchmarks import kill_floor
+from benchmarks.common import REPO, Hosts, Row, floor_env, forget_finished_pids
 from benchmarks.fig_airflow import _capped_run, _times
 
 DAGS = REPO / "benchmarks" / "dags" / "scale"
@@ -50,6 +51,7 @@ def stack_env(ns: Sequence[int], state_dir: Path, trigger_select: int | None = N
     )
     return {
         **select,
+        **floor_env(state_dir / "floor"),
         "SKY_PROVIDER_HOME": str(state_dir),
         "BENCH_SCALE_NS": ",".join(str(n) for n in ns),
         # a mapped task of N ranks (Airflow's default limit is 1,024)
@@ -180,9 +182,16 @@ def _why(stack: Any, dag_id: str, run_id: str, tis: list[dict[str, Any]]) -> str
 
 
 def measure(
-    stack: Any, clusters: LocalClusters, dag_id: str, n: int, want: str, log: Callable[..., None]
+    stack: Any,
+    clusters: LocalClusters,
+    dag_id: str,
+    n: int,
+    want: str,
+    log: Callable[..., None],
+    ranks: bool = True,
 ) -> dict[str, Any]:
-    """One run: trigger, wait (at most :func:`cap_for`), CPU before/after, tasks and ranks read back."""
+    """One run: trigger, wait (at most :func:`cap_for`), CPU before/after, tasks and (``ranks``) the
+    ranks' ``sky_rank`` read back."""
     pids = {svc: stack.procs[svc].pid for svc in SERVICES if svc in stack.procs}
     before = cpu_seconds(pids)
     cap = cap_for(n)
@@ -201,7 +210,8 @@ def measure(
         out["problem"] = f"run {out['state']}, expected {want}"
         out["why"] = _why(stack, dag_id, run_id, tis)
         log(f"  fig5 {dag_id}: {out['problem']}: {out['why']}")
-    out["ranks"] = rank_outcomes(stack, dag_id, run_id, n)
+    if ranks:
+        out["ranks"] = rank_outcomes(stack, dag_id, run_id, n)
     return out
 
 
@@ -369,6 +379,60 @@ def _fail_fast(stack: Any, clusters: LocalClusters, n: int, reps: int, log: Call
     ]
 
 
+def _airflow_floor(
+    stack: Any, clusters: LocalClusters, n: int, reps: int, log: Callable[..., None]
+) -> list[Row]:
+    """``bench_scale_floor_<N>``: sky_gang's shape with no provider work (:mod:`benchmarks.floor`), the
+    ranks "running" 20 s from the job task's end: its wall - 20 s is the least overhead Airflow allows."""
+    over: list[float] = []
+    runs: list[dict[str, Any]] = []
+    problems: list[str] = []
+    for i in range(reps):
+        r = measure(stack, clusters, f"bench_scale_floor_{n}", n, "success", log, ranks=False)
+        runs.append(r)
+        if r["problem"]:
+            problems.append(r["problem"])
+            log(f"  fig5 N={n} floor #{i + 1}: {r['problem']}")
+            continue
+        over.append(r["wall"] - SLEEP)
+        log(
+            f"  fig5 N={n} floor #{i + 1}: wall {r['wall']:.1f} s (overhead {over[-1]:.1f} s); CPU {_cpu_text(r['cpu'])}"
+        )
+    return [
+        Row(
+            f"5 floor: Airflow alone, sky_gang's shape, ranks end {SLEEP:g} s after the job task: wall - {SLEEP:g} s",
+            n,
+            over,
+            "s",
+            note="; ".join(problems) or "no provider work: the least overhead any provider can have here",
+            text=problems[0] if problems and not over else None,
+            extra={"runs": runs},
+        )
+    ]
+
+
+def _kill_floor(base: Path, n: int, reps: int, log: Callable[..., None]) -> Row:
+    """N-1 rank-like process groups ended by one signal, nothing else on the machine (:mod:`kill_floor`)."""
+    last: list[float] = []
+    medians: list[float] = []
+    for i in range(reps):
+        top, mid = kill_floor.once(base / f"kill-floor-{n}", n - 1)
+        last.append(top)
+        medians.append(mid)
+        log(
+            f"  fig5 N={n} kill floor #{i + 1}: {n - 1} groups, signal -> last waiter {top:.2f} s (median {mid:.2f} s)"
+        )
+    return Row(
+        "5 floor: one signal ends N-1 (bash -> sleep) groups: -> last waiter woken",
+        n,
+        last,
+        "s",
+        note="no provider code, nothing else running: the least any fail-fast can take here; medians "
+        + ", ".join(f"{m:.2f}" for m in medians)
+        + " s",
+    )
+
+
 def _warmup(stack: Any, clusters: LocalClusters, log: Callable[..., None]) -> Row:
     """One rank running ``true`` before anything is measured: the first task a new stack runs waits
     ~10-20 s longer for its worker than any later one, which would land on the first N's overhead."""
@@ -449,6 +513,7 @@ def run(plan: Any, base: Path, stack_cm: Any, log: Callable[..., None]) -> list[
     from airflow_provider_sky.dev.stack import AirflowStack
 
     alone = [_node_alone(base, n, plan.scale_reps, log) for n in plan.scale_ns]
+    alone += [_kill_floor(base, n, plan.scale_reps, log) for n in plan.scale_ns]
     state = base / "sky-scale"
     state.mkdir(exist_ok=True)
     clusters = LocalClusters(state)
@@ -467,4 +532,5 @@ def run(plan: Any, base: Path, stack_cm: Any, log: Callable[..., None]) -> list[
     for n in plan.scale_ns:
         rows += _overhead(stack, clusters, n, plan.scale_reps, log)
         rows += _fail_fast(stack, clusters, n, plan.scale_reps, log)
+        rows += _airflow_floor(stack, clusters, n, plan.scale_reps, log)
     return rows + alone

@@ -14,51 +14,18 @@ from __future__ import annotations
 from typing import Any
 
 import pendulum
-from airflow.sdk import DAG, BaseOperator, TaskGroup
-from airflow.triggers.base import StartTriggerArgs
+from airflow.sdk import DAG, TaskGroup
+
+from benchmarks.floor import FloorOperator, in_triggerer
 
 RANKS = 8
 #: a moment long past: the trigger fires on its first run
 PAST = pendulum.datetime(2020, 1, 1, tz="UTC")
 
-
 #: how the rank tasks and the gang sensor start: in the triggerer, ended from there (TaskSuccessEvent)
-IN_TRIGGERER: dict[str, Any] = {
-    "start_from_trigger": True,
-    "start_trigger_args": StartTriggerArgs(
-        trigger_cls="airflow.providers.standard.triggers.temporal.DateTimeTrigger",
-        trigger_kwargs={"moment": PAST, "end_from_trigger": True},
-        next_method="execute_complete",
-        next_kwargs=None,
-        timeout=None,
-    ),
-}
-
-
-class FloorOperator(BaseOperator):
-    """Returns ``value``; with :data:`IN_TRIGGERER` it starts and ends in the triggerer, never on a worker."""
-
-    start_from_trigger = False
-
-    def __init__(
-        self,
-        *,
-        value: Any = None,
-        start_from_trigger: bool = False,
-        start_trigger_args: StartTriggerArgs | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.value = value
-        self.start_from_trigger = start_from_trigger
-        if start_trigger_args is not None:
-            self.start_trigger_args = start_trigger_args
-
-    def execute(self, context: Any) -> Any:
-        return self.value
-
-    def execute_complete(self, context: Any, event: Any = None) -> None:
-        return None
+IN_TRIGGERER: dict[str, Any] = in_triggerer(
+    "airflow.providers.standard.triggers.temporal.DateTimeTrigger", {"moment": PAST, "end_from_trigger": True}
+)
 
 
 RANK_KWARGS = [{"value": i} for i in range(RANKS)]
