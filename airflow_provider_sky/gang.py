@@ -314,7 +314,7 @@ class GangStatus:
         for r in self.ranks:
             if r.rank != cause.rank:
                 groups.setdefault(states[r.rank], []).append(r.rank)
-        tail = "; ".join(f"{_ranks_text(v)} {k}" for k, v in sorted(groups.items()))
+        tail = "; ".join(f"{ranks_text(v)} {k}" for k, v in sorted(groups.items()))
         codes = [
             "cancelled"
             if states[r.rank] == CANCELLED
@@ -361,7 +361,7 @@ def rank_runs(ranks: Iterable[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in runs]
 
 
-def _ranks_text(ranks: Iterable[int]) -> str:
+def ranks_text(ranks: Iterable[int]) -> str:
     """``ranks 0, 1, 3``; a run of three or more as ``4-1023`` (a 1,024-rank gang's story stays short)."""
     rs = sorted(ranks)
     parts: list[str] = []

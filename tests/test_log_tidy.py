@@ -142,3 +142,31 @@ def test_line_clock_takes_the_earliest_time_that_covers_an_offset() -> None:
     assert clock.time_of(30) is None  # not seen by any poll yet: dated when read
     clock.forget_before(12)
     assert clock.time_of(12) == 102.0
+
+
+def test_a_big_gangs_sensor_log_says_its_outcome_in_a_few_lines() -> None:
+    """1,024 ranks: the failing rank on a line of its own with its address, the 1,023 cancelled ones on
+    one line with their ranks as ranges (a line per rank was ~100 KB written in one step in the
+    triggerer); a small gang still gets a line per rank."""
+    from airflow_provider_sky.gang import GangStatus, RankStatus
+    from airflow_provider_sky.triggers.outcome import gang_outcome
+
+    def event(n: int, failing: int) -> dict[str, Any]:
+        why = f"cancelled: rank {failing} failed first: exited with code 3"
+        ranks = [
+            RankStatus(r, f"127.1.{r // 254}.{r % 254 + 1}", "failed", 3, reason="exited with code 3")
+            if r == failing
+            else RankStatus(r, f"127.1.{r // 254}.{r % 254 + 1}", "cancelled", 143, reason=why)
+            for r in range(n)
+        ]
+        return {"kind": "gang", "state": "failed", "gang": GangStatus("job", ranks).to_dict()}
+
+    big = gang_outcome(event(1024, 512))
+    assert big == [
+        "ranks 0-511, 513-1023 (1023): cancelled, exit code 143, cancelled: rank 512 failed first: "
+        "exited with code 3",
+        "rank 512 (127.1.2.5): failed, exit code 3, exited with code 3",
+    ]
+    small = gang_outcome(event(4, 2))
+    assert small[2] == "rank 2 (127.1.0.3): failed, exit code 3, exited with code 3"
+    assert len(small) == 4 and small[0].startswith("rank 0 (127.1.0.1): cancelled, exit code 143")

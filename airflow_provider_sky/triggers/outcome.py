@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from airflow_provider_sky.gang import HUNG_PREFIX, LOST, SUCCEEDED, GangStatus, RankStatus
+from airflow_provider_sky.gang import HUNG_PREFIX, LOST, SUCCEEDED, GangStatus, RankStatus, ranks_text
 from airflow_provider_sky.retry import GangPoll
 
 
@@ -75,9 +75,31 @@ def attempt_boundary(poll: GangPoll, attempt: int) -> str:
     return f"==== attempt {attempt}/{poll.max_attempts}: {why} ===="
 
 
+#: a gang of more ranks than this says its outcome a line per group of ranks that ended alike
+PER_RANK_LINES = 64
+
+
 def gang_outcome(event: dict[str, Any]) -> list[str]:
-    """One log line per rank of a gang event: state, exit code, reason."""
-    return [
-        f"rank {r['rank']} ({r['ip']}): {r['state']}, exit code {r['exit_code']}, {r['reason']}"
-        for r in (event.get("gang") or {}).get("ranks", [])
-    ]
+    """The gang sensor's log: a line per rank (state, exit code, reason); past :data:`PER_RANK_LINES`
+    ranks, a line per outcome shared by several ranks (``ranks 0-511, 513-1023: cancelled, ...``) and a
+    line per rank whose outcome is its own. In the triggerer these lines go out in one step to a pipe its
+    supervisor drains: 1,024 of them (~100 KB) filled it while the supervisor was busy."""
+    ranks = (event.get("gang") or {}).get("ranks", [])
+    if len(ranks) <= PER_RANK_LINES:
+        return [
+            f"rank {r['rank']} ({r['ip']}): {r['state']}, exit code {r['exit_code']}, {r['reason']}"
+            for r in ranks
+        ]
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in ranks:
+        groups.setdefault((str(r["state"]), str(r["exit_code"]), str(r["reason"])), []).append(r)
+    out = []
+    for (state, code, reason), members in groups.items():
+        if len(members) == 1:
+            r = members[0]
+            out.append(f"rank {r['rank']} ({r['ip']}): {state}, exit code {code}, {reason}")
+        else:
+            out.append(
+                f"{ranks_text(r['rank'] for r in members)} ({len(members)}): {state}, exit code {code}, {reason}"
+            )
+    return out
