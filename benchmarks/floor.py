@@ -50,6 +50,7 @@ class FloorOperator(BaseOperator):
 
 
 def moment_file(folder: str, run_id: str) -> Path:
+    """Where a run's floor job leaves its ranks' end (a run id may hold a slash)."""
     return Path(folder) / run_id.replace("/", "_")
 
 
@@ -83,8 +84,8 @@ class FloorWaitTrigger(BaseTrigger):
         self.rank = int(context["ti"].map_index)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        kwargs = {"folder": self.folder, "poll": self.poll, "xcom": self.xcom, "path": self.path}
-        return f"{__name__}.{type(self).__name__}", {**kwargs, "rank": self.rank}
+        kwargs = {k: getattr(self, k) for k in ("folder", "poll", "xcom", "path", "rank")}
+        return f"{__name__}.{type(self).__name__}", kwargs
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         while True:

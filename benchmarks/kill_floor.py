@@ -18,8 +18,10 @@ import subprocess
 import time
 from pathlib import Path
 
-WAITER = r"""d=$1
-setsid bash -c '__RANK__' </dev/null >/dev/null 2>&1 &
+RANK_CMD = "sleep 10000; :"  # bash forks sleep (no exec of the last command): two processes, as a rank
+
+WAITER = rf"""d=$1
+setsid bash -c '{RANK_CMD}' </dev/null >/dev/null 2>&1 &
 c=$!
 printf '%s\n' "$c" > "$d.pg"
 trap ':' TERM INT HUP
@@ -27,9 +29,6 @@ wait "$c"
 read -r u _x < /proc/uptime
 printf '%s\n' "$u" > "$d.end"
 """
-
-RANK_CMD = "sleep 10000; :"  # bash forks sleep (no exec of the last command): two processes, as a rank
-WAITER = WAITER.replace("__RANK__", RANK_CMD)
 
 DRIVER = r"""n=$1; dir=$2
 i=0
@@ -72,7 +71,7 @@ def once(folder: Path, n: int, timeout: float = 120.0) -> tuple[float, float]:
         t0 = float(out.split("T0 ", 1)[1].split()[0])
         ends: list[float] = []
         for _ in range(int(timeout * 10)):
-            ends = [float(p.read_text()) for p in folder.glob("*.end") if p.read_text().strip()]
+            ends = [float(t) for t in (p.read_text() for p in folder.glob("*.end")) if t.strip()]
             if len(ends) >= n:
                 break
             time.sleep(0.1)

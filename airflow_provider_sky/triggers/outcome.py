@@ -86,20 +86,13 @@ def gang_outcome(event: dict[str, Any]) -> list[str]:
     supervisor drains: 1,024 of them (~100 KB) filled it while the supervisor was busy."""
     ranks = (event.get("gang") or {}).get("ranks", [])
     if len(ranks) <= PER_RANK_LINES:
-        return [
-            f"rank {r['rank']} ({r['ip']}): {r['state']}, exit code {r['exit_code']}, {r['reason']}"
-            for r in ranks
-        ]
+        return [rank_outcome(r) for r in ranks]
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in ranks:
         groups.setdefault((str(r["state"]), str(r["exit_code"]), str(r["reason"])), []).append(r)
-    out = []
-    for (state, code, reason), members in groups.items():
-        if len(members) == 1:
-            r = members[0]
-            out.append(f"rank {r['rank']} ({r['ip']}): {state}, exit code {code}, {reason}")
-        else:
-            out.append(
-                f"{ranks_text(r['rank'] for r in members)} ({len(members)}): {state}, exit code {code}, {reason}"
-            )
-    return out
+    return [
+        rank_outcome(members[0])
+        if len(members) == 1
+        else f"{ranks_text(r['rank'] for r in members)} ({len(members)}): {state}, exit code {code}, {reason}"
+        for (state, code, reason), members in groups.items()
+    ]
