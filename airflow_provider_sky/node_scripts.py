@@ -131,10 +131,11 @@ done
 # the end is when the command ended: taken first, written once the log is complete
 clock; te=$T
 # stopped by the machine's own fail-fast (CANCEL_SCRIPT's `first`: signalled before any reason was
-# written): the reason goes in before the exit code, so no reader sees this rank failed on its own
+# written): the reason goes in the exit file with the code, so no reader sees this rank failed on its own
+cr=''
 if [ "$rc" != 0 ] && [ -n "$gf" ] && [ ! -f "$d/cancel" ] && [ -f "${gf%/*}/.cancelling/reason" ]; then
-  _r=''; { read -r _r < "${gf%/*}/.cancelling/reason"; } 2>/dev/null || :
-  [ -z "$_r" ] || printf '%s\n' "$_r" > "$d/cancel"
+  { read -r cr < "${gf%/*}/.cancelling/reason"; } 2>/dev/null || :
+  case "$cr" in *[!A-Za-z0-9@\ ._-]*) cr='@rank-failed';; esac
 fi
 [ ! -e "$d/secrets" ] || rm -f "$d/secrets"
 if [ "$out" != "$d/log" ]; then
@@ -142,10 +143,12 @@ if [ "$out" != "$d/log" ]; then
   i=0; while [ ! -f "$d/filter.done" ] && [ "$i" -lt 40 ]; do tick; i=$((i + 1)); done
   rm -f "$d/out"
 fi
-printf '%s\n' "$te" > "$d/end"
 if [ "$rc" = 137 ]; then oomk; [ "$ok" -gt "$oom0" ] 2>/dev/null && : > "$d/oom"; fi
-printf '%s\n' "$rc" > "$d/exit"
-if [ "$rc" != 0 ] && [ -n "$gf" ] && [ ! -f "$d/cancel" ]; then
+# code, end and a fail-fast reason in one new file, one write (STATUS_SCRIPT reads all three from it):
+# 1,000 ranks cancelled at once each create it together, and on ext4 a new inode costs a scan of the
+# inodes deleted in the last minutes (the last teardown's); three files a rank took most of a second
+if [ -n "$cr" ]; then printf '%s\n%s\n%s\n' "$rc" "$te" "$cr" > "$d/exit"; else printf '%s\n%s\n' "$rc" "$te" > "$d/exit"; fi
+if [ "$rc" != 0 ] && [ -n "$gf" ] && [ -z "$cr" ] && [ ! -f "$d/cancel" ]; then
   printf '%s %s\n' "${d##*/}" "$rc" >> "$gf" 2>/dev/null || :
   # fail-fast on the node: the machine's first rank to fail on its own cancels every sibling listed
   # here at once (the watchers' poll does the same across machines, a poll later); an orphaned rank
@@ -209,7 +212,7 @@ lsz=''; lname=''; read -r lsz lname <&3 || :
 while [ $# -ge 5 ]; do
   root=$1; j=$2; r=$3; off=$4; max=$5; shift 5
   d="$root/jobs/$j/$r"
-  ex=-; st=-; en=-; sz=-; c=0; n=0; pl=-; o=0; xn=0; cn=0; m=0; pg=-; h=0
+  ex=-; st=-; en=-; ci=''; sz=-; c=0; n=0; pl=-; o=0; xn=0; cn=0; m=0; pg=-; h=0
   e1=${early%"${early#?}"}; early=${early#?}
   if [ -n "$lname" ] && [ "$lname" = "$d/log" ]; then
     sz=$lsz; lsz=''; lname=''; read -r lsz lname <&3 || :
@@ -238,17 +241,20 @@ while [ $# -ge 5 ]; do
     fi
     if [ "$state" = exited ]; then
       [ "$e1" = 1 ] || sz=-
-      ex=''
-      read -r ex < "$d/exit" || :
+      # the wrapper writes "code, end[, fail-fast reason]" lines; other writers an end file beside it
+      ex=''; e2=''; ci=''
+      { read -r ex; read -r e2; read -r ci; } < "$d/exit" || :
       v=${ex#-}
       case "$v" in
-        ''|*[!0-9]*) state=badexit; ex=-; xn=$(wc -c < "$d/exit"); xn=$((xn + 0)); [ "$xn" -gt 200 ] && xn=200;;
+        ''|*[!0-9]*) state=badexit; ex=-; ci=''; xn=$(wc -c < "$d/exit"); xn=$((xn + 0)); [ "$xn" -gt 200 ] && xn=200;;
       esac
-      [ -f "$d/end" ] && read -r en < "$d/end"
+      if [ -f "$d/end" ]; then read -r en < "$d/end"; else en=$e2; fi
+      [ "$c" = 0 ] || ci=''
       [ -f "$d/oom" ] && m=1
     fi
     if [ "$sz" = - ] && [ -f "$d/log" ]; then sz=$(wc -c < "$d/log"); sz=$((sz + 0)); fi
-    if [ "$c" = 1 ]; then cn=$(wc -c < "$d/cancel"); cn=$((cn + 0)); [ "$cn" -gt 500 ] && cn=500; fi
+    if [ "$c" = 1 ]; then cn=$(wc -c < "$d/cancel"); cn=$((cn + 0)); [ "$cn" -gt 500 ] && cn=500
+    elif [ -n "$ci" ]; then c=1; cn=$((${#ci} + 1)); fi
   fi
   case "$sz" in ''|*[!0-9]*) sz=0;; esac
   if [ -n "$clock" ] && [ "$state" != missing ] && [ "$sz" -gt 0 ]; then
@@ -265,7 +271,7 @@ while [ $# -ge 5 ]; do
   printf '@ %s %s %s %s %s %s %s %s %s %s %s %s %s %s %s %s\n' "$j" "$r" "$state" "$ex" "$st" "$en" "$sz" "$c" "$n" "$pl" "$o" "$xn" "$cn" "$m" "$pg" "$h"
   if [ "$n" -gt 0 ]; then tail -c +$((off + 1)) "$d/log" | head -c "$n"; fi
   if [ "$xn" -gt 0 ]; then head -c "$xn" "$d/exit"; fi
-  if [ "$cn" -gt 0 ]; then head -c "$cn" "$d/cancel"; fi
+  if [ "$cn" -gt 0 ]; then if [ -n "$ci" ]; then printf '%s\n' "$ci"; else head -c "$cn" "$d/cancel"; fi; fi
 done
 } 3<<SKY_SIZES
 $sizes_

@@ -52,3 +52,16 @@ def trigger_kwargs(handle: dict[str, Any], **extra: Any) -> dict[str, Any]:
         "grace": 1.0,
         **extra,
     }
+
+
+def rank_exit(d: Path) -> tuple[str, float] | None:
+    """A rank directory's exit code and end time as its wrapper wrote them ("code", "end" lines of
+    ``exit``; a record written by another writer has its end in ``end``), or None before it exited."""
+    try:
+        lines = (d / "exit").read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    if not lines or not lines[0]:
+        return None  # written in place: empty a moment before its code is in
+    end = lines[1] if len(lines) > 1 and lines[1] else (d / "end").read_text().strip()
+    return lines[0], float(end)

@@ -23,6 +23,7 @@ from airflow_provider_sky.bridge import Bridge, BridgeRequest, bridge_watch, log
 from airflow_provider_sky.jobs import GangClient, Poll
 from airflow_provider_sky.spec import TaskSpec, task_from_args
 from airflow_provider_sky.watch import watch
+from gangs import rank_exit
 from leaks import bridges, processes_under
 from siblings import LastAlive, matching
 
@@ -35,8 +36,8 @@ def _gang(sky_home: Path, name: str, run: str, n: int = 4) -> tuple[LocalBackend
     return backend, backend.provision(name, spec), spec
 
 
-def _rank_file(handle: ClusterHandle, job_id: str, rank: int, name: str) -> Path:
-    return Path(handle.nodes[rank].root) / "jobs" / job_id / str(rank) / name
+def _rank_dir(handle: ClusterHandle, job_id: str, rank: int) -> Path:
+    return Path(handle.nodes[rank].root) / "jobs" / job_id / str(rank)
 
 
 def _wait_exit(b: Bridge, timeout: float) -> float:
@@ -115,9 +116,9 @@ def test_a_failing_rank_is_cancelled_by_the_job_tasks_own_code(
         while bridges(sky_home) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not bridges(sky_home), "the bridge did not exit once the job was over"
-    end2 = float(_rank_file(handle, job_id, 2, "end").read_text())
-    assert _rank_file(handle, job_id, 2, "exit").read_text().strip() == "1"
-    sibling_ends = [float(_rank_file(handle, job_id, r, "end").read_text()) for r in (0, 1, 3)]
+    code2, end2 = rank_exit(_rank_dir(handle, job_id, 2)) or ("", 0.0)
+    assert code2 == "1"
+    sibling_ends = [(rank_exit(_rank_dir(handle, job_id, r)) or ("", 0.0))[1] for r in (0, 1, 3)]
     gone = (siblings.last_alive or end2) - end2
     print(
         f"\nexit -> last sibling seen alive {gone:.3f}s, -> last sibling's end {max(sibling_ends) - end2:.3f}s"
@@ -196,7 +197,7 @@ def test_the_bridge_process_hands_over_resumes_when_the_marks_stop_and_exits(sky
     with LastAlive(f"SKYPILOT_TASK_ID={job_id}", tick=0.01) as siblings:
         asyncio.run(mark_for(2.0))
         gone_at = _wait_exit(b, 15)
-    end2 = float(_rank_file(handle, job_id, 2, "end").read_text())
+    end2 = (rank_exit(_rank_dir(handle, job_id, 2)) or ("", 0.0))[1]
     gone = (siblings.last_alive or end2) - end2
     log = b.log_path.read_text() if b.log_path else ""
     assert "stepping back" in log and "watching every rank again" in log, log
@@ -234,7 +235,7 @@ def test_the_bridge_never_keeps_an_abandoned_job_alive(sky_home: Path) -> None:
     _wait_exit(b, 20)
     assert time.time() - t < 10
     assert not matching(f"SKYPILOT_TASK_ID={job_id}")
-    assert _rank_file(handle, job_id, 0, "orphaned").exists()
+    assert (_rank_dir(handle, job_id, 0) / "orphaned").exists()
     log = b.log_path.read_text() if b.log_path else ""
     assert "ends: done" in log, log
     backend.terminate("orphan")

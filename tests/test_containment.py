@@ -15,7 +15,7 @@ from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners.local import LocalRunner
 from airflow_provider_sky.spec import task_from_args
-from gangs import local_gang, wait_done
+from gangs import local_gang, rank_exit, wait_done
 
 
 def _marked(prefix: str) -> list[int]:
@@ -123,7 +123,7 @@ def test_an_unreadable_exit_file_fails_the_rank_with_its_text(sky_home: Path, ga
     client.launch(spec, "job")
     exit_file = Path(client.node_of(1).root) / "jobs" / "job" / "1" / "exit"
     # its code is in (the wrapper writes the file in place: it exists, empty, a moment before)
-    assert _wait_for(lambda: exit_file.exists() and exit_file.read_text().strip() == "0")
+    assert _wait_for(lambda: (rank_exit(exit_file.parent) or ("",))[0] == "0")
     exit_file.write_text(garbage + "\n")
     poll = wait_done(client, grace=1.0)
     bad = poll.status.by_rank(1)

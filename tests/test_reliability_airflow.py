@@ -42,6 +42,7 @@ from urllib.parse import quote
 import pytest
 
 from airflow_provider_sky.dev.stack import AirflowStack, group_members, parse_time
+from gangs import rank_exit
 from leaks import bridges, processes_under
 from siblings import LastAlive, matching
 from sshd import SSHDCluster, SSHDNode, needs_sshd, user_processes
@@ -522,8 +523,8 @@ def test_triggerer_restart_keeps_ranks_and_fail_fast(rel: Rel, case: Case) -> No
 
     # now rank 1 fails: the new triggerer must cancel the siblings within seconds
     rel.create_marker(1, f"rel-{case.tag}.fail")
-    end_file = rel.rank_dir(handle, job_id, 1) / "end"
-    rank1_end = float(wait_for("rank 1 to exit", lambda: end_file.exists() and end_file.read_text(), 30))
+    rank1 = rel.rank_dir(handle, job_id, 1)
+    rank1_end = wait_for("rank 1 to exit", lambda: rank_exit(rank1), 30)[1]
     siblings = [before[r] for r in (0, 2, 3)]
     wait_for("the siblings to be cancelled", lambda: _gone(siblings), 30, interval=0.05)
     latency = time.time() - rank1_end
@@ -744,8 +745,8 @@ def test_retry_survives_a_triggerer_restart_and_mark_failed_stops_it(rel: Rel, c
     dag = "sky_rel_retry"
     run_id, handle, job_id, first = case.start_gang(dag)
     rel.create_marker(1, f"rel-{case.tag}.fail")
-    end_file = rel.rank_dir(handle, job_id, 1) / "end"
-    wait_for("rank 1 to exit", lambda: end_file.exists() and end_file.read_text(), 30)
+    rank1 = rel.rank_dir(handle, job_id, 1)
+    rank1_end = wait_for("rank 1 to exit", lambda: rank_exit(rank1), 30)[1]
     t = time.monotonic()
     rel.stack.restart_triggerer()  # inside the 8 s retry_delay
     rel.figure("retry: triggerer restarted within the retry delay", f"{time.monotonic() - t:.1f}s")
@@ -755,7 +756,7 @@ def test_retry_survives_a_triggerer_restart_and_mark_failed_stops_it(rel: Rel, c
     wait_for("attempt 2 to start on every rank", lambda: all(len(c) == 2 for c in rel.counts(case.tag)), 90)
     second = rel.rank_pids(handle, second_id)
     starts = [float((rel.rank_dir(handle, second_id, r) / "start").read_text()) for r in range(4)]
-    assert min(starts) > float(end_file.read_text()), "attempt 2 started before attempt 1 ended"
+    assert min(starts) > rank1_end, "attempt 2 started before attempt 1 ended"
     time.sleep(3)
     assert rel.counts(case.tag) == [[job_id, job_id]] * 4  # started once: not lost, not doubled
     assert rel.all_deferred(dag, run_id)  # the same rank task instances watch attempt 2
