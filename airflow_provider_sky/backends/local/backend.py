@@ -50,6 +50,7 @@ from airflow_provider_sky.backends.base import (
     unclean_reason,
     with_resources_recorded,
 )
+from airflow_provider_sky.backends.local.topdir import mark_topdir
 from airflow_provider_sky.gang import rank_order
 from airflow_provider_sky.runners.local import LocalRunner
 from airflow_provider_sky.spec import Accelerator, BackendCapabilities, Resources, SpecError, TaskSpec
@@ -311,6 +312,7 @@ class LocalBackend(Backend):
             except SpecError as err:
                 raise BackendError(f"{err.field}: {err.message}") from None
         block = self._free_block()
+        mark_topdir(self.base)  # each cluster's tree in block groups of its own: see topdir
         cluster_dir = self.base / name
         ips = [node_ip(block, i) for i in range(spec.num_nodes)]
         nodes = []
