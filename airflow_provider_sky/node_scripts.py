@@ -159,8 +159,12 @@ if [ "$rc" != 0 ] && [ -n "$gf" ] && [ -z "$cr" ] && [ ! -f "$d/cancel" ]; then
     m=''; [ -f "$d/oom" ] && m=' oom'
     nl='
 '
-    ts=''
-    while read -r r rt; do [ "$r" = "$me" ] || ts="$ts$rt$nl$job$nl$r$nl"; done < "$j/.ranks"
+    # "root job rank" lines for every other rank listed: one awk, where a `read` loop (a read(2) per
+    # byte) took most of a second while the machine was busy starting the rest of a 1,024-rank gang
+    ts=$(awk -v me="$me" -v job="$job" '{ r = $1; sub(/^[^ ]* /, ""); if (r != me) { print; print job; print r } }' "$j/.ranks" 2>/dev/null) || {
+      ts=''
+      while read -r r rt; do [ "$r" = "$me" ] || ts="$ts$rt$nl$job$nl$r$nl"; done < "$j/.ranks"
+    }
     oldifs=$IFS; IFS=$nl; set -f; set -- $ts; set +f; IFS=$oldifs
     # the reason first (whole: written aside, renamed), then the signals: see CANCEL_SCRIPT's `first`
     printf '%s\n' "@rank-failed $me $rc$m" > "$j/.cancelling/reason.$$" && mv "$j/.cancelling/reason.$$" "$j/.cancelling/reason"

@@ -3,8 +3,10 @@
 Per (job id, rank) a directory ``<root>/jobs/<job id>/<rank>/`` holds ``cmd.sh`` (the user's command),
 ``env`` and ``secrets`` (0600; the secrets are deleted as soon as the rank's shell has read them),
 ``mask`` (the secrets' output filter, deleted once the filter has opened it), ``rank.sh`` (the
-wrapper), ``pid`` (wrapper), ``pgid`` (the user's process group), ``start``, ``end``, ``exit``
-(written to a temp file, then renamed), ``cancel`` (marker holding the reason), ``polled`` (the
+wrapper), ``pid`` (wrapper), ``pgid`` (the user's process group), ``start``, ``exit`` (written in
+place, so empty a moment: lines of exit code, end time and, when the machine's own fail-fast stopped
+the rank, its reason; a record another script writes has its end in ``end``), ``cancel`` (marker
+holding the reason of a cancel that reached the rank from outside), ``polled`` (the
 last watcher's clock), ``orphaned``, ``progress`` (``$SKY_PROGRESS_FILE``: the rank touches it to
 show it is alive), ``hang/`` (made when a watcher found it hung), ``times`` (when the log grew, by
 the watchers' clocks; ``tsz`` its last size) and ``log``. Every process of a rank carries its mark in its
@@ -360,10 +362,14 @@ def launch_many_script(
     triples = " ".join(f"{q(root)} {q(job_id)} {r}" for root, r in started)
     parts.append(
         'if [ -n "$gf" ] && [ -s "$gf" ]; then fr=; fc=; { read -r fr fc < "$gf"; } 2>/dev/null || :\n'
-        # a rank started after the failing rank's own cancel read the list: cancelled here (the cancel
-        # skips ranks with an exit code, so the never-started records and the failed rank stay as they are)
+        # the failure came from elsewhere (flag_failure) or the failing rank could not cancel on the node:
+        # the ranks started here are cancelled here (the cancel skips ranks with an exit code, so the
+        # never-started records and the failed rank stay as they are). Not when a rank of the machine
+        # has its cancel under way (its reason is written): it covers every rank listed when it read
+        # the list, and a rank listed after that saw the flag and never ran. Thirty launchers each
+        # cancelling again took the CPU that cancel needed while a 1,024-rank gang was still starting.
         '  g=3; { read -r g < "$gj/.grace"; } 2>/dev/null || :\n'
-        f'  [ ! -f "$gj/.cancel.sh" ] || sh "$gj/.cancel.sh" "$g" nowait "@rank-failed $fr $fc" {triples} '
+        f'  [ ! -f "$gj/.cancel.sh" ] || [ -f "$gj/.cancelling/reason" ] || sh "$gj/.cancel.sh" "$g" nowait "@rank-failed $fr $fc" {triples} '
         ">/dev/null 2>&1 </dev/null || :\n"
         '  echo "GANGFAILED rank=$fr code=$fc"\nfi'
     )
