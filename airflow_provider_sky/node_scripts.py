@@ -149,12 +149,15 @@ if [ "$rc" = 137 ]; then oomk; [ "$ok" -gt "$oom0" ] 2>/dev/null && : > "$d/oom"
 # inodes deleted in the last minutes (the last teardown's); three files a rank took most of a second
 if [ -n "$cr" ]; then printf '%s\n%s\n%s\n' "$rc" "$te" "$cr" > "$d/exit"; else printf '%s\n%s\n' "$rc" "$te" > "$d/exit"; fi
 if [ "$rc" != 0 ] && [ -n "$gf" ] && [ -z "$cr" ] && [ ! -f "$d/cancel" ]; then
-  printf '%s %s\n' "${d##*/}" "$rc" >> "$gf" 2>/dev/null || :
   # fail-fast on the node: the machine's first rank to fail on its own cancels every sibling listed
   # here at once (the watchers' poll does the same across machines, a poll later); an orphaned rank
-  # was killed by the keeper, which stops its siblings itself
-  j=${gf%/*}
-  if [ ! -f "$d/orphaned" ] && [ -f "$j/.cancel.sh" ] && [ -f "$j/.ranks" ] && mkdir "$j/.cancelling" 2>/dev/null; then
+  # was killed by the keeper, which stops its siblings itself. It claims the cancel (.cancelling)
+  # before it sets the gang flag: a launcher that sees the flag without the claim cancels its ranks
+  # itself (the failure came from elsewhere), with it leaves them to this rank (runtime.launch_many_script)
+  j=${gf%/*}; own=''
+  if [ ! -f "$d/orphaned" ] && [ -f "$j/.cancel.sh" ] && [ -f "$j/.ranks" ] && mkdir "$j/.cancelling" 2>/dev/null; then own=1; fi
+  printf '%s %s\n' "${d##*/}" "$rc" >> "$gf" 2>/dev/null || :
+  if [ -n "$own" ]; then
     me=${d##*/}; job=${j##*/}; g=3; [ -f "$j/.grace" ] && read -r g < "$j/.grace"
     m=''; [ -f "$d/oom" ] && m=' oom'
     nl='

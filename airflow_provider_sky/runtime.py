@@ -232,11 +232,16 @@ FLAG_DIR = (
 
 def flag_failure(flag: str, rank: int, code: int | None) -> str:
     """Shell lines that write a failure seen elsewhere into a machine's gang flag (:func:`gang_flag`),
-    unless a rank of the machine wrote one first: its launchers then start no more ranks."""
+    unless a rank of the machine wrote one first: its launchers then start no more ranks.
+
+    They end the script when a rank of the machine has claimed its own cancel (``.cancelling``, see
+    :data:`~airflow_provider_sky.node_scripts.WRAPPER`): that cancel covers every rank started there,
+    and thirty start calls each cancelling their ranks again took the CPU it needed (1,024 ranks)."""
     return (
         f"gf={shlex.quote(flag)}\n"
         '[ -d "${gf%/*}" ] || mkdir -p "${gf%/*}"\n'
         f'[ -s "$gf" ] || printf "%s %s\\n" {int(rank)} {"-" if code is None else int(code)} >> "$gf"\n'
+        '[ ! -d "${gf%/*}/.cancelling" ] || exit 0\n'
     )
 
 
@@ -365,11 +370,12 @@ def launch_many_script(
         # the failure came from elsewhere (flag_failure) or the failing rank could not cancel on the node:
         # the ranks started here are cancelled here (the cancel skips ranks with an exit code, so the
         # never-started records and the failed rank stay as they are). Not when a rank of the machine
-        # has its cancel under way (its reason is written): it covers every rank listed when it read
-        # the list, and a rank listed after that saw the flag and never ran. Thirty launchers each
-        # cancelling again took the CPU that cancel needed while a 1,024-rank gang was still starting.
+        # claimed the cancel (.cancelling, made before it set the flag): it reads the list after the
+        # flag is set, so it covers every rank listed by then, and a rank listed later saw the flag and
+        # never ran. Thirty launchers each cancelling again took the CPU that cancel needed while a
+        # 1,024-rank gang was still starting.
         '  g=3; { read -r g < "$gj/.grace"; } 2>/dev/null || :\n'
-        f'  [ ! -f "$gj/.cancel.sh" ] || [ -f "$gj/.cancelling/reason" ] || sh "$gj/.cancel.sh" "$g" nowait "@rank-failed $fr $fc" {triples} '
+        f'  [ ! -f "$gj/.cancel.sh" ] || [ -d "$gj/.cancelling" ] || sh "$gj/.cancel.sh" "$g" nowait "@rank-failed $fr $fc" {triples} '
         ">/dev/null 2>&1 </dev/null || :\n"
         '  echo "GANGFAILED rank=$fr code=$fc"\nfi'
     )
