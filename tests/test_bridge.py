@@ -110,8 +110,9 @@ def test_a_failing_rank_is_cancelled_by_the_job_tasks_own_code(
     with LastAlive(f"SKYPILOT_TASK_ID={job_id}", tick=0.01) as siblings:
         ranks = op.execute({"ti": _TI(), "task_state_store": None})
         assert [r["job_id"] for r in ranks] == [job_id] * 4
-        (pid, _cmd), *more = bridges(sky_home)
-        assert not more
+        # one bridge at most: it may be gone already (rank 2 fails at once, the machine stops its
+        # siblings within milliseconds, and the bridge ends with the job); its log below shows it ran
+        assert len(bridges(sky_home)) <= 1
         deadline = time.monotonic() + 10
         while bridges(sky_home) and time.monotonic() < deadline:
             time.sleep(0.02)
