@@ -36,6 +36,11 @@ def _gang(sky_home: Path, name: str, run: str, n: int = 4) -> tuple[LocalBackend
     return backend, backend.provision(name, spec), spec
 
 
+def _rank_exit(handle: ClusterHandle, job_id: str, rank: int) -> tuple[str, float]:
+    """The rank's exit code and end time (``("", 0.0)`` before it exited)."""
+    return rank_exit(_rank_dir(handle, job_id, rank)) or ("", 0.0)
+
+
 def _rank_dir(handle: ClusterHandle, job_id: str, rank: int) -> Path:
     return Path(handle.nodes[rank].root) / "jobs" / job_id / str(rank)
 
@@ -117,9 +122,9 @@ def test_a_failing_rank_is_cancelled_by_the_job_tasks_own_code(
         while bridges(sky_home) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not bridges(sky_home), "the bridge did not exit once the job was over"
-    code2, end2 = rank_exit(_rank_dir(handle, job_id, 2)) or ("", 0.0)
+    code2, end2 = _rank_exit(handle, job_id, 2)
     assert code2 == "1"
-    sibling_ends = [(rank_exit(_rank_dir(handle, job_id, r)) or ("", 0.0))[1] for r in (0, 1, 3)]
+    sibling_ends = [_rank_exit(handle, job_id, r)[1] for r in (0, 1, 3)]
     gone = (siblings.last_alive or end2) - end2
     print(
         f"\nexit -> last sibling seen alive {gone:.3f}s, -> last sibling's end {max(sibling_ends) - end2:.3f}s"
@@ -198,7 +203,7 @@ def test_the_bridge_process_hands_over_resumes_when_the_marks_stop_and_exits(sky
     with LastAlive(f"SKYPILOT_TASK_ID={job_id}", tick=0.01) as siblings:
         asyncio.run(mark_for(2.0))
         gone_at = _wait_exit(b, 15)
-    end2 = (rank_exit(_rank_dir(handle, job_id, 2)) or ("", 0.0))[1]
+    end2 = _rank_exit(handle, job_id, 2)[1]
     gone = (siblings.last_alive or end2) - end2
     log = b.log_path.read_text() if b.log_path else ""
     assert "stepping back" in log and "watching every rank again" in log, log
