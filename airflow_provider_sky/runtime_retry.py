@@ -61,8 +61,8 @@ while [ $# -ge 2 ]; do
 done
 for rd in $started; do
   r=${rd%%:*}; d=${rd#*:}; i=0
-  while [ ! -f "$d/pid" ] && [ ! -f "$d/exit" ] && [ "$i" -lt 400 ]; do sleep 0.05 2>/dev/null || sleep 1; i=$((i + 1)); done
-  if [ -f "$d/pid" ] || [ -f "$d/exit" ]; then p=; { read -r p < "$d/pid"; } 2>/dev/null || :; echo "STARTED $r $p"; else echo "NOSTART $r"; fi
+  while [ ! -s "$d/pid" ] && [ ! -s "$d/exit" ] && [ "$i" -lt 400 ]; do sleep 0.05 2>/dev/null || sleep 1; i=$((i + 1)); done
+  if [ -s "$d/pid" ] || [ -s "$d/exit" ]; then p=; { read -r p < "$d/pid"; } 2>/dev/null || :; echo "STARTED $r $p"; else echo "NOSTART $r"; fi
 done
 """.replace("__FLAG_DIR__", FLAG_DIR).replace("__CLOCK__", CLOCK_BASE)
 

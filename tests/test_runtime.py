@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.jobs import GangClient
+from airflow_provider_sky.jobs import GangClient, run_sync
 from airflow_provider_sky.spec import task_from_args
 from gangs import wait_done
 from leaks import processes_under
@@ -111,6 +111,27 @@ def test_term_ignoring_rank_is_killed_after_grace(backend: LocalBackend, sky_hom
     assert poll.status.by_rank(0).state == "cancelled"
     assert time.time() - t < 10
     assert not [p for p in processes_under(sky_home) if "sleep" in p[1]]
+    backend.terminate("c")
+
+
+def test_a_rank_is_either_started_or_recorded_never_started_never_both(
+    backend: LocalBackend, tmp_path: Path
+) -> None:
+    """The gang start's launchers and its never-started records (a sibling failed first) claim a rank
+    the same way: whichever comes first wins, and the other leaves the rank alone. Rank 2's directory
+    exists but nobody claimed it (a launcher makes every directory of its call first)."""
+    counter = tmp_path / "count"
+    client, spec = _gang(backend, "c", 3, f"echo x >> {counter}-$SKYPILOT_NODE_RANK")
+    (Path(client.handle.nodes[2].root) / "jobs" / "job" / "2").mkdir(parents=True)
+    recorded = run_sync(client._record_never_started("job", [1, 2], "rank 7 failed first"))
+    assert recorded == {1: "CANCELLED", 2: "CANCELLED"}
+    assert client.launch(spec, "job") == {0: "STARTED", 1: "EXISTS", 2: "EXISTS"}
+    assert run_sync(client._record_never_started("job", [0, 1], "late")) == {0: "EXISTS", 1: "EXISTS"}
+    poll = wait_done(client, "job")
+    assert [r.state for r in poll.status.ranks] == ["succeeded", "cancelled", "cancelled"]
+    assert "rank 7 failed first" in (poll.status.by_rank(2).reason or "")
+    assert (tmp_path / "count-0").read_text() == "x\n"
+    assert not (tmp_path / "count-1").exists() and not (tmp_path / "count-2").exists()
     backend.terminate("c")
 
 
