@@ -252,6 +252,11 @@ def gang_flag(root: str, job_id: str) -> str:
     return f"{_check_root(root)}/jobs/{check_job_id(job_id)}/.failed"
 
 
+#: ``sh -s -- FLAG``: ``SET`` once a rank of the machine wrote its gang flag (:func:`gang_flag`), else
+#: ``CLEAR``; what a gang start looks at while it runs, before it reads any rank's status.
+FLAG_SET_SCRIPT = 'if [ -s "$1" ]; then echo SET; else echo CLEAR; fi\n'
+
+
 def launch_many_script(
     job_id: str,
     items: Sequence[tuple[str, RankLaunch, Guard]],

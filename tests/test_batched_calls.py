@@ -152,6 +152,54 @@ def test_fail_fast_at_64_ranks_costs_one_call_per_poll(sky_home: Path) -> None:
     b.terminate("c", grace=0.5)
 
 
+class _LateSecondHalfRunner(LocalRunner):
+    """A local node whose gang start call answers 1 s after its ranks started (nodes 32 and up)."""
+
+    async def arun_script(self, script: str, args: list[str] | None = None, timeout: float | None = None):  # type: ignore[no-untyped-def]
+        res = await super().arun_script(script, args, timeout)
+        if "rank.sh" in script and int(self.home.rstrip("/").rsplit("-", 1)[1]) >= N // 2:
+            await asyncio.sleep(1.0)
+        return res
+
+
+class _LateSecondHalfBackend(LocalBackend):
+    def runner(self, node: Node) -> LocalRunner:
+        return _LateSecondHalfRunner(node.ip, node.home)
+
+
+def test_a_gang_start_reads_no_rank_status_until_a_rank_fails(sky_home: Path) -> None:
+    """While a gang starts, it watches the machine's gang flag (a rank failing on its own writes it),
+    not every started rank's status: at 1,024 local ranks one status read is half a CPU second, and
+    the start looked five times a second while the same CPUs started the rest. Ranks 0-31 run for a
+    second before ranks 32-63's start call answers."""
+    b = _LateSecondHalfBackend(sky_home)
+    spec = task_from_args(num_nodes=N, run="sleep 600")
+    client = GangClient(b, b.provision("c", spec))
+    polls = 0
+    original = client.apoll
+
+    async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal polls
+        polls += 1
+        return await original(*args, **kwargs)
+
+    client.apoll = counted  # type: ignore[method-assign]
+    t0 = time.time()
+    assert set(client.launch(spec, "job", orphan_timeout=0).values()) == {"STARTED"}
+    assert time.time() - t0 >= 1.0 and polls == 0
+    # the same start with rank 3 failing at once: every sibling is stopped, the cause named
+    failing = 'if [ "$SKYPILOT_NODE_RANK" = 3 ]; then exit 5; fi; sleep 600'
+    bad = task_from_args(num_nodes=N, run=failing)
+    client.launch(bad, "bad", orphan_timeout=0)
+    status = wait_done(client, "bad", grace=0.5).status
+    assert status.root_cause() is not None and status.root_cause().rank == 3
+    assert {r.reason for r in status.ranks if r.rank != 3} == {
+        "cancelled: rank 3 failed first: exited with code 5"
+    }
+    client.close()
+    b.terminate("c", grace=0.5)
+
+
 def test_a_failed_call_marks_just_its_ranks_unreachable(
     sky_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
