@@ -235,7 +235,9 @@ class GangClient:
             failed.append(reason)
             late = [r for r in started if r not in cancelled]
             cancelled.update(late)
-            calls = [self.acancel(job_id, late, grace, wait=False, reason=reason)] if late else []
+            calls = (
+                [self.acancel(job_id, late, grace, wait=False, reason=reason, fail_fast=True)] if late else []
+            )
             calls += [
                 self._halt_start(job_id, chunk, flags, rank, code, grace, reason)
                 for chunk in inflight.values()
@@ -275,7 +277,7 @@ class GangClient:
                 await fail(runtime.failed_first(*gang), *gang)
             elif failed:  # they were on their way when a sibling failed: cancel them at once
                 cancelled.update(mine)
-                await self.acancel(job_id, mine, grace, wait=False, reason=failed[0])
+                await self.acancel(job_id, mine, grace, wait=False, reason=failed[0], fail_fast=True)
             return [words[r] for r in chunk]
 
         async def watch_start() -> None:
@@ -315,7 +317,7 @@ class GangClient:
             # machine's launcher cancelled them already; a second cancel of a rank changes nothing)
             late = sorted(set(started) - cancelled)
             if late:
-                await self.acancel(job_id, late, grace, wait=False, reason=failed[0])
+                await self.acancel(job_id, late, grace, wait=False, reason=failed[0], fail_fast=True)
             log.info("A rank of job %s failed during the gang start: %s", job_id, failed[0])
         return out
 
@@ -620,20 +622,24 @@ class GangClient:
         *,
         wait: bool = True,
         reason: str = "",
+        fail_fast: bool = False,
     ) -> None:
         """SIGTERM every process of every listed rank, SIGKILL after ``grace`` seconds.
 
         Processes are found by the mark they inherit, so a rank's background or re-parented children
         go too. ``wait=False`` (fail-fast) returns once the SIGTERMs are sent; the SIGKILL still follows
         on the node. ``reason`` is recorded with each unfinished rank (its state reads ``cancelled:
-        <reason>``).
+        <reason>``). ``fail_fast``: the first cancel after a rank failed; a machine whose failing rank
+        already runs the machine's own cancel (it covers every rank there) is left to it.
         """
         wanted = list(range(self.num_ranks)) if ranks is None else list(ranks)
+        flags = self._gang_flags(job_id) if fail_fast and not wait and self.num_ranks > 1 else {}
 
         async def one(chunk: list[int]) -> None:
             nodes = [self.node_of(r) for r in chunk]
             targets = [(n.root, job_id, r) for n, r in zip(nodes, chunk, strict=True)]
-            args = runtime.cancel_args(grace, targets, wait=wait, reason=reason)
+            flag = flags.get(self.backend.machine_of(nodes[0]))
+            args = runtime.cancel_args(grace, targets, wait=wait, reason=reason, unless_claimed=flag)
             res = await self.runner(nodes[0]).arun_script(runtime.CANCEL_SCRIPT, args, timeout=grace + 30)
             if res.returncode != 0:
                 raise RunnerError(nodes[0].ip, f"cancel script failed: {res.error_text}")

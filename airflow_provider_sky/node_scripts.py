@@ -315,7 +315,8 @@ done
 #: cancel marker. A rank that already exited keeps its outcome; processes it left behind are killed.
 #: Arguments: ``grace mode reason``, then ``root job rank`` per rank: one call covers every rank of a
 #: machine, whatever node root each has (one ``grep`` of ``/proc`` finds all their processes).
-#: ``mode``: ``wait`` (until they are gone), ``nowait`` (return after the SIGTERMs), ``first`` (the
+#: ``mode``: ``wait`` (until they are gone), ``nowait`` (return after the SIGTERMs), ``after:JOBDIR``
+#: (``nowait``, unless the machine's own fail-fast claimed the cancel in JOBDIR), ``first`` (the
 #: machine's own fail-fast: ``nowait``, and a rank with a process group is signalled before any reason
 #: is written, since 1,000 reason files take the disk most of a second: its wrapper writes the reason
 #: itself from the job's ``.cancelling/reason`` before its exit code, see :data:`WRAPPER`).
@@ -323,6 +324,12 @@ CANCEL_SCRIPT = (
     MARKED_FUNCS
     + r"""
 grace=$1; mode=$2; reason=$3; shift 3
+# "after:JOBDIR" (a watcher's fail-fast): nothing to do once a rank of this machine claimed the machine's
+# own cancel there; it covers every rank of the machine, and a second cancel of 1,000 ranks writes 1,000
+# reason files while the first one's victims need the CPU
+case "$mode" in
+  after:*) [ ! -d "${mode#after:}/.cancelling" ] || exit 0; mode=nowait;;
+esac
 tick() { sleep 0.1 2>/dev/null || sleep 1; }
 groups=''
 nl='

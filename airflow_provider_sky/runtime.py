@@ -416,12 +416,22 @@ def status_args(queries: Sequence[tuple[str, str, int, int, int]], now: float | 
 
 
 def cancel_args(
-    grace: float, targets: Sequence[tuple[str, str, int]], *, wait: bool = True, reason: str = ""
+    grace: float,
+    targets: Sequence[tuple[str, str, int]],
+    *,
+    wait: bool = True,
+    reason: str = "",
+    unless_claimed: str | None = None,
 ) -> list[str]:
     """Arguments of :data:`CANCEL_SCRIPT`: (node root, job id, rank) per rank, any number of roots of
-    one machine; ``wait=False`` returns right after the SIGTERMs."""
+    one machine; ``wait=False`` returns right after the SIGTERMs. ``unless_claimed``: the machine's gang
+    flag (:func:`gang_flag`); the call does nothing when a rank there has claimed the machine's own
+    cancel (``.cancelling`` beside the flag), which covers every rank of the machine."""
     reason = " ".join(reason.split())[:400]  # one line in the marker file
-    args = [f"{max(0.0, float(grace)):.3f}", "wait" if wait else "nowait", reason]
+    mode = "wait" if wait else "nowait"
+    if unless_claimed and not wait:
+        mode = f"after:{_check_root(unless_claimed.rsplit('/', 1)[0])}"
+    args = [f"{max(0.0, float(grace)):.3f}", mode, reason]
     for root, job_id, rank in targets:
         args += [_check_root(root), check_job_id(job_id), str(int(rank))]
     return args

@@ -110,7 +110,16 @@ async def watch(
                 else:
                     log.info("Rank failed; cancelling ranks %s of job %s", pending, job_id)
                 st.cancel_sent.update(dict.fromkeys(pending, poll.at))
-                await client.acancel(job_id, pending, grace, wait=False, reason=cancel_reason(poll.status))
+                # the first one leaves a machine whose failing rank cancels its siblings itself to it;
+                # one sent again (a rank lived on past the grace) goes to every rank listed
+                await client.acancel(
+                    job_id,
+                    pending,
+                    grace,
+                    wait=False,
+                    reason=cancel_reason(poll.status),
+                    fail_fast=not st.cancel_issued,
+                )
             just_cancelled = not st.cancel_issued
             st.cancel_issued = True
             poll.status.cancel_requested = True

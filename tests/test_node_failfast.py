@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 
 from airflow_provider_sky.gang import CANCELLED, FAILED, RUNNING, SUCCEEDED
+from airflow_provider_sky.jobs import run_sync
 from airflow_provider_sky.node_scripts import CMD_PROLOGUE, WRAPPER
-from airflow_provider_sky.runtime import env_file, node_cancel_reason
+from airflow_provider_sky.runtime import env_file, gang_flag, node_cancel_reason
 from gangs import local_gang
 from test_containment import ESCAPES, _alive, _marked, _wait_for
 
@@ -77,6 +78,30 @@ def test_a_cancelled_or_successful_rank_does_not_stop_its_siblings(sky_home: Pat
     assert states[0] == (SUCCEEDED, "succeeded")
     assert states[1] == (CANCELLED, "cancelled: a user asked")
     assert states[2][0] == RUNNING and states[3][0] == RUNNING, states
+    b.terminate("c")
+    assert not _alive(_marked(str(sky_home)))
+
+
+def test_a_watchers_fail_fast_leaves_a_machine_that_cancels_itself_to_it(sky_home: Path) -> None:
+    """Once a failing rank has claimed its machine's cancel (``.cancelling``), a watcher's first
+    fail-fast cancel of that machine does nothing: the machine's covers every rank there, and a second
+    one writing a reason file per rank took the CPU the first one's victims needed (1,024 ranks). A
+    cancel sent again, or any other cancel, still goes through."""
+    b, client, spec = local_gang(sky_home, 4, "sleep 10000")
+    client.launch(spec, "job", grace=1.0)
+    claim = Path(gang_flag(client.node_of(0).root, "job")).parent / ".cancelling"
+    claim.mkdir()
+    run_sync(client.acancel("job", [1, 2], 1.0, wait=False, reason="rank 7 failed", fail_fast=True))
+    time.sleep(1.0)
+    assert {r.rank: r.state for r in client.peek("job").ranks} == dict.fromkeys(range(4), RUNNING)
+    run_sync(client.acancel("job", [1], 1.0, wait=False, reason="sent again"))
+    claim.rmdir()
+    run_sync(client.acancel("job", [2], 1.0, wait=False, reason="rank 7 failed", fail_fast=True))
+    assert _wait_for(lambda: all(r.terminal for r in client.peek("job").ranks[1:3]), 5)
+    states = {r.rank: (r.state, r.reason) for r in client.peek("job").ranks}
+    assert states[1] == (CANCELLED, "cancelled: sent again")
+    assert states[2] == (CANCELLED, "cancelled: rank 7 failed")
+    assert states[0][0] == RUNNING and states[3][0] == RUNNING, states
     b.terminate("c")
     assert not _alive(_marked(str(sky_home)))
 
