@@ -498,7 +498,7 @@ for root in $roots; do
 done
 set -- $roots
 IFS=$oldifs; set +f
-[ $# -eq 0 ] || rm -rf -- "$@" || exit 1
+__REMOVE__
 """
 
 #: The node's keeper (one per cluster root, or one for all roots of a machine): a dead-man's switch
@@ -574,7 +574,10 @@ done
 )
 
 
-def teardown_script() -> str:
+def teardown_script(remove: bool = True) -> str:
     """The teardown script with the cancel logic inlined: ``sh -s -- GRACE ROOT...``, one call for
-    every node root of one machine (the local backend's 1,024 nodes: one scan of /proc, not 1,024)."""
-    return TEARDOWN_SCRIPT.replace("__CANCEL__", CANCEL_SCRIPT)
+    every node root of one machine (the local backend's 1,024 nodes: one scan of /proc, not 1,024).
+    ``remove=False``: the roots are left for the caller to take away once every process is gone (the
+    local backend renames its cluster's tree and deletes it in the background: ``backends.local.trash``)."""
+    rm = '[ $# -eq 0 ] || rm -rf -- "$@" || exit 1' if remove else ":"
+    return TEARDOWN_SCRIPT.replace("__CANCEL__", CANCEL_SCRIPT).replace("__REMOVE__", rm)

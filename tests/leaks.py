@@ -14,7 +14,19 @@ from pathlib import Path
 from airflow_provider_sky.bridge import MODULE
 from airflow_provider_sky.dev.stack import processes_under
 
-__all__ = ["bridges", "live_processes", "processes_under"]
+__all__ = ["bridges", "job_processes", "live_processes", "processes_under"]
+
+
+def job_processes(state_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """:func:`processes_under` without the local backend's background delete of a torn-down cluster's
+    tree (``backends.local.trash``): no process of a job, and it ends by itself (the autouse check in
+    ``conftest`` still waits for it, and fails a test it outlives by 5 s)."""
+    trash = f"{state_dir}/local/.trash/"
+    return [
+        (pid, cmd)
+        for pid, cmd in processes_under(state_dir)
+        if not (cmd.startswith("rm -rf -- ") and trash in cmd)
+    ]
 
 
 def live_processes() -> Iterator[tuple[Path, list[str]]]:

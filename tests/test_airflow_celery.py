@@ -30,7 +30,7 @@ import pytest
 
 from airflow_provider_sky.dev.services import PostgresServer, RedisServer
 from airflow_provider_sky.dev.stack import AirflowStack, StackError, parse_time
-from leaks import processes_under
+from leaks import job_processes
 from test_airflow_real import (  # noqa: F401  (imported tests run here against this module's `real`)
     DAGS,
     REPO,
@@ -104,7 +104,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealAirflow]:
                 )
             assert not stack.leftover_processes()
         finally:
-            left = processes_under(sky)
+            left = job_processes(sky)
             _kill(left)
         assert not left, f"processes left under the services' SKY_PROVIDER_HOME {sky}: {left}"
     # the servers stopped with the ExitStack: nothing of theirs may be left either

@@ -39,7 +39,7 @@ import pytest
 from airflow_provider_sky.backends.kubernetes.manifest import CLUSTER_LABEL, cluster_selector
 from airflow_provider_sky.dev.stack import AirflowStack, parse_time
 from k8s_cluster import Image, K8sCluster, connection_extras
-from leaks import processes_under
+from leaks import job_processes, processes_under
 from sshd import SSHDCluster, needs_sshd
 
 REPO = Path(__file__).resolve().parent.parent
@@ -248,7 +248,7 @@ def real(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReques
                     _kill(procs)
                 assert not left_hosts, f"processes of the SSH hosts' users left: {left_hosts}"
         finally:
-            left = processes_under(sky)
+            left = job_processes(sky)
             _kill(left)
         assert not left, f"processes left under the services' SKY_PROVIDER_HOME {sky}: {left}"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_sky.dev.stack import AirflowStack
-from leaks import processes_under
+from leaks import job_processes
 from test_airflow_celery import MOVE, TRIGGERERS, _wait_all_deferred
 from test_airflow_real import REPO, RUN_TIMEOUT, RealAirflow, _kill, _processes_of_job
 
@@ -49,7 +49,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealAirflow]:
             yield RealAirflow(stack, sky, {})
         assert not stack.leftover_processes()
     finally:
-        left = processes_under(sky)
+        left = job_processes(sky)
         _kill(left)
     assert not left, f"processes left under SKY_PROVIDER_HOME {sky}: {left}"
 

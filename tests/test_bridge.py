@@ -24,7 +24,7 @@ from airflow_provider_sky.jobs import GangClient, Poll
 from airflow_provider_sky.spec import TaskSpec, task_from_args
 from airflow_provider_sky.watch import watch
 from gangs import rank_exit
-from leaks import bridges, processes_under
+from leaks import bridges, job_processes
 from siblings import LastAlive, matching
 
 AT_ONCE = 'if [ "$SKYPILOT_NODE_RANK" = "2" ]; then exit 1; fi\nsleep 10000\n'
@@ -288,7 +288,7 @@ def test_no_secret_on_the_bridge_command_line_environment_or_log(
         assert secret not in cmdline and secret not in environ and secret not in log, secret
     with contextlib.suppress(Exception):
         backend.terminate("sec")
-    assert not processes_under(sky_home)
+    assert not job_processes(sky_home)
 
 
 def test_a_launch_failure_is_reported_by_the_bridge(sky_home: Path) -> None:

@@ -25,7 +25,7 @@ from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.spec import SpecError, TaskSpec, load_task_yaml, task_from_args
 from airflow_provider_sky.watch import watch
-from leaks import processes_under
+from leaks import job_processes
 from sshd import SSHDCluster, _descendants, needs_sshd, user_processes
 
 LONG = task_from_args(num_nodes=2, run="sleep 10000")
@@ -86,12 +86,12 @@ def test_two_runs_on_one_local_cluster_the_last_teardown_removes_it(sky_home: Pa
     rec = _local_record(sky_home, "shared")
     assert rec is not None and list(rec["leases"]) == [A]
     assert rec["leases"][A]["holder"] == A and rec["leases"][A]["since"]
-    assert processes_under(sky_home)  # run A's ranks still run
+    assert job_processes(sky_home)  # run A's ranks still run
     gone = b.terminate("shared", grace=1.0, holder=A)
     assert gone == Teardown(removed=True)
     assert _local_record(sky_home, "shared") is None and b.find("shared") is None
     assert not (sky_home / "local" / "shared").exists()
-    assert not processes_under(sky_home)
+    assert not job_processes(sky_home)
     assert b.terminate("shared", holder=A) == Teardown(removed=False)  # already gone: not an error
 
 
@@ -187,7 +187,7 @@ def test_down_tasks_of_two_runs_keep_the_cluster_for_the_other(
     assert "Cluster shared kept: still used by run train/run_a" in "".join(capfd.readouterr())
     assert _states(c, "job-a") == ["running", "running"]
     assert down.execute(run_a) is True
-    assert LocalBackend(sky_home).find("shared") is None and not processes_under(sky_home)
+    assert LocalBackend(sky_home).find("shared") is None and not job_processes(sky_home)
     assert handle["name"] == "shared"
 
 
@@ -230,7 +230,7 @@ def test_a_failed_cluster_task_leaves_the_cluster_to_the_run_using_it(
     rec = _local_record(sky_home, "c")
     assert rec is not None and list(rec["leases"]) == ["train/run_a"]
     assert _states(c, "job-a") == ["running", "running"]
-    assert b.terminate("c", holder="train/run_a").removed and not processes_under(sky_home)
+    assert b.terminate("c", holder="train/run_a").removed and not job_processes(sky_home)
 
 
 def test_default_cluster_of_a_run_is_its_own(sky_home: Path) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from leaks import bridges, processes_under
+from leaks import bridges, job_processes, processes_under
 from siblings import LastAlive, matching
 
 REPO = Path(__file__).resolve().parent.parent
@@ -191,7 +191,7 @@ def test_a_kept_cluster_goes_down_after_idle_down(sky_home: Path) -> None:
         time.sleep(0.2)
     assert backend.find("sky-idle-kept") is None, "the idle cluster is still there"
     assert not (sky_home / "local" / "sky-idle-kept").exists()
-    assert not processes_under(sky_home), "the rank's background sleep outlived the idle cluster"
+    assert not job_processes(sky_home), "the rank's background sleep outlived the idle cluster"
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 from airflow_provider_sky.gang import GangStatus, RankStatus
 from airflow_provider_sky.hang import HangWatch, check_hang_timeout, hang_reason
 from airflow_provider_sky.jobs import Poll
-from leaks import bridges, processes_under
+from leaks import bridges, job_processes, processes_under
 from test_dag_test import _out, _run, _states, _xcom
 
 HUNG = "hung: no output for 10 s (ranks 1, 3)"
@@ -178,4 +178,4 @@ def test_a_hung_python_rank_gets_a_py_spy_dump_in_its_log(
     assert re.search(r"wait_for_the_batch \(.*train\.py:\d+\)", log), log[-3000:]
     assert re.search(r"train_loop \(.*train\.py:\d+\)", log), log[-3000:]
     backend.terminate("c")
-    assert not processes_under(sky_home)
+    assert not job_processes(sky_home)

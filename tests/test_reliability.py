@@ -14,7 +14,7 @@ from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.backends.ssh import SSHBackend
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import SpecError, task_from_args
-from leaks import processes_under
+from leaks import job_processes
 
 
 @pytest.fixture
@@ -158,7 +158,7 @@ def test_job_task_reattaches_instead_of_launching_twice(sky_home: Path, tmp_path
     for rank in range(3):
         assert Path(f"{counter}-{rank}").read_text() == "x\n"  # each rank started exactly once
     b.terminate("re")
-    assert not processes_under(sky_home)
+    assert not job_processes(sky_home)
 
 
 def test_provider_cli_lists_connection_types() -> None:

@@ -43,7 +43,7 @@ import pytest
 
 from airflow_provider_sky.dev.stack import AirflowStack, group_members, parse_time
 from gangs import rank_exit
-from leaks import bridges, processes_under
+from leaks import bridges, job_processes, processes_under
 from siblings import LastAlive, matching
 from sshd import SSHDCluster, SSHDNode, needs_sshd, user_processes
 from sshd import cmdline as _cmdline
@@ -326,7 +326,7 @@ def rel(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
                 f"processes of the hosts' users left after the stack stopped: {users_left()}"
             )
     finally:
-        left_local = processes_under(sky)
+        left_local = job_processes(sky)
         for pid, _ in left_local:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
@@ -391,7 +391,7 @@ def _leaks(rel: Rel, case: Case, ti_ids: set[str]) -> list[str]:
     workers = [(pid, cmd) for pid, cmd in _airflow_workers() if cmd.split()[-1] in ti_ids]
     if workers:
         problems.append(f"Airflow task processes of the case's runs still running: {workers}")
-    local = processes_under(rel.sky)
+    local = job_processes(rel.sky)
     if local:
         problems.append(f"processes under SKY_PROVIDER_HOME: {local}")
     return problems

@@ -28,7 +28,7 @@ from airflow_provider_sky.retry import GangPoll, RetryPolicy, watch_attempts
 from airflow_provider_sky.setup_stage import run_setup
 from airflow_provider_sky.spec import TaskSpec, task_from_args
 from aws_fixtures import hosts, moto, net  # noqa: F401 (fixtures of the AWS test)
-from leaks import processes_under
+from leaks import job_processes, processes_under
 
 SECRET = "s3cret-value-42"
 #: setup leaves a file in the node's home naming its rank and the cluster's addresses
@@ -156,7 +156,7 @@ def test_local_lost_node_is_replaced_and_the_retry_succeeds(sky_home: Path, tmp_
         "a secret was left on disk"
     )
     assert backend.terminate("c").removed
-    assert not processes_under(sky_home)
+    assert not job_processes(sky_home)
 
 
 def test_a_backend_that_cannot_replace_fails_the_retry_saying_why(sky_home: Path) -> None:
@@ -180,7 +180,7 @@ def test_a_backend_that_cannot_replace_fails_the_retry_saying_why(sky_home: Path
         final.message(),
     ), final.message()
     backend.terminate("c")
-    assert not processes_under(sky_home)
+    assert not job_processes(sky_home)
 
 
 # -- SSH: a spare host of the connection takes a lost host's rank --------------------------------------------
@@ -380,4 +380,4 @@ def test_dag_test_lost_local_node_replaced_rank_tasks_show_it(
     assert summary["state"] == "succeeded" and summary["attempt"] == 2, summary
     assert [a["state"] for a in summary["attempts"]] == ["lost", "succeeded"], summary
     assert not list(sky_home.glob("local/clusters/*.json"))  # the down task removed the cluster
-    assert not processes_under(sky_home)
+    assert not job_processes(sky_home)

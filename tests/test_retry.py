@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from leaks import bridges, processes_under
+from leaks import bridges, job_processes
 from test_dag_test import _load, _out, _run, _states, _xcom
 
 
@@ -45,7 +45,7 @@ def test_sky_retry_fails_once_then_succeeds_on_attempt_2(
         assert first["attempt"] == 1 and second["attempt"] == 2 and second["state"] == "succeeded", summary
         assert first["state"] == ("failed" if r == 2 else "cancelled"), summary
         assert second["start"] > first["end"], summary  # the attempts never overlap
-    assert not processes_under(sky_home) and not bridges(sky_home)
+    assert not job_processes(sky_home) and not bridges(sky_home)
 
 
 def test_retries_exhausted_lists_every_attempt(sky_home: Path, capfd: pytest.CaptureFixture[str]) -> None:
@@ -143,7 +143,7 @@ def test_a_user_stop_during_the_retry_delay_starts_no_further_attempt(sky_home: 
     assert stopped and final.final and final.attempt == 1
     assert "attempt 2 not started: a user stopped the gang" in final.message(), final.message()
     assert not list(sky_home.glob("local/**/jobs/job.a2/*/pid"))  # attempt 2 never started
-    assert not processes_under(sky_home)
+    assert not job_processes(sky_home)
     backend.terminate(client.handle.name)
 
 
@@ -172,5 +172,5 @@ def test_a_hang_is_retried_and_the_next_attempt_succeeds(sky_home: Path) -> None
         r"rank [01] hung: no output for 1\.5 s \(ranks 0, 1\), retryable \(hangs are retried\)",
         final.history[0]["why"],
     ), final.history[0]["why"]
-    assert not processes_under(sky_home)
+    assert not job_processes(sky_home)
     backend.terminate(client.handle.name)

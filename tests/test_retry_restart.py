@@ -18,7 +18,7 @@ import pytest
 
 from airflow_provider_sky.backends.local import LocalBackend
 from gangs import local_gang
-from leaks import processes_under
+from leaks import job_processes
 
 WATCHER = Path(__file__).with_name("retry_watcher.py")
 DELAY = 6.0
@@ -97,7 +97,7 @@ def test_a_watcher_killed_in_the_retry_delay_resumes_it_and_starts_attempt_2_onc
     assert max(a2) < started_at + DELAY - 1.5, (a2, started_at, due)
     assert _starts(starts) == {("0", "1"): 1, ("1", "1"): 1, ("0", "2"): 1, ("1", "2"): 1}
     backend.terminate("c")
-    assert not processes_under(sky_home)
+    assert not job_processes(sky_home)
 
 
 def test_a_watcher_killed_after_attempt_2_started_is_followed_not_doubled(sky_home: Path) -> None:
@@ -111,7 +111,7 @@ def test_a_watcher_killed_after_attempt_2_started_is_followed_not_doubled(sky_ho
     assert _starts(starts) == {("0", "1"): 1, ("1", "1"): 1, ("0", "2"): 1, ("1", "2"): 1}
     assert not list(sky_home.glob("local/c/node-*/.sky/jobs/job.a3"))
     backend.terminate("c")
-    assert not processes_under(sky_home)
+    assert not job_processes(sky_home)
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.jobs import GangClient, run_sync
 from airflow_provider_sky.spec import task_from_args
 from gangs import wait_done
-from leaks import processes_under
+from leaks import job_processes, processes_under
 
 
 @pytest.fixture
@@ -176,7 +176,7 @@ def test_teardown_kills_everything_and_is_idempotent(backend: LocalBackend, sky_
     client.launch(spec, "job")
     assert processes_under(sky_home)
     assert backend.terminate("c").removed is True
-    assert not processes_under(sky_home)
+    assert not job_processes(sky_home)
     assert not (sky_home / "local" / "c").exists()
     assert backend.terminate("c").removed is False
 

@@ -11,7 +11,7 @@ from typing import Any
 import pendulum
 import pytest
 
-from leaks import bridges, processes_under
+from leaks import bridges, job_processes
 from siblings import matching
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,7 +125,7 @@ def test_a_function_returning_no_command_fails_before_provisioning(
         assert str(tis[task_id].state) == "upstream_failed", (task_id, tis[task_id].state)
     assert "provisioned-and-set-up" not in out
     assert not (sky_home / "local").exists() or not list((sky_home / "local").glob("sky-*"))
-    assert not processes_under(sky_home)
+    assert not job_processes(sky_home)
 
 
 def test_bad_input_names_the_field_at_dag_parse_time() -> None:

@@ -14,7 +14,7 @@ from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners.base import CALLS
 from airflow_provider_sky.triggers.gang import SkyGangTrigger, SkyRankTrigger
 from gangs import launched, trigger_kwargs
-from leaks import processes_under
+from leaks import job_processes, processes_under
 
 
 async def _shared(triggers: list[Any]) -> list[Any]:
@@ -97,7 +97,7 @@ def test_on_kill_cancels_the_gang(sky_home: Path) -> None:
     asyncio.run(trig.on_kill())
     poll = GangClient(b, b.find("c")).poll("job")  # type: ignore[arg-type]
     assert [r.state for r in poll.status.ranks] == ["cancelled"] * 3
-    assert not processes_under(sky_home) or all("sleep" not in p[1] for p in processes_under(sky_home))
+    assert not job_processes(sky_home) or all("sleep" not in p[1] for p in processes_under(sky_home))
     b.terminate("c")
 
 

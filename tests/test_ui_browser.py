@@ -26,7 +26,7 @@ from urllib.parse import quote
 import pytest
 
 from airflow_provider_sky.dev.stack import AirflowStack
-from leaks import processes_under
+from leaks import job_processes
 
 REPO = Path(__file__).resolve().parent.parent
 DAG_ID = "sky_test_ui"
@@ -108,7 +108,7 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AirflowStack,
             finally:
                 page.close()
     finally:
-        left = processes_under(sky)
+        left = job_processes(sky)
         for pid, _ in left:
             try:
                 os.kill(pid, 9)

@@ -51,6 +51,7 @@ from airflow_provider_sky.backends.base import (
     with_resources_recorded,
 )
 from airflow_provider_sky.backends.local.topdir import mark_topdir
+from airflow_provider_sky.backends.local.trash import discard
 from airflow_provider_sky.gang import rank_order
 from airflow_provider_sky.runners.local import LocalRunner
 from airflow_provider_sky.spec import Accelerator, BackendCapabilities, Resources, SpecError, TaskSpec
@@ -399,9 +400,10 @@ class LocalBackend(Backend):
     def workdir(self, node: Node, spec: TaskSpec) -> str:
         return f"{node.home}/sky_workdir" if spec.workdir else node.home
 
-    def _clean(self, nodes: list[Node], grace: float) -> dict[str, str]:
-        """Tear ``nodes`` down in one call; the nodes it could not clean, with why."""
-        script = runtime.teardown_script()
+    def _clean(self, nodes: list[Node], grace: float, remove: bool = True) -> dict[str, str]:
+        """Tear ``nodes`` down in one call; the nodes it could not clean, with why. ``remove=False``:
+        their processes only, the files stay (the whole cluster's tree is discarded afterwards)."""
+        script = runtime.teardown_script(remove)
         args = [f"{grace:.3f}", *(n.root for n in nodes)]
         try:
             res = self.runner(nodes[0]).run_script(script, args, timeout=grace + 30 + 0.05 * len(nodes))
@@ -427,11 +429,11 @@ class LocalBackend(Backend):
         unclean: dict[str, str] = {}
         # every node is on this machine: one call for all of them (one scan of /proc, not one per node)
         for start in range(0, len(nodes), TEARDOWN_CHUNK):
-            unclean.update(self._clean(nodes[start : start + TEARDOWN_CHUNK], grace))
+            unclean.update(self._clean(nodes[start : start + TEARDOWN_CHUNK], grace, remove=False))
         with self._lock():
             left = finish_teardown(self._load(name), unclean)
             if left is None:
-                shutil.rmtree(record["extra"].get("dir", self.base / name), ignore_errors=True)
+                discard(Path(record["extra"].get("dir", self.base / name)), self.base)
                 self._record(name).unlink(missing_ok=True)
             else:
                 self._store(name, left)
