@@ -44,6 +44,19 @@ def _wait_for(cond, timeout: float = 20.0) -> bool:  # type: ignore[no-untyped-d
     return cond()
 
 
+def _count_polls(client: GangClient) -> list[int]:
+    """Count the client's status polls from now on (``[n]``, updated in place)."""
+    polls = [0]
+    original = client.apoll
+
+    async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        polls[0] += 1
+        return await original(*args, **kwargs)
+
+    client.apoll = counted  # type: ignore[method-assign]
+    return polls
+
+
 @pytest.fixture
 def gang64(sky_home: Path):  # type: ignore[no-untyped-def]
     """64 local ranks printing a line, then sleeping (none fails)."""
@@ -123,21 +136,13 @@ def test_chunks_split_a_machine_and_run_in_parallel(
 def test_fail_fast_at_64_ranks_costs_one_call_per_poll(sky_home: Path) -> None:
     b, client, spec = local_gang(sky_home, N, RUN)
     client.launch(spec, "job", orphan_timeout=0)
-    polls = 0
-    original = client.apoll
-
-    async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        nonlocal polls
-        polls += 1
-        return await original(*args, **kwargs)
-
-    client.apoll = counted  # type: ignore[method-assign]
+    polls = _count_polls(client)
     CALLS.reset()
     (Path(client.node_of(5).home).parent / "go").touch()
     last = wait_done(client, grace=1.0)
     # one call per poll, plus at most one fail-fast cancel: none when the machine cancelled its ranks
     # itself before a poll saw the failure (every local rank is on one machine: the usual case)
-    assert CALLS.total() in (polls, polls + 1), (CALLS.total(), polls)
+    assert CALLS.total() in (polls[0], polls[0] + 1), (CALLS.total(), polls)
     status = last.status
     assert status.by_rank(5).state == "failed" and status.by_rank(5).exit_code == 7
     others = [r for r in status.ranks if r.rank != 5]
@@ -175,18 +180,10 @@ def test_a_gang_start_reads_no_rank_status_until_a_rank_fails(sky_home: Path) ->
     b = _LateSecondHalfBackend(sky_home)
     spec = task_from_args(num_nodes=N, run="sleep 600")
     client = GangClient(b, b.provision("c", spec))
-    polls = 0
-    original = client.apoll
-
-    async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        nonlocal polls
-        polls += 1
-        return await original(*args, **kwargs)
-
-    client.apoll = counted  # type: ignore[method-assign]
+    polls = _count_polls(client)
     t0 = time.time()
     assert set(client.launch(spec, "job", orphan_timeout=0).values()) == {"STARTED"}
-    assert time.time() - t0 >= 1.0 and polls == 0
+    assert time.time() - t0 >= 1.0 and polls == [0]
     # the same start with rank 3 failing at once: every sibling is stopped, the cause named
     failing = 'if [ "$SKYPILOT_NODE_RANK" = 3 ]; then exit 5; fi; sleep 600'
     bad = task_from_args(num_nodes=N, run=failing)
