@@ -31,6 +31,7 @@ from airflow_provider_sky.linetimes import aread_times
 from airflow_provider_sky.logtext import LineClock, LineSplitter, iso_time
 from airflow_provider_sky.retry import GangPoll, RetryPolicy, rank_attempts, stop_gang, watch_attempts
 from airflow_provider_sky.runners.base import RunnerError
+from airflow_provider_sky.triggers.log_room import log_room
 from airflow_provider_sky.triggers.outcome import (
     attempt_boundary,
     cancel_text,
@@ -358,6 +359,7 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
         last_at, stamp = None, ""  # the lines of one read mostly share a time: format it once
         for i, (offset, line) in enumerate(lines, 1):
             if line.strip(" \t\r\f\v"):
+                await log_room()
                 at = clock.time_of(offset) if clock is not None else None
                 if at is None:
                     self.log.info("%s", line)
@@ -412,6 +414,7 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 for h in poll.history:
                     if h["attempt"] < attempt or h["attempt"] <= ended:
                         continue
+                    await log_room()
                     if h["attempt"] > attempt:
                         expected, lines, clock = 0, LineSplitter(), LineClock()
                         self.log.info("%s", attempt_boundary(poll, h["attempt"]))
@@ -426,6 +429,7 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                         )
                     ended = h["attempt"]
                 attempt, expected, lines, clock = poll.attempt, 0, LineSplitter(), LineClock()
+                await log_room()
                 self.log.info("%s", attempt_boundary(poll, attempt))
             try:
                 st = poll.status.by_rank(self.rank)
@@ -453,6 +457,7 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                     expected = await self._catch_up(client, lines, expected, st.log_size, job_id, clock)
                     await self._log_lines(lines.flush_at(), clock)
                     outcome = {"rank": self.rank, **st.to_dict()}
+                    await log_room()
                     self.log.info("attempt %s: %s", attempt, rank_outcome(outcome))
                     ended = attempt
                 continue
@@ -488,6 +493,8 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 "attempts": rank_attempts(poll, self.rank),
                 "headline": root_cause_line(poll.status, st, cause) if st.state != SUCCEEDED else "",
             }
+            if self.end_from_trigger:
+                await log_room()
             yield self._end_event(payload) if self.end_from_trigger else ShortEvent(payload)
             return
 
@@ -549,6 +556,8 @@ class SkyGangTrigger(_SkyGangWatchTrigger):
                 continue
             await self._hold()
             payload = {"kind": "gang", "state": state, "message": message, "gang": status.to_dict()}
+            if self.end_from_trigger:
+                await log_room()
             yield self._end_event(payload) if self.end_from_trigger else ShortEvent(payload)
             return
 
