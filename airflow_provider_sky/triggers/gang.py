@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import greenback
 from airflow.triggers.base import BaseEventTrigger, TaskFailedEvent, TaskSuccessEvent, TriggerEvent
 
 from airflow_provider_sky.gang import (
@@ -58,6 +59,12 @@ XCOM = "__sky_xcom__"
 MAP_INDEX = "{{ ti.map_index }}"
 _PULLED: dict[tuple[Any, ...], Any] = {}
 _PULLED_MAX = 256
+#: reads under way (``pulled``): the triggers asking for the same XCom meanwhile wait for that one
+_PULLING: dict[tuple[Any, ...], asyncio.Future[Any]] = {}
+
+
+class _PullAbandoned(Exception):
+    """The trigger reading an XCom others wait for did not get it: each waiter reads it itself."""
 
 
 def xcom_ref(task_id: str, key: str = "return_value") -> dict[str, list[str]]:
@@ -72,20 +79,61 @@ def pulled(context: Context, value: Any) -> Any:
     each, a 1,024-rank gang would make 2,048 requests through the triggerer's supervisor (0.1 s each,
     one at a time here) and hold 1,024 copies of the handle. Keyed by the reader's try number: a
     cleared gang runs its rank tasks again with a new try, and reads the new job.
+
+    The triggers of a gang start together, and a read yields the event loop while the supervisor
+    answers (Airflow runs a trigger's sync calls through ``greenback``), so the others would each miss
+    the cache and ask too: the first 1,024-rank trigger then had its second XCom only after all 1,024
+    first ones were answered, and the gang's shared poll began ~17 s after the triggers, after the job's
+    ranks had ended. A trigger that finds a read of the same XCom under way waits for it instead.
     """
     if not (isinstance(value, dict) and set(value) == {XCOM}):
         return value
     task_id, key = value[XCOM]
     ti = context["ti"]
     cache_key = (ti.dag_id, ti.run_id, ti.try_number, task_id, key)
-    if cache_key not in _PULLED:
-        if len(_PULLED) >= _PULLED_MAX:
-            _PULLED.pop(next(iter(_PULLED)))
+    while cache_key not in _PULLED:
+        under_way = _PULLING.get(cache_key)
+        if under_way is None or not _can_wait():
+            return _pull(ti, cache_key, task_id, key)
+        try:
+            greenback.await_(asyncio.shield(under_way))
+        except _PullAbandoned:
+            continue  # that reader failed: the next turn reads it (or waits for whoever does)
+    return _PULLED[cache_key]
+
+
+def _can_wait() -> bool:
+    """Whether this sync code runs in a trigger that may wait on the event loop (greenback's portal)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return bool(greenback.has_portal())
+
+
+def _pull(ti: Any, cache_key: tuple[Any, ...], task_id: str, key: str) -> Any:
+    """Read the XCom (announcing the read to the triggers that ask for it meanwhile) and cache it."""
+    waiting: asyncio.Future[Any] | None = None
+    if _can_wait():
+        waiting = asyncio.get_running_loop().create_future()
+        _PULLING[cache_key] = waiting
+    try:
         found = ti.xcom_pull(task_ids=task_id, key=key, map_indexes=-1)
         if found is None:
             raise ValueError(f"no XCom {key!r} of task {task_id} in run {ti.run_id}: did that task run?")
+        if len(_PULLED) >= _PULLED_MAX:
+            _PULLED.pop(next(iter(_PULLED)))
         _PULLED[cache_key] = found
-    return _PULLED[cache_key]
+        return found
+    finally:
+        if waiting is not None:
+            if _PULLING.get(cache_key) is waiting:
+                del _PULLING[cache_key]
+            if cache_key in _PULLED:
+                waiting.set_result(None)
+            else:  # failed or cancelled: the waiters read it themselves (and meet the same error)
+                waiting.set_exception(_PullAbandoned())
+                waiting.exception()  # retrieved: a future nobody awaited must not be logged
 
 
 async def _newest(stream: AsyncIterator[T]) -> AsyncGenerator[T, None]:
