@@ -509,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ns", default="", help="override the gang sizes of figures 1-3, e.g. 64 or 4,16")
     ap.add_argument("--scale-ns", default="", help="override the gang sizes of figure 5, e.g. 16 or 64,256")
     ap.add_argument(
+        "--scale-reps",
+        type=int,
+        default=None,
+        help="figure 5: runs of each DAG per N (default 1), e.g. 10 with --scale-ns 64 for issue 15's ten in a row",
+    )
+    ap.add_argument(
         "--k8s-ns", default="", help="figure 6's gang sizes instead of 4 + the probed largest, e.g. 4,64"
     )
     ap.add_argument(
@@ -539,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(
             plan, scale_ns=tuple(int(x) for x in args.scale_ns.split(",") if x.strip())
         )
+    if args.scale_reps is not None:
+        plan = dataclasses.replace(plan, scale_reps=args.scale_reps)
     if args.k8s_ns:
         plan = dataclasses.replace(plan, k8s_ns=tuple(int(x) for x in args.k8s_ns.split(",") if x.strip()))
     if args.trigger_select is not None:

@@ -3,9 +3,12 @@ with no watcher polling (the watchers' poll does the same across machines, a pol
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
+
+import pytest
 
 from airflow_provider_sky.gang import CANCELLED, FAILED, RUNNING, SUCCEEDED
 from airflow_provider_sky.jobs import run_sync
@@ -106,6 +109,51 @@ def test_a_watchers_fail_fast_leaves_a_machine_that_cancels_itself_to_it(sky_hom
     assert not _alive(_marked(str(sky_home)))
 
 
+def test_each_sibling_gets_one_sigterm_from_the_machine(sky_home: Path, tmp_path: Path) -> None:
+    """The failing rank signals the groups listed in ``.pgids`` at once, then the machine's cancel does
+    the rest: no group may get a second SIGTERM (a training script's handler, interrupted by a second
+    one while it saves a checkpoint, may give up on it)."""
+    run = (
+        'if [ "$SKYPILOT_NODE_RANK" = 0 ]; then sleep 1.5; exit 3; fi\n'
+        f"trap 'echo TERM >> {tmp_path}/terms.$SKYPILOT_NODE_RANK; sleep 0.5; exit 1' TERM\n"
+        "sleep 10000 & wait"
+    )
+    b, client, spec = local_gang(sky_home, 8, run)
+    client.launch(spec, "job", grace=3.0)
+    assert _wait_for(lambda: _over(client, 8), 15), client.peek("job").ranks
+    time.sleep(1.0)  # a second signal would run the handler again after this one
+    for r in range(1, 8):
+        assert (tmp_path / f"terms.{r}").read_text() == "TERM\n", r
+    for r in client.peek("job").ranks[1:]:
+        assert r.state == CANCELLED and r.reason == "cancelled: rank 0 failed first: exited with code 3", r
+    b.terminate("c")
+
+
+def test_a_group_number_of_an_ended_rank_is_not_signalled(sky_home: Path) -> None:
+    """``.pgids`` keeps the group of every rank that started; a rank that has ended may see its number
+    reused by another process group. The failing rank skips every listed rank with an exit record."""
+    run = 'if [ "$SKYPILOT_NODE_RANK" = 1 ]; then exit 0; fi\nif [ "$SKYPILOT_NODE_RANK" = 0 ]; then sleep 3; exit 3; fi\nsleep 10000'
+    b, client, spec = local_gang(sky_home, 3, run)
+    client.launch(spec, "job", grace=1.0)
+    assert _wait_for(lambda: client.peek("job").by_rank(1).terminal, 10)
+    other = subprocess.Popen(["sleep", "10000"], start_new_session=True)  # the number, reused
+    try:
+        pgids = Path(gang_flag(client.node_of(0).root, "job")).parent / ".pgids"
+        listed = pgids.read_text()
+        assert {line.split()[0] for line in listed.splitlines()} == {"0", "1", "2"}, listed
+        pgids.write_text(
+            "".join(f"1 {other.pid}\n" if ln.startswith("1 ") else ln + "\n" for ln in listed.splitlines())
+        )
+        assert _wait_for(lambda: _over(client, 3), 15), client.peek("job").ranks
+        assert client.peek("job").by_rank(2).state == CANCELLED
+        time.sleep(0.5)
+        assert other.poll() is None, "a process group that is not the job's was signalled"
+    finally:
+        other.kill()
+        other.wait()
+    b.terminate("c")
+
+
 def test_the_ranks_clock_is_the_wall_clock(sky_home: Path) -> None:
     """The wrappers read /proc/uptime from a base their launcher took with ``date`` (no fork per
     timestamp): a rank's start and end still read as the wall clock, to the hundredth."""
@@ -119,6 +167,31 @@ def test_the_ranks_clock_is_the_wall_clock(sky_home: Path) -> None:
         assert before - 0.02 <= r.start <= r.end <= after + 0.02, (before, r.start, r.end, after)
         assert 0.95 <= r.end - r.start <= 1.5, r
         assert len(str(r.end).split(".")[1]) <= 2  # centiseconds: the uptime clock was used
+    b.terminate("c")
+
+
+def test_a_slow_date_does_not_shift_the_ranks_clock(
+    sky_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher's ``date`` (a fork) answering late on a busy machine made every rank it started
+    tell its times that much early; the base is now read between two uptime reads and retried when
+    they are far apart. A ``date`` whose first answer comes 0.5 s after it read the time must not show."""
+    real = subprocess.run(["sh", "-c", "command -v date"], capture_output=True, text=True).stdout.strip()
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "date").write_text(
+        f'#!/bin/sh\nout=$({real} "$@")\necho "$out"\n'
+        f'if [ "$*" = +%s%N ] && mkdir {tmp_path}/slow 2>/dev/null; then sleep 0.5; fi\n'
+    )
+    (fake / "date").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    b, client, spec = local_gang(sky_home, 1, f"{real} +%s.%N > {tmp_path}/own; sleep 0.2")
+    client.launch(spec, "job")
+    assert (tmp_path / "slow").is_dir()  # the slow answer was given
+    assert _wait_for(lambda: _over(client, 1), 10)
+    r = client.peek("job").ranks[0]
+    own = float((tmp_path / "own").read_text())  # the rank's own wall clock, right after its start
+    assert r.start is not None and -0.03 <= own - r.start < 0.2, (own, r.start)
     b.terminate("c")
 
 
