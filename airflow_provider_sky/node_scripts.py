@@ -75,7 +75,8 @@ if [ -f "$d/cancel" ] || { [ -n "$gf" ] && [ -s "$gf" ]; }; then
     printf '%s\n' "@rank-failed $fr $fc" > "$d/cancel"
   fi
   [ ! -e "$d/secrets" ] && [ ! -e "$d/mask" ] || rm -f "$d/secrets" "$d/mask"
-  clock; printf '%s\n' "$T" > "$d/end"; printf '143\n' > "$d/exit"
+  # it never ran: it ends when it started (as the launchers' never-started records do)
+  printf '%s\n' "$T" > "$d/end"; printf '143\n' > "$d/exit"
   exit 0
 fi
 out="$d/log"

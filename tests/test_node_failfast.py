@@ -253,5 +253,7 @@ def test_a_rank_whose_machine_has_failed_never_runs_its_command(tmp_path: Path) 
     subprocess.run(["sh", str(d / "rank.sh"), str(d), str(tmp_path), str(flag)], timeout=20, check=True)
     assert not marker.exists()
     assert (d / "exit").read_text() == "143\n"
+    # nothing ran: no duration (readers tell a never-started rank by start = end)
+    assert (d / "start").read_text() == (d / "end").read_text()
     assert node_cancel_reason((d / "cancel").read_text().strip()) == "rank 3 failed first: exited with code 1"
     assert not (d / "secrets").exists()
