@@ -184,7 +184,10 @@ if [ "$rc" != 0 ] && [ -n "$gf" ] && [ -z "$cr" ] && [ ! -f "$d/cancel" ]; then
       }' "$j/.ranks" "$j/.pgids" 2>/dev/null) || early=''
     # the reason first (whole: written aside, renamed), then the signals: see CANCEL_SCRIPT's `first`
     printf '%s\n' "@rank-failed $me $rc$m" > "$j/.cancelling/reason.$$" && mv "$j/.cancelling/reason.$$" "$j/.cancelling/reason"
-    [ -z "$early" ] || kill -TERM $early 2>/dev/null || :
+    # a group not there yet is a rank whose first process has not run setsid: that process, then
+    if [ -n "$early" ] && ! kill -TERM $early 2>/dev/null; then
+      for pg in $early; do kill -0 "$pg" 2>/dev/null || kill -TERM "${pg#-}" 2>/dev/null; done
+    fi
     # then the rest (ranks not started yet, escaped processes, SIGKILL after the grace); no group twice
     [ $# -eq 0 ] || SKY_SIGNALLED="$early" sh "$j/.cancel.sh" "$g" first "@rank-failed $me $rc$m" "$@" >/dev/null 2>&1 </dev/null
   fi

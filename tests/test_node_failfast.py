@@ -170,6 +170,31 @@ def test_the_ranks_clock_is_the_wall_clock(sky_home: Path) -> None:
     b.terminate("c")
 
 
+def test_a_sibling_whose_group_is_not_there_yet_is_signalled_by_pid(sky_home: Path) -> None:
+    """A wrapper lists its child's pid as its group as soon as it forked it; the child makes the group
+    (setsid) a moment later, seconds later on a machine starting 1,000 ranks. A failure in between must
+    still reach it: its group not there, the process is signalled itself (a 1,024-rank run had one
+    sibling live 9 s past the failure)."""
+    run = 'if [ "$SKYPILOT_NODE_RANK" = 0 ]; then sleep 2; exit 3; fi\nsleep 10000'
+    b, client, spec = local_gang(sky_home, 3, run)
+    client.launch(spec, "job", grace=5.0)
+    pgids = Path(gang_flag(client.node_of(0).root, "job")).parent / ".pgids"
+    assert _wait_for(lambda: pgids.exists() and len(pgids.read_text().splitlines()) == 3, 10)
+    lone = subprocess.Popen(
+        ["sleep", "10000"]
+    )  # a process, no group of its own: rank 1's child before setsid
+    try:
+        listed = pgids.read_text().splitlines()
+        pgids.write_text("".join(f"1 {lone.pid}\n" if ln.startswith("1 ") else ln + "\n" for ln in listed))
+        assert _wait_for(lambda: lone.poll() is not None, 5), "the process of a group not made yet lived on"
+        assert lone.returncode == -15
+    finally:
+        lone.kill()
+        lone.wait()
+    assert _wait_for(lambda: _over(client, 3), 15), client.peek("job").ranks
+    b.terminate("c")
+
+
 def test_a_slow_date_does_not_shift_the_ranks_clock(
     sky_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
