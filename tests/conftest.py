@@ -63,7 +63,16 @@ def sky_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
             os.kill(pid, 9)
         except OSError:
             pass
-    assert not left, f"processes left running after the test: {left}"
+    # a bridge that outlived its test: its own log says what it was doing (the tmp dir is rotated soon)
+    logs = (
+        "".join(
+            f"\n--- {f.name}:\n" + "\n".join(f.read_text(errors="replace").splitlines()[-15:])
+            for f in sorted((state / "bridge").glob("*.log"))
+        )
+        if any("bridge" in cmd for _, cmd in left) and (state / "bridge").is_dir()
+        else ""
+    )
+    assert not left, f"processes left running after the test: {left}{logs}"
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
