@@ -166,13 +166,6 @@ if [ "$rc" != 0 ] && [ -n "$gf" ] && [ -z "$cr" ] && [ ! -f "$d/cancel" ]; then
     m=''; [ -f "$d/oom" ] && m=' oom'
     nl='
 '
-    # "root job rank" lines for every other rank listed: one awk, where a `read` loop (a read(2) per
-    # byte) took most of a second while the machine was busy starting the rest of a 1,024-rank gang
-    ts=$(awk -v me="$me" -v job="$job" '{ r = $1; sub(/^[^ ]* /, ""); if (r != me) { print; print job; print r } }' "$j/.ranks" 2>/dev/null) || {
-      ts=''
-      while read -r r rt; do [ "$r" = "$me" ] || ts="$ts$rt$nl$job$nl$r$nl"; done < "$j/.ranks"
-    }
-    oldifs=$IFS; IFS=$nl; set -f; set -- $ts; set +f; IFS=$oldifs
     # every sibling group in .pgids whose rank has not ended (an ended rank's group number may be
     # another's by now) gets its signal at once: reading 1,023 pgid files first took 0.1-0.3 s
     early=$(awk -v me="$me" -v job="$job" '
@@ -188,7 +181,14 @@ if [ "$rc" != 0 ] && [ -n "$gf" ] && [ -z "$cr" ] && [ ! -f "$d/cancel" ]; then
     if [ -n "$early" ] && ! kill -TERM $early 2>/dev/null; then
       for pg in $early; do kill -0 "$pg" 2>/dev/null || kill -TERM "${pg#-}" 2>/dev/null; done
     fi
-    # then the rest (ranks not started yet, escaped processes, SIGKILL after the grace); no group twice
+    # then the rest (ranks not started yet, escaped processes, SIGKILL after the grace); no group twice.
+    # "root job rank" lines for every other rank listed: one awk, where a `read` loop (a read(2) per
+    # byte) took most of a second while the machine was busy starting the rest of a 1,024-rank gang
+    ts=$(awk -v me="$me" -v job="$job" '{ r = $1; sub(/^[^ ]* /, ""); if (r != me) { print; print job; print r } }' "$j/.ranks" 2>/dev/null) || {
+      ts=''
+      while read -r r rt; do [ "$r" = "$me" ] || ts="$ts$rt$nl$job$nl$r$nl"; done < "$j/.ranks"
+    }
+    oldifs=$IFS; IFS=$nl; set -f; set -- $ts; set +f; IFS=$oldifs
     [ $# -eq 0 ] || SKY_SIGNALLED="$early" sh "$j/.cancel.sh" "$g" first "@rank-failed $me $rc$m" "$@" >/dev/null 2>&1 </dev/null
   fi
 fi

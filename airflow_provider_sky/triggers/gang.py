@@ -252,12 +252,15 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         }
 
     async def _hold(self) -> None:
-        """Emit no earlier than ``fire_after`` (epoch seconds); see ``operators._watch.resume_hold``.
+        """Emit no earlier than ``fire_after`` (epoch seconds); see ``operators._watch.resume_hold``,
+        and, when the task ends here (its last lines logged here), once the log channel has room.
 
         Only the event waits: the fail-fast cancel has already run in the shared poll.
         """
         if self.fire_after is not None:
             await asyncio.sleep(max(0.0, self.fire_after - time.time()))
+        if self.end_from_trigger:
+            await log_room()
 
     def shared_stream_key(self) -> Hashable | None:
         self._settle()
@@ -541,8 +544,6 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 "attempts": rank_attempts(poll, self.rank),
                 "headline": root_cause_line(poll.status, st, cause) if st.state != SUCCEEDED else "",
             }
-            if self.end_from_trigger:
-                await log_room()
             yield self._end_event(payload) if self.end_from_trigger else ShortEvent(payload)
             return
 
@@ -604,8 +605,6 @@ class SkyGangTrigger(_SkyGangWatchTrigger):
                 continue
             await self._hold()
             payload = {"kind": "gang", "state": state, "message": message, "gang": status.to_dict()}
-            if self.end_from_trigger:
-                await log_room()
             yield self._end_event(payload) if self.end_from_trigger else ShortEvent(payload)
             return
 
