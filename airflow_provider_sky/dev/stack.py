@@ -61,6 +61,7 @@ import contextlib
 import math
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -86,6 +87,15 @@ SERVICES: tuple[str, ...] = ("api-server", "scheduler", "dag-processor", "trigge
 #: ``triggerer-2``, ``triggerer-3``...
 CELERY_WORKER = "celery-worker"
 FINISHED_RUN_STATES = frozenset({"success", "failed"})
+
+
+def _children(pid: int) -> list[str]:
+    """The pids of a process's children (a forking api-server's workers)."""
+    found: list[str] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += (task / "children").read_text().split()
+    return found
 
 
 class StackError(RuntimeError):
@@ -555,10 +565,37 @@ class AirflowStack:
         self, method: str, path: str, *, params: Mapping[str, Any] | None = None, json: Any = None
     ) -> Any:
         given = {k: v for k, v in (params or {}).items() if v is not None}
-        resp = self._http().request(method, path, params=given, json=json)
+        try:
+            resp = self._http().request(method, path, params=given, json=json)
+        except httpx.TimeoutException as exc:
+            raise StackError(
+                f"{method} {path}: the api-server did not answer ({exc!r}); {self.dump_api_server()}"
+            ) from exc
         if resp.status_code >= 400:
             raise StackError(f"{method} {path} -> {resp.status_code}: {resp.text[:2000]}")
         return resp.json() if resp.content else None
+
+    def dump_api_server(self) -> str:
+        """The api-server's Python stacks (every thread, py-spy) into ``<home>/logs``, when it stops answering:
+        what it waits on is gone once it answers again or the stack stops."""
+        proc = self.procs.get("api-server")
+        beside = Path(sys.executable).parent / "py-spy"  # the dev environment has it (pyproject's dev group)
+        spy = os.environ.get("SKY_TEST_PYSPY") or (
+            str(beside) if beside.exists() else shutil.which("py-spy") or ""
+        )
+        if proc is None or not spy:
+            return "no api-server stacks (py-spy not found: uv sync the dev group or set SKY_TEST_PYSPY)"
+        out = self.logs / f"api-server-stacks-{time.strftime('%H%M%S')}.txt"
+        pids = [proc.pid] + [int(c) for c in _children(proc.pid)]
+        with out.open("w") as f:
+            for pid in pids:
+                f.write(f"=== pid {pid}\n")
+                f.flush()
+                subprocess.run(
+                    [spy, "dump", "--locals", "--pid", str(pid)], stdout=f, stderr=f, timeout=60, check=False
+                )
+        log_tail = "\n".join((self.logs / "api-server.log").read_text(errors="replace").splitlines()[-20:])
+        return f"its stacks: {out}; the last lines of its log:\n{log_tail}"
 
     @staticmethod
     def _ti_path(dag_id: str, run_id: str, task_id: str = "") -> str:
