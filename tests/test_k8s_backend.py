@@ -15,7 +15,7 @@ import pytest
 
 from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
-from airflow_provider_sky.backends.kubernetes.manifest import CLUSTER_LABEL
+from airflow_provider_sky.backends.kubernetes.manifest import CLUSTER_LABEL, NAME_ANNOTATION, ROLE_LABEL
 from airflow_provider_sky.backends.registry import by_kind
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
@@ -154,7 +154,8 @@ def test_a_deleted_pod_is_lost_and_the_gang_fails_fast(backend: KubernetesBacken
 
 
 def _ghost_pod(b: KubernetesBackend, cluster: str, pod: str, image: str) -> None:
-    """A Running pod on a node no kubelet serves: nothing acts on it but the API server and us.
+    """A Running pod of ours (our labels and annotation) on a node no kubelet serves: nothing acts on it
+    but the API server and us.
 
     It stands in for a kubelet that is slow to finish a deletion (CI: a deleted pod, phase Failed, kept
     62 s) or a node that cannot be reached.
@@ -162,7 +163,11 @@ def _ghost_pod(b: KubernetesBackend, cluster: str, pod: str, image: str) -> None
     b.core.create_namespaced_pod(
         b.namespace,
         {
-            "metadata": {"name": pod, "labels": {CLUSTER_LABEL: cluster}},
+            "metadata": {
+                "name": pod,
+                "labels": {CLUSTER_LABEL: cluster, ROLE_LABEL: "worker"},
+                "annotations": {NAME_ANNOTATION: cluster},
+            },
             "spec": {"nodeName": "ghost-node", "containers": [{"name": "node", "image": image}]},
         },
     )

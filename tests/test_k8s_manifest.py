@@ -177,6 +177,14 @@ def test_service_account_is_set_when_given() -> None:
     assert "serviceAccountName" not in manifest()["spec"]
 
 
+def test_no_service_account_token_in_the_pods_unless_the_connection_names_an_account() -> None:
+    """Every rank's code can read a mounted token: none unless the task is meant to talk to the API."""
+    for index in (0, 1):
+        assert manifest(index)["spec"]["automountServiceAccountToken"] is False
+    given = manifest(opts=PodOptions(image="i", service_account="trainer"))["spec"]
+    assert given["serviceAccountName"] == "trainer" and "automountServiceAccountToken" not in given
+
+
 # -- the connection ------------------------------------------------------------------------------------------
 
 

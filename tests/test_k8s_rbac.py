@@ -1,5 +1,7 @@
-"""The RBAC the README documents is enough, and a refusal is said in the API server's words: a service
-account with exactly the documented Role runs a gang; one without it is refused at create, nothing is
+"""The RBAC the README documents is exactly what the code calls, and a refusal is said in the API server's
+words. The README's Role is ``role_rules()`` (from ``NEEDED_PERMISSIONS``, which the Test button checks);
+a service account holding exactly that Role runs a gang (provision, a job, a replaced worker, teardown),
+and the calls it makes are exactly those permissions; one without it is refused at create, nothing is
 left, and the Test button names what is missing. Both reach the cluster through a kubeconfig given as
 content (the ``kube_config`` extra), with a service-account token."""
 
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,18 +18,66 @@ import pytest
 import yaml
 
 from airflow_provider_sky.backends.base import BackendError
-from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
+from airflow_provider_sky.backends.kubernetes.backend import NEEDED_PERMISSIONS, KubernetesBackend, role_rules
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
 from k8s_cluster import Image, K8sCluster, wait_for
 from test_k8s_backend import _wait
 
-#: the README's Role, verbatim in effect
-DOCUMENTED_RULES = [
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "list", "watch", "delete"]},
-    {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create", "get"]},
-    {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},
-]
+README = Path(__file__).resolve().parents[1] / "README.md"
+#: calls outside the namespace, which every authenticated identity may make (the Test button's)
+UNRESTRICTED = {("GET", "/version/"), ("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews")}
+_NAMESPACED = re.compile(
+    r"^/api/v1/namespaces/\{namespace\}/(?P<resource>[a-z]+)(/\{name\}(/(?P<sub>[a-z]+))?)?$"
+)
+
+
+def test_the_readmes_role_is_the_permissions_the_code_needs() -> None:
+    """The README's Role YAML and its list in words are ``role_rules()``, nothing more or less."""
+    text = README.read_text()
+    section = text[text.index("**RBAC**") :]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S)
+    assert block is not None
+    assert yaml.safe_load(block.group(1)) == {"rules": role_rules()}
+    words = "; ".join(f"`{r['resources'][0]}`: {', '.join(r['verbs'])}" for r in role_rules())
+    assert words in " ".join(section.split()), words
+
+
+def _permissions(calls: list[tuple[str, str, dict[str, Any]]]) -> set[tuple[str, str, str | None]]:
+    """The (verb, resource, subresource) RBAC checks for each recorded call. An exec is a websocket
+    upgrade of a GET: authorized as get, and as create too on servers that check upgrades so (1.35+)."""
+    out: set[tuple[str, str, str | None]] = set()
+    for method, path, query in calls:
+        m = _NAMESPACED.match(path)
+        if m is None:
+            assert (method, path) in UNRESTRICTED, (method, path)
+            continue
+        resource, sub, named = m["resource"], m["sub"], "{name}" in path
+        if sub == "exec":
+            out |= {("get", resource, sub), ("create", resource, sub)}
+            continue
+        verb = {"POST": "create", "DELETE": "delete" if named else "deletecollection"}.get(method)
+        if method == "GET":
+            verb = "get" if named else ("watch" if query.get("watch") else "list")
+        out.add((verb or method.lower(), resource, sub))
+    return out
+
+
+@pytest.fixture
+def api_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, dict[str, Any]]]:
+    """Every request the kubernetes client builds (REST and exec alike), as (method, path, query)."""
+    from kubernetes.client import ApiClient
+
+    calls: list[tuple[str, str, dict[str, Any]]] = []
+    serialize = ApiClient.param_serialize
+
+    def recording(self: Any, method: str, resource_path: str, *args: Any, **kwargs: Any) -> Any:
+        query = kwargs.get("query_params") or (args[1] if len(args) > 1 else None) or []
+        calls.append((method, resource_path, dict(query)))
+        return serialize(self, method, resource_path, *args, **kwargs)
+
+    monkeypatch.setattr(ApiClient, "param_serialize", recording)
+    return calls
 
 
 def _token_kubeconfig(k8s: K8sCluster, account: str) -> dict[str, Any]:
@@ -60,7 +111,7 @@ def _token_kubeconfig(k8s: K8sCluster, account: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def accounts(k8s: K8sCluster) -> Iterator[dict[str, dict[str, Any]]]:
-    """``allowed`` has the documented Role in the test namespace; ``denied`` has nothing."""
+    """``allowed`` has exactly the README's Role in the test namespace; ``denied`` has nothing."""
     from kubernetes import client
 
     api = k8s.api()
@@ -68,7 +119,7 @@ def accounts(k8s: K8sCluster) -> Iterator[dict[str, dict[str, Any]]]:
     ns = k8s.namespace
     for name in ("sky-allowed", "sky-denied"):
         api.create_namespaced_service_account(ns, {"metadata": {"name": name}})
-    rbac.create_namespaced_role(ns, {"metadata": {"name": "sky-gangs"}, "rules": DOCUMENTED_RULES})
+    rbac.create_namespaced_role(ns, {"metadata": {"name": "sky-gangs"}, "rules": role_rules()})
     rbac.create_namespaced_role_binding(
         ns,
         {
@@ -93,17 +144,27 @@ def _backend(k8s: K8sCluster, image: Image, kubeconfig: dict[str, Any]) -> Kuber
     )
 
 
-def test_the_documented_role_is_enough_to_run_a_gang(
-    k8s: K8sCluster, k8s_image: Image, accounts: dict[str, dict[str, Any]]
+def test_exactly_the_documented_role_runs_a_gang_and_is_all_it_calls(
+    k8s: K8sCluster,
+    k8s_image: Image,
+    accounts: dict[str, dict[str, Any]],
+    api_calls: list[tuple[str, str, dict[str, Any]]],
 ) -> None:
     b = _backend(k8s, k8s_image, accounts["allowed"])
-    assert "pods and exec allowed" in b.test_connection()
-    spec = task_from_args(num_nodes=2, run='echo "rank $SKYPILOT_NODE_RANK"')
-    c = GangClient(b, b.provision("rbac", spec))
-    c.launch(spec, "job")
-    assert [r.state for r in _wait(c, "job").status.ranks] == ["succeeded"] * 2
-    assert b.terminate("rbac").removed
-    b.close()
+    try:
+        assert "pods and exec allowed" in b.test_connection()
+        spec = task_from_args(num_nodes=2, run='echo "rank $SKYPILOT_NODE_RANK"')
+        h = b.provision("rbac", spec)
+        c = GangClient(b, h)
+        c.launch(spec, "job")
+        assert [r.state for r in _wait(c, "job").status.ranks] == ["succeeded"] * 2
+        replaced = b.replace_nodes(h, [1])  # as after a lost worker: copied from a pod of the cluster
+        assert replaced.nodes[1].extra["pod"] == "rbac-worker2"
+        assert b.terminate("rbac").removed
+    finally:
+        b.terminate("rbac", holder=None)
+        b.close()
+    assert _permissions(api_calls) == set(NEEDED_PERMISSIONS)
 
 
 def test_no_role_is_refused_at_create_in_the_api_servers_words(
@@ -112,7 +173,7 @@ def test_no_role_is_refused_at_create_in_the_api_servers_words(
     b = _backend(k8s, k8s_image, accounts["denied"])
     with pytest.raises(
         BackendError,
-        match=r"may not create pods, get pods, list pods, watch pods, delete pods, create pods/exec, get pods/exec, list events",
+        match=r"may not create pods, get pods, list pods, delete pods, create pods/exec, get pods/exec;",
     ):
         b.test_connection()
     with pytest.raises(

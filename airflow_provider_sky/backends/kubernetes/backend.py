@@ -1,10 +1,15 @@
-"""Gangs on Kubernetes: one pod per node, commands through the exec API, teardown by label.
+"""Gangs on Kubernetes: one pod per node, commands through the exec API, teardown by label and name.
 
 Provisioning is all or nothing: every pod is created, then waited for until it runs (a pod that cannot
 start fails with its own reason: the scheduler's message, the image error); on any failure every pod
 created is deleted. The cluster record (rank order, leases) lives on the head pod (``headrecord``), so a
 cluster shared by two runs is kept until the last lease is released; then its pods are deleted, which
 ends every process the job started (a container's processes die with it).
+
+Only pods of ours are ever deleted: with the cluster's label, its full name in the annotation and our
+role label. A user's pod with our label, a pod that has the name ours would have, and the pods of another
+cluster whose name maps to the same pods are left as they are; a name that clashes is an error naming
+the pod.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from airflow_provider_sky.backends.base import (
 from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
 from airflow_provider_sky.backends.kubernetes.config import KubeSettings, parse_kube_config
 from airflow_provider_sky.backends.kubernetes.manifest import (
+    CLUSTER_LABEL,
     CONTAINER,
     ROLE_LABEL,
     cluster_selector,
@@ -41,7 +47,7 @@ from airflow_provider_sky.backends.kubernetes.manifest import (
     head_name,
     pod_manifest,
 )
-from airflow_provider_sky.backends.kubernetes.pods import UNSCHEDULABLE_GRACE, PodState, pod_state
+from airflow_provider_sky.backends.kubernetes.pods import ROLES, UNSCHEDULABLE_GRACE, PodState, pod_state
 from airflow_provider_sky.gang import rank_order
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.kubernetes import KubernetesRunner
@@ -57,20 +63,30 @@ DELETE_WAIT = 60.0
 DELETE_WAIT_PER_POD = 0.5
 #: pod phases in which no container runs any more
 _STOPPED = frozenset({"Failed", "Succeeded"})
-#: (verb, resource, subresource) the backend uses in its namespace: the README's RBAC
+#: (verb, resource, subresource): every call the backend makes in its namespace, and no more. Pods are
+#: listed (by the cluster label), created, read (the worker a replacement is copied from, the owner of a
+#: name that clashes) and deleted; commands are execs, a websocket upgrade of a GET, which the API server
+#: authorizes as ``get`` and, on servers that check websocket upgrades as creates (1.35+), as ``create``.
+#: The README's Role and the Test button's check are made from it (:func:`role_rules`).
 NEEDED_PERMISSIONS = (
     ("create", "pods", None),
     ("get", "pods", None),
     ("list", "pods", None),
-    ("watch", "pods", None),
     ("delete", "pods", None),
     ("create", "pods", "exec"),
-    ("get", "pods", "exec"),  # the websocket upgrade is a GET (before Kubernetes 1.30)
-    ("list", "events", None),
+    ("get", "pods", "exec"),
 )
 #: a pod create answered 429 or 5xx is tried this often in all
 CREATE_TRIES = 4
 _POLL = 0.5
+
+
+def role_rules() -> list[dict[str, Any]]:
+    """The rules of the namespace Role the connection's identity needs: :data:`NEEDED_PERMISSIONS`."""
+    verbs: dict[str, list[str]] = {}
+    for verb, resource, sub in NEEDED_PERMISSIONS:
+        verbs.setdefault(f"{resource}/{sub}" if sub else resource, []).append(verb)
+    return [{"apiGroups": [""], "resources": [res], "verbs": v} for res, v in verbs.items()]
 
 
 def api_configuration(settings: KubeSettings) -> Any:
@@ -210,8 +226,31 @@ class KubernetesBackend(Backend):
         )
         return list(listed.items)
 
+    def _listed(self, name: str) -> tuple[list[PodState], list[PodState]]:
+        """The pods with the cluster's label: (ours, the others). Ours carry the cluster's full name in
+        their annotation and our role label; the label alone is not ownership (a user's pod may carry it,
+        and two cluster names may map to one label). Nothing is ever done to the others."""
+        ours: list[PodState] = []
+        others: list[PodState] = []
+        for pod in self._pods(name):
+            state = pod_state(pod)
+            (ours if state.ours(name) else others).append(state)
+        return ours, others
+
+    def _leave(self, name: str, others: list[PodState]) -> None:
+        for p in others:
+            log.warning(
+                "pod %s/%s carries the label %s=%s of cluster %s, but %s: left as it is",
+                self.namespace,
+                p.name,
+                CLUSTER_LABEL,
+                dns_name(name),
+                name,
+                p.whose(),
+            )
+
     def find(self, name: str) -> ClusterHandle | None:
-        states = [pod_state(p) for p in self._pods(name)]
+        states, _ = self._listed(name)
         if not any(s.running and s.name == head_name(name) for s in states):
             return None
         try:
@@ -227,7 +266,15 @@ class KubernetesBackend(Backend):
         return self._wait_out_teardown(lambda: self._provision_once(name, spec, holder), 1.0)
 
     def _provision_once(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
-        pods = [pod_state(p) for p in self._pods(name)]
+        pods, others = self._listed(name)
+        clash = next((p for p in others if p.owner and p.role in ROLES), None)
+        if clash is not None:  # another cluster name that maps to the same label (and pod names)
+            raise BackendError(
+                f"cluster {name!r}: pod {self.namespace}/{clash.name} has this cluster's label "
+                f"{CLUSTER_LABEL}={dns_name(name)}, but {clash.whose()}, whose name maps to the same pods; "
+                "nothing was created or deleted. Give this cluster another name"
+            )
+        self._leave(name, others)
         if pods:
             if any(p.deleting for p in pods):
                 raise ClusterBusy(f"cluster {name!r}: its pods are being deleted")
@@ -236,12 +283,12 @@ class KubernetesBackend(Backend):
                 self._wait_gone(name, DELETE_WAIT)
             else:
                 return self._join(name, spec, holder, pods)
-        created: list[str] = []
+        created: list[str] = []  # only what this call made is ever deleted on failure
         try:
             for index in range(spec.num_nodes):
                 manifest = pod_manifest(name, index, spec, self.settings.pods)
+                self._create(name, manifest)
                 created.append(manifest["metadata"]["name"])
-                self._create(manifest)
             states = self._wait_running(name, created, spec)
             handle = self._handle(name, states)
             return self.records(name).update(name, lambda rec: self._lease(rec, handle, name, spec, holder))
@@ -272,7 +319,7 @@ class KubernetesBackend(Backend):
         check_reusable(record, name, spec.num_nodes)
         return add_lease(record, holder), ClusterHandle.from_dict(record)
 
-    def _create(self, manifest: dict[str, Any]) -> None:
+    def _create(self, cluster: str, manifest: dict[str, Any]) -> None:
         from kubernetes.client.rest import ApiException
 
         name = manifest["metadata"]["name"]
@@ -285,24 +332,48 @@ class KubernetesBackend(Backend):
                 if (exc.status == 429 or (exc.status or 0) >= 500) and attempt < CREATE_TRIES - 1:
                     time.sleep(1.0 + attempt)
                     continue
-                self._refused(name, exc)
+                self._refused(cluster, name, exc)
             except Exception as exc:
                 raise BackendError(f"creating pod {name}: the API server did not answer ({exc})") from None
 
-    def _refused(self, name: str, exc: Any) -> NoReturn:
+    def _refused(self, cluster: str, name: str, exc: Any) -> NoReturn:
         if exc.status == 409:
-            raise ClusterBusy(f"pod {name} already exists (another run is provisioning it)") from None
+            raise self._existing(cluster, name)
         raise BackendError(
             f"creating pod {self.namespace}/{name} was refused ({exc.status}): {_api_error(exc)}; "
             "nothing was started"
         ) from None
+
+    def _existing(self, cluster: str, pod: str) -> BackendError:
+        """Creating ``pod`` met a pod of that name: ours (another run is making this cluster: wait), or
+        not (an error naming it; it is left as it is)."""
+        from kubernetes.client.rest import ApiException
+
+        try:
+            state = pod_state(self.core.read_namespaced_pod(pod, self.namespace))
+        except ApiException as exc:
+            if exc.status == 404:
+                return ClusterBusy(f"pod {pod} was being deleted (another run is tearing the cluster down)")
+            return BackendError(
+                f"creating pod {self.namespace}/{pod}: a pod of that name exists and reading it failed: "
+                f"{_api_error(exc)}"
+            )
+        except Exception as exc:
+            return BackendError(f"reading pod {pod}: the API server did not answer ({exc})")
+        if state.ours(cluster):
+            return ClusterBusy(f"pod {pod} already exists (another run is provisioning cluster {cluster!r})")
+        return BackendError(
+            f"cluster {cluster!r}: pod {self.namespace}/{pod} already exists and {state.whose()}; it was left "
+            "as it is and nothing of this cluster was kept. Delete or rename that pod, or give this cluster "
+            "another name"
+        )
 
     def _wait_running(self, name: str, pods: list[str], spec: TaskSpec | None = None) -> list[PodState]:
         """Until every pod runs; a pod that cannot start is the error (all or nothing)."""
         deadline = time.monotonic() + self.settings.provision_timeout
         unschedulable_since: dict[str, float] = {}
         while True:
-            by_name = {s.name: s for s in (pod_state(p) for p in self._pods(name))}
+            by_name = {s.name: s for s in self._listed(name)[0]}
             states = [by_name.get(p) for p in pods]
             missing = [p for p, s in zip(pods, states, strict=True) if s is None]
             if missing:
@@ -379,8 +450,11 @@ class KubernetesBackend(Backend):
         todo = [r for r in lost if still_recorded(record, r, handle.nodes[r])]
         if not todo:
             return ClusterHandle.from_dict(record)
-        model = self._model(keep[0].extra["pod"] if keep else head)
-        self._delete([handle.nodes[r].extra["pod"] for r in todo], grace=0)
+        model = self._model(name, keep[0].extra["pod"] if keep else head)
+        ours, others = self._listed(name)
+        gone = {handle.nodes[r].extra["pod"] for r in todo}
+        self._leave(name, [p for p in others if p.name in gone])
+        self._delete([p.name for p in ours if p.name in gone], grace=0)
         taken = {n.extra.get("pod") for n in handle.nodes} | {
             str(r.get("old_node_id")) for r in (record.get("extra") or {}).get("replaced", [])
         }
@@ -394,7 +468,7 @@ class KubernetesBackend(Backend):
                 nxt += 1
                 manifest = copy.deepcopy(model)
                 manifest["metadata"]["name"] = pod
-                self._create(manifest)
+                self._create(name, manifest)
                 made[r] = pod
             states = {s.name: s for s in self._wait_running(name, list(made.values()))}
             new = self._handle_nodes(name, [states[p] for p in made.values()])
@@ -409,10 +483,15 @@ class KubernetesBackend(Backend):
         assert found is not None
         return ClusterHandle.from_dict(found)
 
-    def _model(self, pod: str) -> dict[str, Any]:
-        """The manifest of a new worker, from a running worker pod: its labels, annotations and spec,
-        without what the API server or the scheduler filled in (node, status, the token volume)."""
+    def _model(self, name: str, pod: str) -> dict[str, Any]:
+        """The manifest of a new worker, from a running worker pod of ours: its labels, annotations and
+        spec, without what the API server or the scheduler filled in (node, status, the token volume)."""
         obj = self._call(f"reading pod {pod}", self.core.read_namespaced_pod, pod, self.namespace)
+        state = pod_state(obj)
+        if not state.ours(name):
+            raise BackendError(
+                f"cluster {name!r}: pod {self.namespace}/{pod} is not one of its pods: {state.whose()}"
+            )
         data = self.core.api_client.sanitize_for_serialization(obj)
         meta = data.get("metadata") or {}
         spec = data.get("spec") or {}
@@ -461,7 +540,7 @@ class KubernetesBackend(Backend):
         deadline = time.monotonic() + timeout
         forced: set[str] = set()
         while True:
-            states = [pod_state(p) for p in self._pods(name)]
+            states, _ = self._listed(name)
             if not states:
                 return []
             stopped = [s.name for s in states if s.deleting and s.phase in _STOPPED and s.name not in forced]
@@ -474,7 +553,13 @@ class KubernetesBackend(Backend):
             time.sleep(_POLL)
 
     def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
-        pods = [pod_state(p) for p in self._pods(name)]
+        """Release ``holder``'s lease; delete the cluster's pods (only ours) when no other run holds one.
+
+        Leases live in the record on the head: a running head whose record cannot be updated keeps the
+        whole cluster (another run may hold it) unless the teardown is forced (``holder`` None). A head
+        that does not run (ended idle, failed, gone) holds no lease any more: its pods go."""
+        pods, others = self._listed(name)
+        self._leave(name, others)
         if not pods:
             return Teardown(removed=False)
         head = next((p for p in pods if p.name == head_name(name)), None)
@@ -488,8 +573,20 @@ class KubernetesBackend(Backend):
 
             try:
                 kept_for = self.records(name).update(name, begin)
-            except (BackendError, RunnerError) as exc:  # a broken head: the pods go anyway
-                log.warning("cluster %s: the record on its head could not be read (%s)", name, exc)
+            except (BackendError, RunnerError) as exc:
+                if holder is not None:
+                    raise BackendError(
+                        f"cluster {name!r} kept, nothing deleted: the record on its head pod "
+                        f"{self.namespace}/{head.name} could not be updated ({exc}), so other runs' leases "
+                        "cannot be checked. Tear it down again once the head answers (a cluster left idle "
+                        "ends its pods itself after idle_down, and the next teardown removes them); a forced "
+                        "teardown (SkyHook(conn).teardown(name, force=True)) removes it whoever holds it"
+                    ) from None
+                log.warning(
+                    "cluster %s: the record on its head could not be updated (%s); forced: deleting its pods",
+                    name,
+                    exc,
+                )
                 kept_for = ()
             if kept_for:
                 log.info("cluster %s kept: still held by %s", name, ", ".join(kept_for))

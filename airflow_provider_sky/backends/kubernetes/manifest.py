@@ -1,7 +1,7 @@
 """Pod manifests of a cluster, as plain dicts (the API accepts them as they are): no I/O, unit-tested.
 
 One pod per node, ``<cluster>-head`` and ``<cluster>-worker<i>``, labelled with the cluster and the role;
-``restartPolicy: Never``; an entrypoint that idles and exits 0 on SIGTERM (the ranks are started later
+``restartPolicy: Never``; no service-account token unless the connection names a service account; an entrypoint that idles and exits 0 on SIGTERM (the ranks are started later
 through exec); ``/dev/shm`` memory-backed (PyTorch's data loaders and NCCL need more than the runtime's
 64 MiB default). Spreading, resources and GPUs follow SkyPilot's Kubernetes provisioner.
 """
@@ -168,8 +168,10 @@ def pod_manifest(cluster: str, index: int, spec: TaskSpec, opts: PodOptions) -> 
     aff = affinity(cluster, spec.num_nodes, opts)
     if aff:
         pod_spec["affinity"] = aff
-    if opts.service_account:
+    if opts.service_account:  # the task asks for an identity in the cluster: its token is mounted
         pod_spec["serviceAccountName"] = opts.service_account
+    else:  # else no API token in the pods, where every rank's code could read it
+        pod_spec["automountServiceAccountToken"] = False
     return {
         "apiVersion": "v1",
         "kind": "Pod",

@@ -12,6 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from airflow_provider_sky.backends.kubernetes.manifest import NAME_ANNOTATION, ROLE_LABEL
+
+#: the values of our role label
+ROLES = frozenset({"head", "worker"})
+
 #: container waiting reasons that waiting does not cure
 FATAL_WAITING = frozenset(
     {
@@ -43,10 +48,29 @@ class PodState:
     #: the scheduler said it cannot place the pod
     unschedulable: bool = False
     deleting: bool = False
+    #: the full cluster name the pod was made for (annotation ``sky.airflow/cluster-name``)
+    owner: str | None = None
+    #: our role label (``head``, ``worker``), None when the pod has none
+    role: str | None = None
 
     @property
     def running(self) -> bool:
         return self.phase == "Running" and bool(self.ip) and not self.deleting
+
+    def ours(self, cluster: str) -> bool:
+        """Made by us for ``cluster``: its full-name annotation is ``cluster`` and it has our role label.
+        Our cluster label alone is not enough (a user's pod may carry it; two names may share it)."""
+        return self.owner == cluster and self.role in ROLES
+
+    def whose(self) -> str:
+        """Who the pod belongs to, for messages."""
+        if self.owner and self.role in ROLES:
+            return f"it belongs to cluster {self.owner!r}"
+        annotation = (
+            f"annotation {NAME_ANNOTATION}={self.owner}" if self.owner else f"no {NAME_ANNOTATION} annotation"
+        )
+        label = f"label {ROLE_LABEL}={self.role}" if self.role else f"no {ROLE_LABEL} label"
+        return f"it is not a pod this provider made ({annotation}, {label})"
 
 
 def _get(obj: Any, *path: str) -> Any:
@@ -67,6 +91,8 @@ def pod_state(pod: Any) -> PodState:
         "ip": _get(pod, "status", "pod_ip"),
         "node": _get(pod, "spec", "node_name"),
         "deleting": _get(pod, "metadata", "deletion_timestamp") is not None,
+        "owner": (_get(pod, "metadata", "annotations") or {}).get(NAME_ANNOTATION),
+        "role": (_get(pod, "metadata", "labels") or {}).get(ROLE_LABEL),
     }
     image = ""
     containers = _get(pod, "spec", "containers") or []
