@@ -92,23 +92,39 @@ class HangWatch:
 
     timeout: float
     seen: dict[int, tuple[int, float | None]] = field(default_factory=dict)
+    #: when this watcher first saw a rank's current sign (its silence is at least ``now - since``)
     since: dict[int, float] = field(default_factory=dict)
+    #: the poll before that one: the sign changed after it (its silence is less than ``now - before``)
+    before: dict[int, float] = field(default_factory=dict)
+    last_at: float | None = None
     fired: bool = False
 
     def hung(self, poll: Poll) -> list[int]:
-        """The ranks silent for ``timeout`` seconds at this poll (none once the gang is cancelled)."""
+        """The ranks silent for ``timeout`` seconds at this poll (none once the gang is cancelled).
+
+        A rank is found hung once it is surely silent that long (``now - since``). When one is, the
+        verdict also names every rank that may have been silent as long: its last sign came between two
+        polls, so two ranks that stopped together can be seen a poll apart (a loaded watcher, ranks that
+        print their last line a moment apart); that uncertainty counts up to half the timeout."""
         if self.fired or not self.timeout or poll.status.cancel_requested or poll.status.failed:
             return []
-        out = []
+        sure, maybe = [], []
+        prev, self.last_at = self.last_at, poll.at
         for r in poll.status.ranks:
             if r.terminal or r.rank in poll.unreachable:
                 continue  # an unreachable node is lost_after's to judge, not ours
             sign = (r.log_size, r.progress)
             if self.seen.get(r.rank) != sign:
                 self.seen[r.rank], self.since[r.rank] = sign, poll.at
-            elif poll.at - self.since[r.rank] >= self.timeout:
-                out.append(r.rank)
-        return out
+                self.before[r.rank] = poll.at if prev is None else prev
+                continue
+            silent = poll.at - self.since[r.rank]
+            doubt = min(self.since[r.rank] - self.before.get(r.rank, self.since[r.rank]), self.timeout / 2)
+            if silent >= self.timeout:
+                sure.append(r.rank)
+            elif silent + doubt >= self.timeout:
+                maybe.append(r.rank)
+        return sorted(sure + maybe) if sure else []
 
     async def fire(self, client: GangClient, job_id: str, poll: Poll, ranks: list[int], grace: float) -> None:
         """Dump the hung ranks' stacks into their logs, then cancel every rank still running."""
