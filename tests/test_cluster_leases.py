@@ -55,7 +55,7 @@ def _wait_running(client: GangClient, job_id: str, n: int, timeout: float = 30) 
 
 
 def _local_record(sky_home: Path, name: str) -> dict[str, Any] | None:
-    path = sky_home / "local" / "clusters" / f"{name}.json"
+    path = LocalBackend(sky_home).records / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -108,6 +108,31 @@ def test_leases_are_kept_per_holder_and_a_forced_teardown_ignores_them(sky_home:
     assert b.terminate("c", holder="") == Teardown(removed=False, kept_for=(A, B))
     assert b.terminate("c") == Teardown(removed=True)  # holder=None: forced
     assert b.find("c") is None
+
+
+def test_a_local_teardown_that_cannot_write_the_record_deletes_nothing(sky_home: Path) -> None:
+    """Run A's teardown sees run B's lease but cannot write the record: it deletes nothing, kills
+    nothing and says so (the cluster is kept for the next teardown), rather than failing unexplained."""
+    b = LocalBackend(sky_home)
+    h = b.provision("c", LONG, holder=A)
+    GangClient(b, h).launch(LONG, "job-a")
+    b.provision("c", LONG, holder=B)
+    before = _local_record(sky_home, "c")
+    blocker = b.records / "c.tmp"  # where the new record is written first: a directory cannot be
+    blocker.mkdir()
+    try:
+        with pytest.raises(BackendError, match=r"could not update the record.*nothing was deleted"):
+            b.terminate("c", grace=0.5, holder=A)
+        assert _local_record(sky_home, "c") == before  # both leases still there
+        assert _states(GangClient(b, h), "job-a") == ["running", "running"]
+        with pytest.raises(BackendError, match=r"nothing was deleted"):
+            b.terminate("c", grace=0.5)  # forced: the same
+        assert _states(GangClient(b, h), "job-a") == ["running", "running"]
+    finally:
+        blocker.rmdir()
+    assert b.terminate("c", grace=0.5, holder=A) == Teardown(removed=False, kept_for=(B,))
+    assert b.terminate("c", grace=0.5, holder=B) == Teardown(removed=True)
+    assert not job_processes(sky_home)
 
 
 def test_concurrent_provisions_all_get_their_lease(sky_home: Path) -> None:
