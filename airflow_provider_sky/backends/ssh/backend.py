@@ -720,12 +720,12 @@ class SSHBackend(Backend):
 
         try:
             begun = self.records.update(name, begin)
-        except (BackendError, RunnerError) as exc:
+        except (BackendError, RunnerError, ValueError) as exc:  # ValueError: a record that is not JSON
             raise BackendError(
                 f"cluster {name!r}: the teardown could not update its record on the head "
                 f"{self.head[0]}:{self.head[1]} ({exc}), so nothing was deleted on any node: another run "
                 "may still hold the cluster. It is kept as it was; tear it down again once the head "
-                "answers (or let its idle_down end it)"
+                "answers and its record can be written (or let its idle_down end it)"
             ) from None
         if begun is None:
             return Teardown(removed=False)
