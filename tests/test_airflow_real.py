@@ -36,7 +36,9 @@ from typing import Any
 
 import pytest
 
+from airflow_provider_sky.backends.headrecord import record_path
 from airflow_provider_sky.backends.kubernetes.manifest import CLUSTER_LABEL, cluster_selector
+from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.dev.stack import AirflowStack, parse_time
 from k8s_cluster import Image, K8sCluster, connection_extras
 from leaks import job_processes, processes_under
@@ -101,11 +103,11 @@ class RealAirflow:
             return
         if self.hosts is None:
             dirs = [self.sky / "local" / name]
-            records = [self.sky / "local" / "clusters" / f"{name}.json"]
+            records = [LocalBackend(self.sky).records / f"{name}.json"]
         else:
             homes = [Path(n.home) / ".sky_airflow" for n in self.hosts.nodes]
             dirs = [home / name for home in homes]
-            records = [home / "clusters" / f"{name}.json" for home in homes]
+            records = [Path(n.home, record_path(name)) for n in self.hosts.nodes]
         deadline = time.monotonic() + 5
         left = self._left(dirs)
         while left and time.monotonic() < deadline:

@@ -4,7 +4,9 @@ Node i of a cluster gets ``127.<block>.<i // 254>.<i % 254 + 1>`` (Linux routes 
 so a rank can bind its own address; 254 clusters of up to 4,096 nodes, clear of the ``127.0.x.x`` the
 SSH test hosts use) and the directory ``<state>/local/<cluster>/node-<i>`` as its home. Cluster
 records (with the rank order and the leases, see ``backends.base``) live in
-``<state>/local/clusters/<name>.json`` and change only under an ``fcntl`` lock.
+``<state>/local/.clusters/<name>.json`` and change only under an ``fcntl`` lock (``<state>/local/.lock``).
+Every path of the backend's own under ``<state>/local`` starts with a dot (``.clusters``, ``.lock``,
+``.trash``) and no cluster name can (``runtime.check_job_id``), so a cluster's tree never is one of them.
 
 GPUs: the machine's (``nvidia-smi`` / ``rocm-smi``, or the connection's ``accelerators`` extra) are split
 among the nodes of a cluster that asks for them, each node its own devices (``CUDA_VISIBLE_DEVICES``), and
@@ -59,6 +61,9 @@ from airflow_provider_sky.spec import Accelerator, BackendCapabilities, Resource
 log = logging.getLogger(__name__)
 
 LOCAL_MAX_NODES = 4096
+#: the records' directory under ``<state>/local`` (``clusters`` was a cluster name too: its teardown
+#: took every other cluster's record with it)
+RECORDS_DIR = ".clusters"
 #: node roots per teardown call (argv stays far below Linux's limits)
 TEARDOWN_CHUNK = 1024
 
@@ -125,7 +130,8 @@ class LocalBackend(Backend):
     ) -> None:
         self.state_dir = Path(state_dir) if state_dir else default_state_dir()
         self.base = self.state_dir / "local"
-        self.records = self.base / "clusters"
+        #: dot-prefixed: no cluster name starts with a dot, so no cluster's tree can be the records
+        self.records = self.base / RECORDS_DIR
         self._inventory: Inventory | None = None
         if accelerators is not None:
             try:
@@ -178,11 +184,19 @@ class LocalBackend(Backend):
         return self.records / f"{name}.json"
 
     def _load(self, name: str) -> dict[str, Any] | None:
-        """The raw record (handle, leases, unclean nodes); callers that change it hold the lock."""
+        """The raw record (handle, leases, unclean nodes); callers that change it hold the lock.
+
+        A record that names another cluster is refused: nothing is ever done with its nodes under
+        this name."""
         path = self._record(name)
         if not path.exists():
             return None
         data: dict[str, Any] = json.loads(path.read_text())
+        if data.get("name") != name:
+            raise BackendError(
+                f"the record {path} names cluster {data.get('name')!r}, not {name!r}: nothing is done "
+                "with it under this name. Move it back to the cluster it names, or remove it"
+            )
         return data
 
     def _store(self, name: str, record: dict[str, Any]) -> None:
@@ -414,6 +428,9 @@ class LocalBackend(Backend):
         return {n.node_id: unclean_reason(n, why) for n in nodes if n.root not in done or res.returncode != 0}
 
     def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
+        """See :meth:`Backend.terminate`. The lease is released (or the teardown marked) in the record
+        before anything is killed; a record that cannot be written deletes nothing (another run's lease
+        may be in it) and the error says so: the cluster stays for the next teardown."""
         with self._lock():
             record = self._load(name)
             if record is None:
@@ -421,7 +438,14 @@ class LocalBackend(Backend):
             for node in ClusterHandle.from_dict(record).nodes:  # before the record changes
                 check_machine(node, f"tear down cluster {name!r}")
             record, kept_for = begin_teardown(record, holder)
-            self._store(name, record)
+            try:
+                self._store(name, record)
+            except OSError as exc:
+                raise BackendError(
+                    f"cluster {name!r}: the teardown could not update the record {self._record(name)} "
+                    f"({exc.strerror or exc}), so nothing was deleted: the cluster is kept as it was. "
+                    "Tear it down again once the state directory is writable"
+                ) from None
         if kept_for:
             log.info("cluster %s kept: still held by %s", name, ", ".join(kept_for))
             return Teardown(removed=False, kept_for=kept_for)
