@@ -181,7 +181,9 @@ def test_an_instance_that_ends_while_starting_fails_the_provision_naming_it(
             backend(proxy.url, hosts).provision("ends", task_from_args(num_nodes=3, run="true"))
         text = str(err.value)
         assert "ended while starting (Client.UserInitiatedShutdown)" in text, text
-        assert re.search(r"3 instance\(s\) made \((i-\w+, ){2}i-\w+\), terminated; nothing of it is left", text)
+        assert re.search(
+            r"3 instance\(s\) made \((i-\w+, ){2}i-\w+\), terminated; nothing of it is left", text
+        )
         assert ours_left(ec2, "ends") == {}
     finally:
         proxy.stop()

@@ -101,6 +101,30 @@ def test_a_lost_launch_reply_whose_look_up_fails_says_so_and_never_claims_nothin
     assert _live(ec2, "blind") == []
 
 
+def test_an_undo_whose_termination_is_refused_names_the_instances_left(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
+) -> None:
+    """The launch worked, tagging the head was refused, and so was terminating: the error names the
+    instances made and that terminating them failed, never that nothing is left."""
+    given = _given_group_and_key(moto, hosts)
+    ec2 = moto.client()
+    proxy = FaultProxy(moto.url)
+    try:
+        proxy.faults.append(Fault("CreateTags", "UnauthorizedOperation", "no tags"))
+        proxy.faults.append(Fault("TerminateInstances", "UnauthorizedOperation", "no terminate"))
+        with pytest.raises(BackendError) as err:
+            backend(proxy.url, hosts, **given).provision("stuck", task_from_args(num_nodes=2, run="true"))
+        text = str(err.value)
+        live = _live(ec2, "stuck")
+        assert len(live) == 2
+        assert f"2 instance(s) made ({', '.join(live)}); terminating them failed: " in text
+        assert "permission denied (UnauthorizedOperation): no terminate" in text
+        assert "nothing of it is left" not in text
+    finally:
+        proxy.stop()
+    assert backend(moto.url, hosts, **given).terminate("stuck").removed
+
+
 def test_a_replacement_whose_launch_reply_is_lost_leaves_no_instance(
     moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
 ) -> None:

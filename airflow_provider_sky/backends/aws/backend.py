@@ -291,15 +291,14 @@ class AWSBackend(Backend):
             # a new instance's disk is new: a record there is not this cluster's, so it is replaced
             return self.records(nodes[0]).update(name, lambda rec: (new_record(handle, holder), handle))
         except BaseException as exc:
-            done, left = self._undo(name, made)
+            done, gone, left = self._undo(name, made)
             if isinstance(exc, BackendError) and not isinstance(exc, ClusterBusy):
+                said = [done or "nothing launched"]
                 if left:
-                    state = f"; {done + '; ' if done else ''}also left: {', '.join(left)}"
-                elif done:
-                    state = f"; {done}" + ("" if "may be left" in done else "; nothing of it is left")
-                else:
-                    state = "; nothing made, nothing of it is left"
-                raise BackendError(f"cluster {name!r} not provisioned: {exc}{state}") from None
+                    said.append(f"also left: {', '.join(left)}")
+                elif gone:
+                    said.append("nothing of it is left")
+                raise BackendError(f"cluster {name!r} not provisioned: {exc}; {'; '.join(said)}") from None
             if done:
                 log.warning("cluster %s: after a failed provision: %s", name, done)
             raise
@@ -506,16 +505,17 @@ class AWSBackend(Backend):
         handle = self._handle(name, nodes)
         return self.records(nodes[0]).update(name, lambda rec: self._lease(rec, handle, name, spec, holder))
 
-    def _undo(self, name: str, made: _Made) -> tuple[str, list[str]]:
+    def _undo(self, name: str, made: _Made) -> tuple[str, bool, list[str]]:
         """Remove what a failed provision made: every instance of its launch (also those of a launch
         whose reply was lost: looked up by its client token), then its group and key pair. Returns what
-        was found and done, in words, and the group / key pair that could not be removed."""
+        was found and done, in words, whether no instance of it is left, and the group / key pair that
+        could not be removed."""
         done, gone = made.launch.undo(self.ec2, TERMINATE_WAIT, self.lookup_delays)
         if not gone:
             log.warning("cluster %s: after a failed provision: %s", name, done)
         left = api.delete_security_groups(self.ec2, made.groups)
         left += api.delete_key_pairs(self.ec2, made.keys)
-        return done, left
+        return done, gone, left
 
     # -- replacing a lost instance -----------------------------------------------------------------------
 

@@ -62,7 +62,7 @@ def replace_nodes(self: AWSBackend, handle: ClusterHandle, ranks: Sequence[int])
     except BaseException as exc:
         done, gone = launch.undo(self.ec2, TERMINATE_WAIT, self.lookup_delays)
         if isinstance(exc, BackendError):
-            state = done + ("" if not gone or not done else "; nothing of it is left")
+            state = f"{done or 'nothing launched'}{'; nothing of it is left' if gone else ''}"
             raise BackendError(f"cluster {name!r}: replacing rank(s) {todo} failed: {exc}; {state}") from None
         log.warning("cluster %s: after a failed replacement: %s", name, done)
         raise
