@@ -195,3 +195,28 @@ def test_the_readme_policy_names_exactly_the_actions_the_backend_calls(
         f"in the list, never called: {sorted(iam.ACTIONS - called)}"
     )
     assert _actions(policy) == iam.ACTIONS
+
+
+def test_every_ec2_call_in_the_backends_code_is_in_the_list() -> None:
+    """Also the calls of paths no test above walks: each ``ec2.<method>(`` of ``backends/aws`` (waiters
+    and paginators by the operation they call) is an action of ``iam.ACTIONS``, and each action of the
+    list is called somewhere."""
+    import re
+    from pathlib import Path
+
+    import airflow_provider_sky.backends.aws as package
+
+    waiters = {"instance_running": "describe_instances", "instance_terminated": "describe_instances"}
+    found: dict[str, str] = {}
+    for path in sorted(Path(package.__file__).parent.glob("*.py")):
+        text = path.read_text()
+        for method in re.findall(r"\bec2\.(\w+)\(", text):
+            if method not in ("get_paginator", "get_waiter"):
+                found.setdefault(method, path.name)
+        for kind, op in re.findall(r"get_(paginator|waiter)\(\s*\"(\w+)\"", text):
+            found.setdefault(waiters.get(op, "?" + op) if kind == "waiter" else op, path.name)
+    actions = {"ec2:" + "".join(w.title() for w in m.split("_")): where for m, where in found.items()}
+    assert set(actions) == iam.ACTIONS, (
+        f"called, not in the list: {sorted(set(actions) - iam.ACTIONS)}; "
+        f"listed, never called: {sorted(iam.ACTIONS - set(actions))}"
+    )
