@@ -538,9 +538,10 @@ class AWSBackend(Backend):
         return self._teardown(name, holder)
 
     def _teardown(self, name: str, holder: str | None, idle_only: bool = False) -> Teardown:
-        """``terminate``; with ``idle_only`` (the reaper) only a cluster whose head holds no record, made
-        sure of under the record's lock by writing a record marked down (a provision that adopts the
-        cluster meanwhile sees it and waits)."""
+        """``terminate``; with ``idle_only`` (the reaper) only a cluster whose head holds no record. A
+        head with no record gets one marked down, under the record's lock, before anything is
+        terminated: a run that adopted the cluster since it was looked at keeps it, and a provision that
+        comes after sees it and waits."""
         instances = api.describe_instances(self.ec2, name, self.owner)
         running = [i for i in instances if i["State"]["Name"] == "running"]
         if running and len(running) == len(instances):
@@ -548,12 +549,10 @@ class AWSBackend(Backend):
 
             def begin(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
                 read[:] = [record]
-                if idle_only:
-                    if record is not None:  # in use again (adopted), or being torn down
-                        return record, tuple((record.get("leases") or {}).keys()) or ("its record",)
-                    return begin_teardown({"name": name, "nodes": [], "leases": {}}, None)
-                if record is None:
-                    return None, ()
+                if record is None:  # nobody holds it: marked down, so a run adopting it meanwhile waits
+                    return begin_teardown({"name": name, "nodes": [], "leases": {}}, holder)
+                if idle_only:  # adopted again, or being torn down: not idle
+                    return record, tuple(record.get("leases") or {}) or ("its record",)
                 return begin_teardown(record, holder)
 
             try:  # no head (a provision killed before it tagged one): no record to honour
