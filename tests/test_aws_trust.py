@@ -165,7 +165,7 @@ def test_a_teardown_that_cannot_write_the_record_terminates_nothing_and_says_so(
     h = b.provision("held", spec, holder="d/a")
     b.provision("held", spec, holder="d/b")
     head = b.runner(h.nodes[0])
-    assert head.run_script("chmod a-w ~/.sky_airflow/clusters").returncode == 0
+    assert head.run_script("chmod a-w ~/.sky_airflow/.clusters").returncode == 0
     try:
         with pytest.raises(BackendError) as err:
             backend(moto.url, hosts).terminate("held", holder="d/a")
@@ -175,7 +175,7 @@ def test_a_teardown_that_cannot_write_the_record_terminates_nothing_and_says_so(
         assert "(held by d/a, d/b) but could not be updated" in text
         assert len(_live(ec2, "held")) == 2
     finally:
-        assert head.run_script("chmod u+w ~/.sky_airflow/clusters").returncode == 0
+        assert head.run_script("chmod u+w ~/.sky_airflow/.clusters").returncode == 0
     assert backend(moto.url, hosts).terminate("held", holder="d/a").kept_for == ("d/b",)
     assert backend(moto.url, hosts).terminate("held", holder="d/b").removed
     assert ours_left(ec2, "held") == {}
