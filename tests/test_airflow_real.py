@@ -318,7 +318,11 @@ def test_fail_fast(real: RealAirflow, capsys: pytest.CaptureFixture[str]) -> Non
     if real.kube is None:
         with capsys.disabled():
             print(f"\nsky_fail_fast under the real scheduler: rank 2 exit → run end {latency:.1f} s")
-        assert 0 < latency < 30, f"the run ended {latency:.1f}s after rank 2 exited"
+        # The siblings sleep 10,000 s: a run that ends well before that shows the gang failed fast. The bound
+        # is Airflow's own latency with margin: with 9 runs starting at once on a loaded 2-core machine the
+        # scheduler took up to 32 s here (4-10 s alone); 90 s keeps ~3x that and is still 100x below the
+        # sleeps. How fast is measured by the benchmarks (figures 1 and 4), not asserted here.
+        assert 0 < latency < 90, f"the run ended {latency:.1f}s after rank 2 exited"
     else:
         # the run's end includes the teardown, which on Kubernetes waits until the kubelets have removed the
         # pods (tens of seconds on the test cluster): bound the failure itself, the gang task's end
