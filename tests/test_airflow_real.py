@@ -334,7 +334,7 @@ def test_fail_fast(real: RealAirflow, capsys: pytest.CaptureFixture[str]) -> Non
                 f"\nsky_fail_fast under the real scheduler on Kubernetes: rank 2 exit → gang failed "
                 f"{decided:.1f} s, → run end (teardown included) {latency:.1f} s"
             )
-        assert 0 < decided < 30, f"the gang failed {decided:.1f}s after rank 2 exited"
+        assert 0 < decided < 90, f"the gang failed {decided:.1f}s after rank 2 exited"  # margin: as above
 
     real.assert_cleaned_up("sky_fail_fast", run_id)
     job_id = real.stack.xcom("sky_fail_fast", run_id, "train.job")[0]["job_id"]
