@@ -40,6 +40,21 @@ def _unreadable(conn_id: str, exc: BaseException) -> RuntimeError:
     )
 
 
+def _comms_answer_only_synchronously() -> bool:
+    """Whether this trigger runs under ``dag.test()`` / ``airflow dags test``.
+
+    There a trigger runs inline, through Airflow's in-process supervisor, whose comms have ``send`` but
+    no ``asend`` (Airflow 3.3). The Task SDK's async lookup asks the Execution API with ``asend``, fails
+    on the missing method, takes that for "not there" and answers ``isn't defined`` for every connection
+    kept in the metadata DB (``AIRFLOW_CONN_*`` variables are read before, so they worked). The
+    synchronous lookup the tasks use reads the same connection through the same supervisor.
+    """
+    from airflow.sdk.execution_time import task_runner
+
+    comms = getattr(task_runner, "SUPERVISOR_COMMS", None)
+    return comms is not None and not hasattr(comms, "asend")
+
+
 def connection_config(info: BackendInfo, conn: Any, conn_id: str) -> dict[str, Any]:
     """A connection's extras and the standard fields its backend reads, as one plain dict.
 
@@ -109,7 +124,7 @@ class SkyHook(BaseHook):
         if not self.sky_conn_id:
             return "local", {}
         try:
-            conn = await self.aget_connection(self.sky_conn_id)
+            conn = await self._aconnection(self.sky_conn_id)
         except AirflowNotFoundException as exc:
             return self._missing(exc)
         except Exception as exc:
@@ -118,11 +133,19 @@ class SkyHook(BaseHook):
         linked = info.linked_conn_id(config)
         if linked:
             try:
-                config = info.merge_linked(config, await self.aget_connection(linked))
+                config = info.merge_linked(config, await self._aconnection(linked))
             except AirflowNotFoundException:
                 if not info.linked_by_default(config):
                     raise
         return info.kind, config
+
+    async def _aconnection(self, conn_id: str) -> Any:
+        """The connection, without blocking a triggerer's event loop; under ``dag.test()`` through the
+        synchronous lookup (see :func:`_comms_answer_only_synchronously`). There the trigger runs alone
+        in its own loop, and the in-process lookup is a local DB read: nothing else waits on it."""
+        if _comms_answer_only_synchronously():
+            return self.get_connection(conn_id)
+        return await self.aget_connection(conn_id)
 
     def test_connection(self) -> tuple[bool, str]:
         """The connection form's Test button: reach every node (or the API), check host keys and

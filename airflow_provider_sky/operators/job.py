@@ -167,6 +167,10 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
 
             state_dir = str(config.get("state_dir") or default_state_dir())
             config = {**config, "state_dir": state_dir}
+        elif kind == "aws":
+            from airflow_provider_sky.hooks.aws import for_another_process
+
+            config = for_another_process(config)  # a linked aws connection's session cannot travel as JSON
         orphan = float(self.orphan_timeout or 0)
         timeout = self.bridge_timeout if self.bridge_timeout is not None else orphan or DEFAULT_ORPHAN_TIMEOUT
         req = BridgeRequest(
