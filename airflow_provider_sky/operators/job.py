@@ -14,7 +14,8 @@ from airflow_provider_sky.gang import job_id_for
 from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, LaunchError
-from airflow_provider_sky.operators._spec import SkySpecMixin, pop_spec_fields
+from airflow_provider_sky.operators._args import check_operator_arguments
+from airflow_provider_sky.operators._spec import SPEC_FIELDS, SkySpecMixin, pop_spec_fields
 from airflow_provider_sky.retry import OPERATOR_ARGS, RetryPolicy, trigger_retry
 from airflow_provider_sky.spec import TaskSpec
 
@@ -77,6 +78,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         **kwargs: Any,
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
+        check_operator_arguments(self, kwargs, *SPEC_FIELDS, task_id=kwargs.get("task_id"))
         policy = RetryPolicy.build(
             gang_retries,
             gang_retry_delay,
