@@ -313,7 +313,7 @@ async def watch_attempts(
         if not retry or st.attempt >= policy.attempts:
             if retry:
                 log.info("Job %s: attempt %s/%s failed; no retry left", job_id, st.attempt, policy.attempts)
-            elif not status.succeeded:
+            elif not status.succeeded and policy.retries:  # without retries, no talk of retrying
                 log.info("Job %s: attempt %s failed, %s", job_id, st.attempt, why)
             verdict = ""
             if not status.succeeded:

@@ -96,9 +96,28 @@ def _assert_ran(dr: Any, tis: dict[tuple[str, int], Any], out: str) -> None:
 def test_dag_test_finds_a_local_connection_kept_in_the_db(
     airflow_db: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    with db_connection("sky_local", {"conn_type": "sky_local"}):
+    """Issue 28.2, and 28.7: every task logged ``Connection schemes (type: sky_local) shall not contain
+    '_' according to RFC3986``; the type is now ``skylocal`` (a URI scheme), ``sky_local`` still works."""
+    with db_connection("sky_local", {"conn_type": "skylocal"}):
         dr, tis = _run_db_conn(monkeypatch, "sky_local")
+    out = "".join(capfd.readouterr())
+    _assert_ran(dr, tis, out)
+    assert "shall not contain" not in out, out[-3000:]
+    with db_connection("sky_old", {"conn_type": "sky_local"}):  # made before the rename: still read
+        dr, tis = _run_db_conn(monkeypatch, "sky_old")
     _assert_ran(dr, tis, "".join(capfd.readouterr()))
+
+
+def test_every_connection_type_is_a_uri_scheme_and_its_old_name_still_works() -> None:
+    from airflow_provider_sky import get_provider_info
+    from airflow_provider_sky.backends.registry import all_backends, by_conn_type
+
+    listed = {e["connection-type"] for e in get_provider_info()["connection-types"]}
+    for info in all_backends():
+        assert "_" not in info.conn_type and info.conn_type.isalnum(), info.conn_type
+        old = f"sky_{info.kind}"
+        assert by_conn_type(old, "c") is info and by_conn_type(info.conn_type, "c") is info
+        assert {info.conn_type, old} <= listed  # old connections keep their form and Test button
 
 
 @needs_sshd

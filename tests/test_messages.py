@@ -11,7 +11,7 @@ from airflow.executors.workloads import TaskInstance
 from airflow.triggers.shared_stream import SharedStreamManager
 
 from airflow_provider_sky.triggers.gang import SkyGangTrigger, SkyRankTrigger
-from gangs import launched, trigger_kwargs
+from gangs import launched, local_gang, trigger_kwargs
 
 
 async def _subscribe(manager: SharedStreamManager, i: int, trig: Any) -> dict[str, Any]:
@@ -127,3 +127,32 @@ def test_a_cancel_by_a_trigger_without_its_task_still_says_a_user_did_it(sky_hom
             "Job job was cancelled from Airflow: the task watching rank 1 was marked failed, "
             "marked success or cleared by a user" in e["message"]
         ), e["message"]
+
+
+def test_a_gang_without_retries_says_nothing_of_retrying(sky_home: Path, caplog: Any) -> None:
+    """Issue 28.7: with no retries configured the gang log said ``rank 2 exited 1, not retryable (not in
+    retry_on_exit_codes)``, about a setting the user never touched. With retries it still says why."""
+    import logging
+
+    from airflow_provider_sky.retry import RetryPolicy, watch_attempts
+
+    run = 'if [ "$SKYPILOT_NODE_RANK" = 1 ]; then exit 3; fi; sleep 10000'
+
+    def failed(policy: RetryPolicy | None, name: str) -> str:
+        b, client, task = local_gang(sky_home, 2, run, name=name)
+        client.launch(task, "job")
+
+        async def go() -> None:
+            async for _ in watch_attempts(client, "job", policy=policy, poll_interval=0.1, grace=1.0):
+                pass
+
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="airflow_provider_sky"):
+            asyncio.run(asyncio.wait_for(go(), 30))
+        b.terminate(name)
+        return "\n".join(caplog.messages)
+
+    quiet = failed(None, "a")
+    assert "retry" not in quiet and "retryable" not in quiet, quiet
+    told = failed(RetryPolicy.build(1, 0.0, False, [4]), "b")
+    assert "rank 1 exited 3, not retryable (not in retry_on_exit_codes)" in told, told

@@ -55,18 +55,21 @@ def _comms_answer_only_synchronously() -> bool:
     return comms is not None and not hasattr(comms, "asend")
 
 
+def _unprefixed(key: str, prefixes: tuple[str, ...]) -> str:
+    for prefix in prefixes:
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return key
+
+
 def connection_config(info: BackendInfo, conn: Any, conn_id: str) -> dict[str, Any]:
     """A connection's extras and the standard fields its backend reads, as one plain dict.
 
     Extras are checked against the backend's declared ones ("did you mean"); extras written by older
     forms as ``extra__<type>__<name>`` are read as ``<name>``; empty values count as not given.
     """
-    prefix = f"extra__{info.conn_type}__"
-    extras = {
-        (k[len(prefix) :] if k.startswith(prefix) else k): v
-        for k, v in dict(conn.extra_dejson).items()
-        if v not in (None, "")
-    }
+    prefixes = tuple(f"extra__{t}__" for t in info.all_conn_types)
+    extras = {_unprefixed(k, prefixes): v for k, v in dict(conn.extra_dejson).items() if v not in (None, "")}
     info.check_extras(extras, conn_id)
     fields = {f: getattr(conn, f, None) for f in info.standard_fields}
     return {**extras, **{k: v for k, v in fields.items() if v not in (None, "")}}
@@ -81,7 +84,7 @@ class SkyHook(BaseHook):
 
     conn_name_attr = "sky_conn_id"
     default_conn_name = "sky_default"
-    conn_type = "sky_local"
+    conn_type = "skylocal"
     hook_name = "Sky local cluster"
 
     def __init__(self, sky_conn_id: str | None = default_conn_name, **kwargs: Any) -> None:
@@ -218,22 +221,24 @@ class SkyHook(BaseHook):
         return self.get_backend().terminate(name, grace=grace, holder=None if force else holder or "")
 
 
-def _hook_for(info: BackendInfo) -> type[SkyHook]:
-    """The hook class Airflow maps ``info.conn_type`` to (its ``conn_type`` must match)."""
+def _hook_for(info: BackendInfo, conn_type: str) -> type[SkyHook]:
+    """The hook class Airflow maps ``conn_type`` (one of ``info.all_conn_types``) to (its ``conn_type``
+    must match)."""
     return type(
-        info.hook_class_name,
+        info.hook_class_for(conn_type),
         (SkyHook,),
         {
             "__module__": __name__,
-            "__doc__": f"A {info.hook_name}: a ``{info.conn_type}`` connection (see the README).",
-            "conn_type": info.conn_type,
-            "hook_name": info.hook_name,
+            "__doc__": f"A {info.hook_name}: a ``{conn_type}`` connection (see the README).",
+            "conn_type": conn_type,
+            "hook_name": info.hook_name_for(conn_type),
             "default_conn_name": info.default_conn_id,
         },
     )
 
 
 for _info in all_backends():
-    if _info.hook_class_name != SkyHook.__name__:
-        globals()[_info.hook_class_name] = _hook_for(_info)
-        __all__.append(_info.hook_class_name)
+    for _type in _info.all_conn_types:
+        if _info.hook_class_for(_type) != SkyHook.__name__:
+            globals()[_info.hook_class_for(_type)] = _hook_for(_info, _type)
+            __all__.append(_info.hook_class_for(_type))
