@@ -116,6 +116,31 @@ def test_a_rank_failing_at_once_is_cancelled_from_the_first_instant(sky_home: Pa
     assert tis[("down", -1)].state == "success"
 
 
+def test_the_run_and_rank_notes_say_which_rank_failed_first_and_why(sky_home: Path) -> None:
+    """Issue 28.4: every rank of the run's rank list read ``failed``; which one failed first, and why,
+    was a click into a log. Now the run's note and the rank tasks' notes say it, with its last output."""
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+
+    dr, _ = _run("sky_test_notes", folder="tests/dags")
+    assert str(dr.state) == "failed"
+    with create_session() as session:
+        run = session.query(DagRun).filter_by(dag_id=dr.dag_id, run_id=dr.run_id).one()
+        notes = {
+            ti.map_index: ti.note
+            for ti in session.query(TaskInstance).filter_by(
+                dag_id=dr.dag_id, run_id=dr.run_id, task_id="train.rank"
+            )
+        }
+        run_note = run.note
+    first = "rank 1 (127.1.0.2) exited with code 3, failed first"
+    assert run_note and run_note.startswith(first), run_note
+    assert "CUDA error: an illegal memory access was encountered" in run_note and "step 41" in run_note
+    assert notes[1] == run_note
+    assert notes[0] == notes[2] == f"cancelled: {first}", notes
+
+
 def test_sky_segfault(sky_home: Path, capfd: pytest.CaptureFixture[str]) -> None:
     dr, tis = _run("sky_segfault")
     text = _out(capfd)

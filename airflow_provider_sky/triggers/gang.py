@@ -540,6 +540,7 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 "log_offset": expected,
                 "message": message,
                 "root_cause": cause.to_dict() if cause else None,
+                "cause_tail": list(poll.cause_tail),
                 "attempt": poll.attempt,
                 "attempts": rank_attempts(poll, self.rank),
                 "headline": root_cause_line(poll.status, st, cause, (poll.cause_tail or ("",))[-1])

@@ -67,6 +67,9 @@ def rank_summary(event: dict[str, Any]) -> dict[str, Any]:
     """What a rank task returns and pushes as ``sky_rank``: its outcome, readable back from Airflow (with
     every attempt's when the gang was retried)."""
     out = {k: event.get(k) for k in ("rank", "ip", "state", "exit_code", "reason", "start", "end")}
+    cause = event.get("root_cause") or {}
+    if event.get("cause_tail") and cause.get("rank") == event.get("rank"):
+        out["last_output"] = list(event["cause_tail"])  # the failing rank's own last lines (masked)
     if len(event.get("attempts") or ()) > 1:
         out["attempt"], out["attempts"] = event.get("attempt"), event["attempts"]
     return out
