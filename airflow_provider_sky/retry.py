@@ -213,6 +213,8 @@ class GangPoll(Poll):
     error: str = ""
     #: why a failed final attempt is not retried ("no retry left", "... not retryable: ...")
     verdict: str = ""
+    #: the root-cause rank's last lines of output (masked on the node), read once when it failed
+    cause_tail: tuple[str, ...] = ()
     # cause, failure_message and message are worked out once per poll: every rank trigger of the gang reads
     # the same poll, and each asking anew is O(N) per trigger, O(N^2) per poll (seconds at 1,024 ranks)
 
@@ -223,8 +225,13 @@ class GangPoll(Poll):
 
     @functools.cached_property
     def failure_message(self) -> str:
-        """``status.failure_message()``."""
-        return self.status.failure_message()
+        """``status.failure_message()``, then the root-cause rank's last lines of output: what it said
+        before it failed is the first thing a user looks for, and was a click into its log away."""
+        said = self.status.failure_message()
+        cause = self.cause
+        if said and cause is not None and self.cause_tail:
+            said += f" Rank {cause.rank}'s last output: " + " | ".join(self.cause_tail)
+        return said
 
     def message(self) -> str:
         """The gang's outcome in one paragraph: this attempt's root cause, then every earlier attempt's."""
@@ -252,6 +259,8 @@ class AttemptState:
     notes: dict[int, str] = field(default_factory=dict)
     monitors: dict[int, MonitorState] = field(default_factory=dict)
     hangs: dict[int, HangWatch] = field(default_factory=dict)
+    #: each failed attempt's root-cause rank and its last lines (:func:`cause_tail`), read once
+    tails: dict[int, tuple[int | None, tuple[str, ...]]] = field(default_factory=dict)
 
 
 def _gang_poll(poll: Poll, st: AttemptState, policy: RetryPolicy, **extra: Any) -> GangPoll:
@@ -262,8 +271,34 @@ def _gang_poll(poll: Poll, st: AttemptState, policy: RetryPolicy, **extra: Any) 
         max_attempts=policy.attempts,
         history=list(st.history),
         note=st.notes.get(st.attempt, ""),
+        cause_tail=st.tails.get(st.attempt, (None, ()))[1],
         **extra,
     )
+
+
+#: how many of the root-cause rank's last lines its failure message carries, and how much of each
+CAUSE_LINES = 5
+CAUSE_LINE_CHARS = 200
+#: how much of the end of its log is read for them (one call, once per failed attempt)
+CAUSE_TAIL_BYTES = 2048
+
+
+async def cause_tail(client: GangClient, job_id: str, status: GangStatus) -> tuple[str, ...]:
+    """The root-cause rank's last non-blank lines of output, as the node wrote its log (the job's
+    secrets masked there already); none for a lost rank (its node may not answer) or on a read error."""
+    cause = status.root_cause()
+    if cause is None or cause.state == LOST or not cause.log_size:
+        return ()
+    try:
+        text = await client.alog_tail(job_id, cause.rank, cause.log_size, CAUSE_TAIL_BYTES)
+    except RunnerError as exc:
+        log.warning("Could not read the end of rank %s's output: %s", cause.rank, exc)
+        return ()
+    lines = text.splitlines()
+    if cause.log_size > CAUSE_TAIL_BYTES and lines:
+        lines = lines[1:]  # the read began inside a line
+    kept = [line.rstrip()[:CAUSE_LINE_CHARS] for line in lines if line.strip()]
+    return tuple(kept[-CAUSE_LINES:])
 
 
 async def watch_attempts(
@@ -304,6 +339,10 @@ async def watch_attempts(
         ) as polls:
             async for poll in polls:
                 last = poll
+                cause = poll.status.root_cause() if poll.status.failed else None
+                if cause is not None and st.tails.get(st.attempt, (None, ()))[0] != cause.rank:
+                    # read once the fail-fast cancel is out (watch sent it before yielding this poll)
+                    st.tails[st.attempt] = (cause.rank, await cause_tail(client, aid, poll.status))
                 if poll.status.done:
                     break
                 yield _gang_poll(poll, st, policy, final=False)
@@ -313,7 +352,7 @@ async def watch_attempts(
         if not retry or st.attempt >= policy.attempts:
             if retry:
                 log.info("Job %s: attempt %s/%s failed; no retry left", job_id, st.attempt, policy.attempts)
-            elif not status.succeeded:
+            elif not status.succeeded and policy.retries:  # without retries, no talk of retrying
                 log.info("Job %s: attempt %s failed, %s", job_id, st.attempt, why)
             verdict = ""
             if not status.succeeded:

@@ -355,6 +355,12 @@ def test_segfault(real: RealAirflow) -> None:
         assert "segmentation fault (SIGSEGV)" in log, log
     assert tis[("crash.down", -1)]["state"] == "success"
     assert state == "failed"
+    # the scheduler's listener (airflow_provider_sky.notes): the cause in the run's and the ranks' notes
+    note = real.stack.dag_run("sky_segfault", run_id).get("note") or ""
+    assert note.startswith("rank 1 (") and ", failed first" in note, note
+    assert tis[("crash.rank", 1)]["note"] == note
+    for r in (0, 2):
+        assert tis[("crash.rank", r)]["note"] == "cancelled: " + note.split(". Its last output")[0], tis
     real.assert_cleaned_up("sky_segfault", run_id)
 
 

@@ -147,7 +147,7 @@ def test_the_local_backend_reads_no_standard_field() -> None:
 def test_a_connection_of_another_type_names_the_types_to_use() -> None:
     with pytest.raises(
         ConnectionConfigError,
-        match="connection 'c' has type 'ssh'; use one of sky_local, sky_aws, sky_kubernetes, sky_ssh",
+        match="connection 'c' has type 'ssh'; use one of skylocal, skyaws, skykubernetes, skyssh",
     ):
         by_conn_type("ssh", "c")
 
@@ -197,15 +197,17 @@ def test_a_reused_ssh_connection_with_two_keys_is_refused() -> None:
 
 def test_provider_info_hooks_and_factories_come_from_the_registry() -> None:
     types = airflow_provider_sky.get_provider_info()["connection-types"]
-    assert [t["connection-type"] for t in types] == [i.conn_type for i in all_backends()]
-    for entry, info in zip(types, all_backends(), strict=True):
+    assert [t["connection-type"] for t in types] == [t for i in all_backends() for t in i.all_conn_types]
+    for entry in types:
+        info = by_conn_type(entry["connection-type"], "c")
         hook = getattr(hooks, entry["hook-class-name"].rsplit(".", 1)[1])
         # Airflow maps a connection type to a hook class only when the two agree
         assert (hook.conn_type, hook.hook_name, hook.conn_name_attr) == (
-            info.conn_type,
-            info.hook_name,
+            entry["connection-type"],
+            entry["hook-name"],
             "sky_conn_id",
         )
+        assert info.hook_name in hook.hook_name
         assert callable(info.backend_class().from_config)
         assert set(entry["conn-fields"]) <= set(info.extras)
 
@@ -241,5 +243,8 @@ def test_airflow_lists_every_connection_type_with_its_form_and_test_button() -> 
         hook = registered[info.conn_type]
         assert hook is not None and hook.connection_testable, info.conn_type
         assert hook.hook_name == info.hook_name
+        for old in info.former_conn_types:  # connections made before the rename keep form and Test button
+            assert registered[old] is not None and registered[old].connection_testable, old
+            assert behaviours[old] == behaviours[info.conn_type]
         hidden = behaviours[info.conn_type]["hidden_fields"]
         assert set(hidden) == {"host", "schema", "login", "password", "port"} - set(info.standard_fields)

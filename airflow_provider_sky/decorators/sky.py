@@ -23,7 +23,7 @@ from airflow.sdk.definitions.context import context_merge
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_sky.spec import SpecError
-from airflow_provider_sky.taskgroup import sky_gang
+from airflow_provider_sky.taskgroup import check_gang_arguments, sky_gang
 
 #: task id of the task that calls the decorated function, inside the gang's group
 COMMAND_TASK_ID = "command"
@@ -86,6 +86,7 @@ class SkyTaskDecorator:
             raise TypeError(
                 "@task.sky: run is what the decorated function returns; do not pass run= to the decorator"
             )
+        check_gang_arguments("@task.sky", gang_kwargs, without=("run",))
         self.function = function
         self.gang_kwargs = dict(gang_kwargs)
         self.__name__ = getattr(function, "__name__", "sky")

@@ -673,6 +673,7 @@ class AirflowStack:
             "end_date",
             "duration",
             "try_number",
+            "note",
         )
         tis = [{k: ti.get(k) for k in keys} for ti in data["task_instances"]]
         return sorted(tis, key=lambda t: (t["task_id"], t["map_index"]))

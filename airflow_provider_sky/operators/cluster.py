@@ -12,8 +12,10 @@ from airflow_provider_sky.backends.base import GPU_DEVICES, GPU_NAME, MACHINE_GP
 from airflow_provider_sky.gang import job_id_for
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT
+from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._capacity import check_airflow_room
 from airflow_provider_sky.operators._spec import (
+    SPEC_FIELDS,
     SkySpecMixin,
     check_cluster_name,
     pop_spec_fields,
@@ -74,6 +76,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         **kwargs: Any,
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
+        check_operator_arguments(self, kwargs, *SPEC_FIELDS, task_id=kwargs.get("task_id"))
         super().__init__(**kwargs)
         self._init_spec(task_yaml, task_config, overrides)
         if cluster_name and "{" not in cluster_name:

@@ -85,7 +85,8 @@ def resource_problems(
             continue  # parts of the refused cloud's infra: removing cloud/infra removes them too
         if key not in caps.supported_resources:
             why = _WHY_NOT.get(key)
-            reason = f"{why}; remove it" if why else "remove it"
+            drop = f"remove it (or pass resources={{{key!r}: None}} to keep the YAML as is)"
+            reason = f"{why}; {drop}" if why else drop
             problems.append(
                 (f"resources.{key}", f"the {caps.name} backend cannot honour {key} ({value}); {reason}")
             )

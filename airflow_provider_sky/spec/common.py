@@ -114,7 +114,12 @@ def _unknown_key(prefix: str, key: str, valid: tuple[str, ...], unsupported: fro
     where = f"{prefix}.{key}" if prefix else key
     scope = f"{prefix}:" if prefix else "the task"
     if key in unsupported:
-        return SpecError(where, f"is a SkyPilot key this provider does not support; remove it from {scope}")
+        drop = (
+            f" (or keep the YAML as is and pass resources={{{key!r}: None}})" if prefix == "resources" else ""
+        )
+        return SpecError(
+            where, f"is a SkyPilot key this provider does not support; remove it from {scope}{drop}"
+        )
     if not prefix and key in RESOURCE_KEYS:
         return SpecError(where, f"belongs under resources:, e.g. 'resources: {{{key}: ...}}'")
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)

@@ -32,6 +32,16 @@ from airflow_provider_sky.spec.resources import (
 # envs, secrets, file mounts
 
 
+#: how to give a value a SkyPilot YAML leaves null (SkyPilot asks for it at launch: ``--env`` / ``--secret``)
+_FIX_NULL = {
+    "envs": "SkyPilot takes it from --env at launch; here set it in the YAML or pass "
+    "envs={{'{key}': ...}} to sky_gang / @task.sky / the operator; a secret belongs in the YAML's "
+    "secrets: instead (null there too), passed as secrets={{'{key}': ...}} (redacted from logs)",
+    "secrets": "SkyPilot takes it from --secret at launch; here pass secrets={{'{key}': ...}} to "
+    "sky_gang / @task.sky / the operator (redacted from logs)",
+}
+
+
 def _parse_env_mapping(value: object, section: str) -> dict[str, str]:
     if value is None:
         return {}
@@ -52,7 +62,7 @@ def _parse_env_mapping(value: object, section: str) -> dict[str, str]:
                 "is set by the provider for each rank (node rank, IPs, world size) and cannot be overridden; "
                 "rename your variable",
             )
-        out[key] = _coerce_value(raw, where, f"set it here or pass it in {section}= when creating the task")
+        out[key] = _coerce_value(raw, where, _FIX_NULL[section].format(key=key))
     return out
 
 

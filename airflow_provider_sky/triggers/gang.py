@@ -540,9 +540,12 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 "log_offset": expected,
                 "message": message,
                 "root_cause": cause.to_dict() if cause else None,
+                "cause_tail": list(poll.cause_tail),
                 "attempt": poll.attempt,
                 "attempts": rank_attempts(poll, self.rank),
-                "headline": root_cause_line(poll.status, st, cause) if st.state != SUCCEEDED else "",
+                "headline": root_cause_line(poll.status, st, cause, (poll.cause_tail or ("",))[-1])
+                if st.state != SUCCEEDED
+                else "",
             }
             yield self._end_event(payload) if self.end_from_trigger else ShortEvent(payload)
             return
