@@ -260,7 +260,7 @@ def detect_local(timeout: float = 30.0) -> Inventory:
 # ---------------------------------------------------------------------------------------------------------
 # declared GPUs (a connection's ``accelerators`` extra)
 
-_DECLARED = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9_.-]*)\s*(?::\s*(\d+))?\s*$")
+_DECLARED = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9_.-]*)\s*(?::\s*(\d+))?\s*")
 DECLARED_FORMAT = (
     "write NAME:COUNT (e.g. 'H100:8'), several comma-separated ('A100:4, T4:2'), or '' for no GPUs"
 )
@@ -278,7 +278,7 @@ def parse_declared(value: object, where: str) -> Inventory:
             items.append((str(k), v))
     elif isinstance(value, str):
         for part in (p for p in value.split(",") if p.strip()):
-            m = _DECLARED.match(part)
+            m = _DECLARED.fullmatch(part)
             if not m:
                 raise ValueError(f"{where}: cannot read {part.strip()!r}; {DECLARED_FORMAT}")
             items.append((m.group(1), int(m.group(2) or 1)))

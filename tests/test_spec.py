@@ -853,3 +853,109 @@ def test_check_backend_accepts_when_one_alternative_fits_and_lists_all_when_none
     assert info.value.field == "resources"
     assert "none of the 2 alternatives" in info.value.message
     assert "#1 (cloud aws)" in info.value.message and "#2 (use_spot True)" in info.value.message
+
+
+# -------------------------------------------------- names match whole: no trailing newline, CR, space, NUL
+
+#: what a copy-paste leaves at the end of a name; Python's ``$`` also matches before a final newline
+BAD_ENDINGS = ["\n", "\r", " ", "\0", "\r\n"]
+
+
+@pytest.mark.parametrize("ending", BAD_ENDINGS, ids=repr)
+@pytest.mark.parametrize(
+    ("field", "task"),
+    [
+        ("envs.", lambda bad: _task(envs={f"MY_VAR{bad}": "1"})),
+        ("secrets.", lambda bad: _task(secrets={f"HF_TOKEN{bad}": "hf_abc"})),
+        ("name", lambda bad: _task(name=f"train{bad}")),
+        ("resources.labels", lambda bad: _res(labels={f"team{bad}": "ml"})),
+        ("resources.labels", lambda bad: _res(labels={f"example.com/team{bad}": "ml"})),
+        ("file_mounts.", lambda bad: _task(file_mounts={f"/data{bad}": "/tmp"})),
+    ],
+)
+def test_a_name_with_a_bad_ending_is_refused(field: str, task: Any, ending: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_task(task(ending))
+    assert err.value.field.startswith(field)
+
+
+@pytest.mark.parametrize("ending", BAD_ENDINGS, ids=repr)
+def test_names_checked_outside_the_spec_match_whole(ending: str) -> None:
+    from airflow_provider_sky.operators._spec import check_cluster_name
+    from airflow_provider_sky.runtime import check_job_id, env_file
+    from airflow_provider_sky.runtime_retry import relaunch_args
+
+    with pytest.raises(SpecError, match="cluster_name"):
+        check_cluster_name(f"train{ending}")
+    with pytest.raises(ValueError):
+        check_job_id(f"job{ending}")
+    with pytest.raises(ValueError):
+        env_file({f"HF_TOKEN{ending}": "x"})
+    with pytest.raises(ValueError):
+        relaunch_args("job", 2, 0.0, [("/r", 0)], ips=[f"10.0.0.1{ending}"])
+    with pytest.raises(SpecError, match="accelerators"):
+        Accelerator(f"A100{ending}", 1)
+
+
+@pytest.mark.parametrize("bad", ["eu\0west", "aws/us-east-1\0", "aws/us\neast-1"], ids=repr)
+def test_control_characters_in_resource_names_are_refused(bad: str) -> None:
+    for task in (_res(infra=bad), _res(region=bad), _res(image_id=bad)):
+        with pytest.raises(SpecError, match="control character"):
+            parse_task(task)
+    with pytest.raises(SpecError, match="control character|NUL byte"):
+        parse_task(_res(labels={"team": f"ml{bad}"}))
+    with pytest.raises(SpecError, match="control character"):
+        parse_task(_task(file_mounts={"/data": f"/tmp/{bad}"}))
+
+
+def test_good_names_still_parse() -> None:
+    spec = parse_task(
+        _task(
+            name="train-llm.v2",
+            envs={"MY_VAR": "1"},
+            secrets={"HF_TOKEN": "hf_abc"},
+            resources={"labels": {"team": "ml", "example.com/owner": "a_b"}},
+            file_mounts={"/data": "/tmp", "~/x y": "/tmp"},
+        )
+    )
+    assert spec.secrets == {"HF_TOKEN": "hf_abc"} and spec.resources.labels["example.com/owner"] == "a_b"
+
+
+def _regex_patterns() -> list[tuple[str, int, str]]:
+    """Every literal pattern given to ``re`` in the package: (file, line, pattern)."""
+    import ast
+
+    import airflow_provider_sky
+
+    root = Path(airflow_provider_sky.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "re"
+                and node.args
+            ):
+                arg = node.args[0]
+                text = None
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    text = arg.value
+                elif isinstance(arg, ast.JoinedStr):  # f-strings: their literal parts
+                    text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in arg.values)
+                if text is not None:
+                    found.append((str(path.relative_to(root)), node.lineno, text))
+    return found
+
+
+def test_no_pattern_in_the_package_ends_in_a_dollar_anchor() -> None:
+    """``$`` matches before a trailing newline: a name check must be ``fullmatch`` (or end in ``\\Z``)."""
+    patterns = _regex_patterns()
+    assert len(patterns) > 10  # the scan finds the package's patterns
+    dollar = [
+        (f, line, p)
+        for f, line, p in patterns
+        if p.endswith("$") and not p.endswith("\\$") and "(?m)" not in p
+    ]
+    assert not dollar, f"use re.fullmatch (or \\Z) instead of a final '$': {dollar}"

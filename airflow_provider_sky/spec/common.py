@@ -87,14 +87,22 @@ _SKYPILOT_ONLY_RESOURCES = frozenset(
     }
 )
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-_CLOUD_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
-_ACCEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# Every name pattern is used with ``fullmatch``: ``^...$`` with ``match`` also accepts a name ending in a
+# newline ("HF_TOKEN\n"), which then breaks the line of the env file that sets it and the value is lost.
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_CLOUD_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
+_ACCEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+#: a label name: Kubernetes' qualified name (an optional ``prefix/``), also a valid EC2 tag key
+_LABEL_NAME = re.compile(
+    r"(?:[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?"
+)
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _NUMBER = r"(\d+(?:\.\d+)?|\.\d+)"
-_CPUS = re.compile(rf"^{_NUMBER}(?P<plus>\+?)$")
-_MEMORY = re.compile(rf"^{_NUMBER}\s*(?:(?P<unit>[KMGTP])(?:IB|I|B)?)?(?P<plus>\+?)$", re.IGNORECASE)
+_CPUS = re.compile(rf"{_NUMBER}(?P<plus>\+?)")
+_MEMORY = re.compile(rf"{_NUMBER}\s*(?:(?P<unit>[KMGTP])(?:IB|I|B)?)?(?P<plus>\+?)", re.IGNORECASE)
+#: control characters (newline, carriage return, NUL, ...): never part of a name, a path or a label value
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _MEMORY_UNIT_GIB = {"K": 2.0**-20, "M": 2.0**-10, "G": 1.0, "T": 2.0**10, "P": 2.0**20}
 _CLOUD_ALIASES = {"k8s": "kubernetes"}
 # For these the part after the first '/' is one name (a kube context may itself contain '/').
@@ -139,6 +147,8 @@ def _opt_str(value: object, where: str, what: str) -> str | None:
         return None
     if not isinstance(value, str) or not value.strip():
         raise SpecError(where, f"must be a non-empty string ({what}), got {value!r}")
+    if _CONTROL.search(value.strip()):
+        raise SpecError(where, f"{value!r} contains a control character (newline, NUL, ...); remove it")
     return value.strip()
 
 

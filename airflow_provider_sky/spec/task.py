@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from airflow_provider_sky.spec.common import (
+    _CONTROL,
     _ENV_NAME,
     _SKYPILOT_ONLY_TOP,
     _TASK_NAME,
@@ -40,7 +41,7 @@ def _parse_env_mapping(value: object, section: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for key, raw in value.items():
         where = f"{section}.{key}"
-        if not isinstance(key, str) or not _ENV_NAME.match(key):
+        if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
             raise SpecError(
                 where,
                 "is not a valid environment variable name; use letters, digits and '_', "
@@ -72,6 +73,12 @@ def _parse_file_mounts(value: object) -> dict[str, str]:
     out: dict[str, str] = {}
     for dest, src in value.items():
         where = f"{section}.{dest}"
+        if isinstance(dest, str) and (_CONTROL.search(dest) or dest != dest.strip()):
+            raise SpecError(
+                where,
+                f"the destination {dest!r} has a control character (newline, NUL, ...) or spaces at an "
+                "end; write the path alone, e.g. /data or ~/data",
+            )
         if not isinstance(dest, str) or not (dest.startswith("/") or dest.startswith("~/")):
             raise SpecError(
                 where,
@@ -89,6 +96,10 @@ def _parse_file_mounts(value: object) -> dict[str, str]:
                 where,
                 f"source must be a local path or a URL string such as s3://bucket/path, got {src!r} "
                 "(storage-object mounts are not supported)",
+            )
+        if _CONTROL.search(src.strip()):
+            raise SpecError(
+                where, f"source {src!r} contains a control character (newline, NUL, ...); remove it"
             )
         out[dest] = src.strip()
     return out
@@ -264,7 +275,7 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
     run = _parse_script(data.get("run"), "run", required=True)
     assert run is not None  # required=True raised otherwise
     name = data.get("name")
-    if name is not None and (not isinstance(name, str) or not _TASK_NAME.match(name)):
+    if name is not None and (not isinstance(name, str) or not _TASK_NAME.fullmatch(name)):
         raise SpecError(
             "name",
             f"{name!r} is not a valid task name; use 1-63 letters, digits, '.', '_' or '-', "
