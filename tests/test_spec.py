@@ -959,3 +959,93 @@ def test_no_pattern_in_the_package_ends_in_a_dollar_anchor() -> None:
         if p.endswith("$") and not p.endswith("\\$") and "(?m)" not in p
     ]
     assert not dollar, f"use re.fullmatch (or \\Z) instead of a final '$': {dollar}"
+
+
+# ------------------------------------------------------------------ no error message shows a secret's value
+
+#: a secret's value; none of its parts may appear in an error
+SECRET = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANs3cr3tPART\n-----END PRIVATE KEY-----"
+SECRET_PARTS = ("MIIEvQ", "s3cr3tPART")
+
+SECRET_BEARING: list[tuple[str, dict[str, object], str, str]] = [
+    # id, task mapping, expected field, substring of the message
+    (
+        "service-account JSON pasted unquoted (a mapping)",
+        _task(secrets={"SA_JSON": {"type": "service_account", "private_key": SECRET}}),
+        "secrets.SA_JSON",
+        "must be a string, got a mapping (value hidden); quote the value",
+    ),
+    ("a list", _task(secrets={"SA_JSON": [SECRET]}), "secrets.SA_JSON", "got a list (value hidden)"),
+    ("bytes", _task(secrets={"SA_JSON": SECRET.encode()}), "secrets.SA_JSON", "(value hidden)"),
+    ("a NUL byte", _task(secrets={"SA_JSON": SECRET + "\0"}), "secrets.SA_JSON", "NUL byte"),
+    ("null", _task(secrets={"SA_JSON": None}), "secrets.SA_JSON", "null is not allowed"),
+    ("secrets a string", _task(secrets=f"SA_JSON={SECRET}"), "secrets", "got a string (value hidden)"),
+    ("secrets a list", _task(secrets=[f"SA_JSON={SECRET}"]), "secrets", "got a list (value hidden)"),
+    ("a key that is no name", _task(secrets={(SECRET,): "x"}), "secrets.<a list>", "not a valid"),
+    ("a name with a newline", _task(secrets={"SA_JSON\n": SECRET}), "secrets.SA_JSON", "not a valid"),
+    ("also in envs", _task(secrets={"SA": SECRET}, envs={"SA": SECRET}), "secrets.SA", "also set in envs"),
+    ("a secret-like env", _task(envs={"HF_TOKEN": {"t": SECRET}}), "envs.HF_TOKEN", "(value hidden)"),
+    ("a password env", _task(envs={"DB_PASSWORD": [SECRET]}), "envs.DB_PASSWORD", "(value hidden)"),
+    ("another field's error", _task(secrets={"SA": SECRET}, num_nodes=0), "num_nodes", "at least 1"),
+]
+
+
+def _assert_hidden(text: str) -> None:
+    for part in SECRET_PARTS:
+        assert part not in text, text
+
+
+@pytest.mark.parametrize(
+    ("task", "field", "fragment"),
+    [pytest.param(t, f, m, id=i) for i, t, f, m in SECRET_BEARING],
+)
+def test_no_refusal_shows_a_secrets_value(task: dict[str, object], field: str, fragment: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_task(task)
+    assert err.value.field.startswith(field) and fragment in err.value.message
+    for text in (str(err.value), repr(err.value), err.value.field, str(err.value.args)):
+        _assert_hidden(text)
+    # the same values given as arguments over a YAML-shaped base
+    with pytest.raises(SpecError) as err2:
+        parse_task({"run": "echo hi"}, overrides={k: v for k, v in task.items() if k != "run"})
+    _assert_hidden(str(err2.value))
+
+
+def test_a_plain_envs_value_is_still_shown() -> None:
+    with pytest.raises(SpecError, match=r"envs.PORT: must be a string or number, got list \[1, 2\]"):
+        parse_task(_task(envs={"PORT": [1, 2]}))
+
+
+def test_an_unquoted_service_account_json_in_a_yaml_file_is_not_printed(tmp_path: Path) -> None:
+    """The case of the bug report: YAML reads the pasted JSON as a mapping."""
+    path = tmp_path / "task.yaml"
+    key = SECRET.replace("\n", "\\n")
+    path.write_text(
+        f'run: echo hi\nsecrets:\n  SA_JSON: {{"type": "service_account", "private_key": "{key}"}}\n'
+    )
+    with pytest.raises(SpecError) as err:
+        load_task_yaml(path)
+    assert err.value.field == "secrets.SA_JSON" and "(value hidden)" in err.value.message
+    _assert_hidden(str(err.value))
+
+
+def test_the_dag_import_error_shows_no_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What Airflow stores in its import_error table (and ``dags list-import-errors`` prints)."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    key = SECRET.replace("\n", "\\n")
+    (tmp_path / "task.yaml").write_text(
+        f'run: echo hi\nsecrets:\n  SA_JSON: {{"type": "service_account", "private_key": "{key}"}}\n'
+    )
+    (tmp_path / "sa_dag.py").write_text(
+        "import pendulum\n"
+        "from airflow.sdk import DAG\n"
+        "from airflow_provider_sky.taskgroup import sky_gang\n"
+        "with DAG('sa_dag', schedule=None, start_date=pendulum.datetime(2026, 1, 1)):\n"
+        f"    sky_gang(task_yaml={str(tmp_path / 'task.yaml')!r})\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    bag = DagBag(dag_folder=str(tmp_path), safe_mode=False)
+    (error,) = bag.import_errors.values()
+    assert "secrets.SA_JSON: must be a string, got a mapping (value hidden)" in error
+    _assert_hidden(error)

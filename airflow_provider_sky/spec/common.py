@@ -118,6 +118,47 @@ def _type_name(value: object) -> str:
     return "null" if value is None else type(value).__name__
 
 
+#: parts of a variable name whose value is hidden in errors like a secret's (Airflow's sensitive names)
+_SENSITIVE_PARTS = (
+    "access_token",
+    "api_key",
+    "apikey",
+    "authorization",
+    "passphrase",
+    "passwd",
+    "password",
+    "private_key",
+    "secret",
+    "token",
+    "keyfile_dict",
+    "service_account",
+    "credential",
+)
+
+
+def looks_secret(name: object) -> bool:
+    """An env name Airflow would mask (``*_TOKEN``, ``*PASSWORD*`` ...): its value is shown nowhere."""
+    return isinstance(name, str) and any(part in name.lower() for part in _SENSITIVE_PARTS)
+
+
+def _kind(value: object) -> str:
+    """What a value is, without the value: "a mapping", "a list", "null"."""
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return "a list"
+    if isinstance(value, str):
+        return "a string"
+    return f"a {type(value).__name__}"
+
+
+def _shown(value: object, hidden: bool) -> str:
+    """``value`` for an error message: its type and repr, or (a secret) its kind alone."""
+    return f"{_kind(value)} (value hidden)" if hidden else f"{_type_name(value)} {value!r}"
+
+
 def _unknown_key(prefix: str, key: str, valid: tuple[str, ...], unsupported: frozenset[str]) -> SpecError:
     where = f"{prefix}.{key}" if prefix else key
     scope = f"{prefix}:" if prefix else "the task"
@@ -152,14 +193,23 @@ def _opt_str(value: object, where: str, what: str) -> str | None:
     return value.strip()
 
 
-def _coerce_value(raw: object, where: str, fix_none: str) -> str:
-    """YAML turns ``PORT: 29500`` into an int and ``DEBUG: true`` into a bool; the shell needs strings."""
+def _coerce_value(raw: object, where: str, fix_none: str, hidden: bool = False) -> str:
+    """YAML turns ``PORT: 29500`` into an int and ``DEBUG: true`` into a bool; the shell needs strings.
+
+    ``hidden``: a secret's value, never shown in the error (it would land in Airflow's import errors).
+    """
     if raw is None:
         raise SpecError(where, f"a value must be given (null is not allowed); {fix_none}")
     if isinstance(raw, bool):
         text = "true" if raw else "false"
     elif isinstance(raw, (int, float, str)):
         text = str(raw)
+    elif hidden:
+        raise SpecError(
+            where,
+            f"must be a string, got {_shown(raw, True)}; quote the value (YAML reads unquoted JSON as a "
+            "mapping) or load it from a file",
+        )
     else:
         raise SpecError(
             where, f"must be a string or number, got {_type_name(raw)} {raw!r}; quote it as a string"

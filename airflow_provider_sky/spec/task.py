@@ -19,8 +19,11 @@ from airflow_provider_sky.spec.common import (
     SpecError,
     _check_keys,
     _coerce_value,
+    _kind,
     _opt_str,
+    _shown,
     _type_name,
+    looks_secret,
 )
 from airflow_provider_sky.spec.resources import (
     Resources,
@@ -36,11 +39,16 @@ from airflow_provider_sky.spec.resources import (
 def _parse_env_mapping(value: object, section: str) -> dict[str, str]:
     if value is None:
         return {}
+    secret = section == "secrets"
     if not isinstance(value, Mapping):
-        raise SpecError(section, f"must be a mapping of NAME: value, got {_type_name(value)} {value!r}")
+        raise SpecError(
+            section,
+            f"must be a mapping of NAME: value, got {_shown(value, secret)}; e.g. {section}: {{MY_VAR: ...}}",
+        )
     out: dict[str, str] = {}
     for key, raw in value.items():
-        where = f"{section}.{key}"
+        # a key that is no string may be a secret pasted one level too high: only its type is named
+        where = f"{section}.{key}" if isinstance(key, str) or not secret else f"{section}.<{_kind(key)}>"
         if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
             raise SpecError(
                 where,
@@ -53,7 +61,12 @@ def _parse_env_mapping(value: object, section: str) -> dict[str, str]:
                 "is set by the provider for each rank (node rank, IPs, world size) and cannot be overridden; "
                 "rename your variable",
             )
-        out[key] = _coerce_value(raw, where, f"set it here or pass it in {section}= when creating the task")
+        out[key] = _coerce_value(
+            raw,
+            where,
+            f"set it here or pass it in {section}= when creating the task",
+            hidden=secret or looks_secret(key),
+        )
     return out
 
 
