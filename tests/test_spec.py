@@ -1049,3 +1049,208 @@ def test_the_dag_import_error_shows_no_secret(tmp_path: Path, monkeypatch: pytes
     (error,) = bag.import_errors.values()
     assert "secrets.SA_JSON: must be a string, got a mapping (value hidden)" in error
     _assert_hidden(error)
+
+
+# ------------------------------------------------- timing and count arguments: refused when the DAG is parsed
+
+
+def _entry_points() -> dict[str, tuple[Any, tuple[str, ...]]]:
+    """Each entry point as ``build(**timing)`` and the timing arguments it takes."""
+    from airflow_provider_sky.decorators.sky import sky_task
+    from airflow_provider_sky.operators.cluster import SkyClusterOperator
+    from airflow_provider_sky.operators.down import SkyDownOperator
+    from airflow_provider_sky.operators.job import SkyJobOperator
+    from airflow_provider_sky.operators.rank import SkyRankOperator
+    from airflow_provider_sky.sensors.gang import SkyGangSensor
+    from airflow_provider_sky.taskgroup import sky_gang
+    from airflow_provider_sky.triggers.gang import SkyGangTrigger, SkyRankTrigger
+
+    watch = ("poll_interval", "grace", "lost_after", "hang_timeout")
+    ids = {"cluster_task_id": "c", "job_task_id": "j"}
+    return {
+        "SkyClusterOperator": (
+            lambda **kw: SkyClusterOperator(task_id="t", run="true", **kw),
+            ("poll_interval", "grace", "orphan_timeout", "idle_down", "triggerers"),
+        ),
+        "SkyJobOperator": (
+            lambda **kw: SkyJobOperator(task_id="t", cluster={}, run="true", **kw),
+            (*watch, "orphan_timeout", "idle_down", "bridge_timeout"),
+        ),
+        "SkyRankOperator": (
+            lambda **kw: SkyRankOperator(task_id="t", cluster={}, rank=0, job_id="j", **kw),
+            watch,
+        ),
+        "SkyRankOperator.partial": (
+            lambda **kw: SkyRankOperator.partial(task_id="t", cluster={}, **kw),
+            watch,
+        ),
+        "SkyRankOperator.partial_in_triggerer": (
+            lambda **kw: SkyRankOperator.partial_in_triggerer(task_id="t", cluster={}, **ids, **kw),
+            watch,
+        ),
+        "SkyGangSensor": (lambda **kw: SkyGangSensor(task_id="t", cluster={}, job_id="j", **kw), watch),
+        "SkyGangSensor.in_triggerer": (
+            lambda **kw: SkyGangSensor.in_triggerer(task_id="t", cluster={}, **ids, **kw),
+            watch,
+        ),
+        "SkyDownOperator": (lambda **kw: SkyDownOperator(task_id="t", **kw), ("grace",)),
+        "sky_gang": (
+            lambda **kw: sky_gang("g", num_nodes=2, run="true", **kw),
+            (*watch, "orphan_timeout", "idle_down", "triggerers"),
+        ),
+        "@task.sky": (
+            lambda **kw: sky_task(num_nodes=2, **kw)(lambda: "true"),
+            (*watch, "orphan_timeout", "idle_down", "triggerers"),
+        ),
+        "SkyRankTrigger": (lambda **kw: SkyRankTrigger(rank=0, cluster={}, job_id="j", **kw), watch),
+        "SkyGangTrigger": (lambda **kw: SkyGangTrigger(cluster={}, job_id="j", **kw), watch),
+    }
+
+
+#: argument -> values refused, each with a fragment of the message
+BAD_TIMING: dict[str, list[tuple[object, str]]] = {
+    "poll_interval": [
+        (0, "from 0.1 to 300"),
+        (-1, "from 0.1 to 300"),
+        (0.01, "from 0.1 to 300"),
+        (301, "from 0.1 to 300"),
+        (float("nan"), "from 0.1 to 300"),
+        ("0.5", "expected seconds as a number"),
+        (None, "expected seconds as a number"),
+        (True, "expected seconds as a number"),
+    ],
+    "grace": [(-5, "from 0 to 3600"), (float("inf"), "from 0 to 3600"), ("3", "expected seconds")],
+    "lost_after": [(0, "from 1 to 86400"), (-1, "from 1 to 86400"), (None, "expected seconds")],
+    "hang_timeout": [(-1, "(0 or None: off)"), (0.5, "from 1 to"), ("600", "or None for off")],
+    "orphan_timeout": [(-1, "(0 or None: off)"), (0.5, "from 1 to")],
+    "idle_down": [(-1, "(0 or None: off)"), ("600", "expected seconds")],
+    "bridge_timeout": [(0, "from 1 to"), (-1, "from 1 to")],
+    "triggerers": [(0, "whole number from 1 to 1000"), (1.5, "expected a whole number"), (None, "whole")],
+}
+
+TIMING_CASES = [
+    pytest.param(entry, arg, value, fragment, id=f"{entry}-{arg}={value!r}")
+    for entry, args in {
+        "SkyClusterOperator": ("poll_interval", "grace", "orphan_timeout", "idle_down", "triggerers"),
+        "SkyJobOperator": (
+            "poll_interval",
+            "grace",
+            "lost_after",
+            "hang_timeout",
+            "orphan_timeout",
+            "idle_down",
+            "bridge_timeout",
+        ),
+        "SkyRankOperator": ("poll_interval", "grace", "lost_after", "hang_timeout"),
+        "SkyRankOperator.partial": ("poll_interval", "grace", "lost_after", "hang_timeout"),
+        "SkyRankOperator.partial_in_triggerer": ("poll_interval", "grace", "lost_after", "hang_timeout"),
+        "SkyGangSensor": ("poll_interval", "grace", "lost_after", "hang_timeout"),
+        "SkyGangSensor.in_triggerer": ("poll_interval", "grace", "lost_after", "hang_timeout"),
+        "SkyDownOperator": ("grace",),
+        "sky_gang": (
+            "poll_interval",
+            "grace",
+            "lost_after",
+            "hang_timeout",
+            "orphan_timeout",
+            "idle_down",
+            "triggerers",
+        ),
+        "@task.sky": (
+            "poll_interval",
+            "grace",
+            "lost_after",
+            "hang_timeout",
+            "orphan_timeout",
+            "idle_down",
+            "triggerers",
+        ),
+        "SkyRankTrigger": ("poll_interval", "grace", "lost_after", "hang_timeout"),
+        "SkyGangTrigger": ("poll_interval", "grace", "lost_after", "hang_timeout"),
+    }.items()
+    for arg in args
+    for value, fragment in BAD_TIMING[arg]
+]
+
+
+@pytest.mark.parametrize(("entry", "arg", "value", "fragment"), TIMING_CASES)
+def test_a_bad_timing_argument_is_refused_when_the_dag_is_parsed(
+    entry: str, arg: str, value: object, fragment: str
+) -> None:
+    import pendulum
+    from airflow.sdk import DAG
+
+    build, _ = _entry_points()[entry]
+    with DAG(f"bad_{arg}", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC")):
+        with pytest.raises(SpecError) as err:
+            build(**{arg: value})
+    assert err.value.field == arg and fragment in err.value.message, str(err.value)
+
+
+def test_every_entry_point_is_checked_for_every_timing_argument_it_takes() -> None:
+    """The table above covers each entry point's timing arguments, read from its signature."""
+    import inspect
+
+    from airflow_provider_sky.timing import LIMITS
+
+    covered = {(p.values[0], p.values[1]) for p in TIMING_CASES}
+    for entry, (_, args) in _entry_points().items():
+        assert {(entry, a) for a in args} <= covered, entry
+    from airflow_provider_sky.operators.cluster import SkyClusterOperator
+    from airflow_provider_sky.operators.job import SkyJobOperator
+    from airflow_provider_sky.taskgroup import sky_gang
+
+    for name, fn in (
+        ("sky_gang", sky_gang),
+        ("SkyJobOperator", SkyJobOperator.__init__),
+        ("SkyClusterOperator", SkyClusterOperator.__init__),
+    ):
+        taken = set(inspect.signature(fn).parameters) & set(LIMITS)
+        assert {(name, a) for a in taken} <= covered, name
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "fragment"),
+    [
+        ({"poll_interval": 30.0}, "lost_after", "at least poll_interval (30 s), got 10"),
+        ({"poll_interval": 5.0, "lost_after": 4.0}, "lost_after", "one missed poll"),
+        ({"poll_interval": 2.0, "orphan_timeout": 3.0}, "orphan_timeout", "2 x poll_interval = 4 s"),
+        ({"poll_interval": 2.0, "hang_timeout": 3.0}, "hang_timeout", "2 x poll_interval = 4 s"),
+    ],
+)
+def test_timing_arguments_that_disagree_are_refused(
+    kwargs: dict[str, Any], field: str, fragment: str
+) -> None:
+    import pendulum
+    from airflow.sdk import DAG
+
+    from airflow_provider_sky.taskgroup import sky_gang
+
+    with DAG("disagree", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC")):
+        with pytest.raises(SpecError) as err:
+            sky_gang("g", num_nodes=2, run="true", **kwargs)
+    assert err.value.field == field and fragment in err.value.message, str(err.value)
+
+
+def test_good_timing_arguments_at_the_edges_are_accepted() -> None:
+    import pendulum
+    from airflow.sdk import DAG
+
+    from airflow_provider_sky.taskgroup import sky_gang
+
+    with DAG("edges", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC")):
+        for i, kw in enumerate(
+            (
+                {},
+                {"poll_interval": 0.1, "grace": 0, "lost_after": 1, "orphan_timeout": 0, "hang_timeout": 0},
+                {
+                    "poll_interval": 300,
+                    "grace": 3600,
+                    "lost_after": 300,
+                    "orphan_timeout": None,
+                    "idle_down": 1,
+                },
+                {"hang_timeout": 600, "idle_down": None, "triggerers": 4, "orphan_timeout": 2},
+            )
+        ):
+            sky_gang(f"g{i}", num_nodes=2, run="true", **kw)

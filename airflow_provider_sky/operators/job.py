@@ -17,6 +17,7 @@ from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, LaunchError
 from airflow_provider_sky.operators._spec import SkySpecMixin, pop_spec_fields
 from airflow_provider_sky.retry import OPERATOR_ARGS, RetryPolicy, trigger_retry
 from airflow_provider_sky.spec import TaskSpec
+from airflow_provider_sky.timing import check_timing
 
 
 class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
@@ -77,6 +78,15 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         **kwargs: Any,
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
+        check_timing(
+            poll_interval=poll_interval,
+            grace=grace,
+            lost_after=lost_after,
+            orphan_timeout=orphan_timeout,
+            idle_down=idle_down,
+            bridge_timeout=bridge_timeout,
+            hang_timeout=hang_timeout,
+        )
         policy = RetryPolicy.build(
             gang_retries,
             gang_retry_delay,

@@ -10,7 +10,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow.triggers.base import StartTriggerArgs
 
 from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.operators._watch import GangWatchMixin, triggerer_watch
+from airflow_provider_sky.operators._watch import GangWatchMixin, check_watch_kwargs, triggerer_watch
 from airflow_provider_sky.policy import RANK_LABEL
 from airflow_provider_sky.retry import (
     OPERATOR_ARGS,
@@ -51,6 +51,7 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
         if kwargs.get("retries"):
             raise ValueError(_NO_RETRIES)
         kwargs["retries"] = 0  # also over default_args: a failed rank must not come back on its own
+        check_watch_kwargs(kwargs)  # a mapped task's __init__ runs only when it runs: check now
         return super().partial(**kwargs)
 
     @classmethod
