@@ -830,7 +830,7 @@ def test_check_backend_names_every_field_it_cannot_honour_at_once() -> None:
         check_backend(spec, SSH, KINDS)
     err = info.value
     assert err.field == "resources.cloud, resources.use_spot, resources.image_id"
-    assert "cannot honour 3 fields" in err.message
+    assert "cannot run this task, 3 problems" in err.message
     assert "cloud 'gcp'" in err.message and "no backend of this provider runs on 'gcp'" in err.message
     assert "no spot instances" in err.message and "images are run by the kubernetes backend" in err.message
     assert "region" not in err.field  # a part of the refused infra, not a field of its own
@@ -1254,3 +1254,47 @@ def test_good_timing_arguments_at_the_edges_are_accepted() -> None:
             )
         ):
             sky_gang(f"g{i}", num_nodes=2, run="true", **kw)
+
+
+# ---------------------------------------------- everything knowable is checked before the first backend call
+
+
+def test_every_problem_of_a_spec_is_named_in_one_error_before_anything_is_provisioned(
+    sky_home: Path, tmp_path: Path
+) -> None:
+    """Missing sources, the local backend's destination rule, a GPU the machine lacks and too many nodes:
+    one error naming each, from the check the cluster task runs before "Provisioning cluster"."""
+    from airflow_provider_sky.backends.base import choose_resources
+    from airflow_provider_sky.backends.local import LocalBackend
+    from airflow_provider_sky.backends.registry import conn_types
+
+    b = LocalBackend(sky_home)
+    spec = task_from_args(
+        num_nodes=2,
+        run="true",
+        workdir=str(tmp_path / "no-such-dir"),
+        file_mounts={"/data": str(tmp_path / "no-such-file"), "~/ok": str(tmp_path)},
+        resources={"accelerators": "A1000:8"},
+    )
+    with pytest.raises(SpecError) as err:
+        choose_resources(b, spec, "c", conn_types())
+    fields = err.value.field.split(", ")
+    assert {"workdir", "file_mounts./data", "resources.accelerators"} <= set(fields), err.value
+    assert fields.count("file_mounts./data") == 2  # outside the node's home, and its source is missing
+    assert "no-such-dir does not exist" in err.value.message
+    assert "no-such-file does not exist" in err.value.message
+    assert "use a '~/...' destination" in err.value.message
+    assert "A1000:8" in err.value.message
+    assert not list(sky_home.rglob("*.json")) and not (sky_home / "local" / "c").exists()
+
+
+def test_a_workdir_that_is_a_file_is_named_before_provisioning(sky_home: Path, tmp_path: Path) -> None:
+    from airflow_provider_sky.backends.base import choose_resources
+    from airflow_provider_sky.backends.local import LocalBackend
+
+    (tmp_path / "train.py").write_text("print(1)\n")
+    spec = task_from_args(run="true", workdir=str(tmp_path / "train.py"))
+    with pytest.raises(SpecError, match="workdir: .*train.py is not a directory"):
+        choose_resources(LocalBackend(sky_home), spec)
+    # a good spec still passes, sources under ~ included
+    choose_resources(LocalBackend(sky_home), task_from_args(run="true", workdir=str(tmp_path)))

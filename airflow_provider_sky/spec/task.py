@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -116,6 +117,22 @@ def _parse_file_mounts(value: object) -> dict[str, str]:
             )
         out[dest] = src.strip()
     return out
+
+
+def source_problems(spec: TaskSpec) -> list[tuple[str, str]]:
+    """(field, why) for each local ``workdir`` / ``file_mounts`` source that is not there (a workdir must
+    be a directory): found before provisioning, not when the files are copied to provisioned nodes."""
+    problems: list[tuple[str, str]] = []
+    if spec.workdir and not is_bucket_source(spec.workdir):
+        path = os.path.expanduser(spec.workdir)
+        if not os.path.exists(path):
+            problems.append(("workdir", f"{spec.workdir} does not exist; fix the path"))
+        elif not os.path.isdir(path):
+            problems.append(("workdir", f"{spec.workdir} is not a directory; give the directory to sync"))
+    for dest, src in spec.file_mounts.items():
+        if not is_bucket_source(src) and not os.path.exists(os.path.expanduser(src)):
+            problems.append((f"file_mounts.{dest}", f"{src} does not exist; fix the path"))
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------------------
