@@ -1298,3 +1298,33 @@ def test_a_workdir_that_is_a_file_is_named_before_provisioning(sky_home: Path, t
         choose_resources(LocalBackend(sky_home), spec)
     # a good spec still passes, sources under ~ included
     choose_resources(LocalBackend(sky_home), task_from_args(run="true", workdir=str(tmp_path)))
+
+
+def test_every_problem_of_the_task_itself_is_named_in_one_error() -> None:
+    """A DAG author fixes them all in one edit, not one per parse."""
+    with pytest.raises(SpecError) as err:
+        parse_task(
+            {
+                "run": "",
+                "num_nodes": 0,
+                "envs": {"RANK": "1"},
+                "secrets": {"SA_JSON": {"private_key": SECRET}},
+                "resources": {"accelerators": "V100:0"},
+                "file_mounts": {"data": "/tmp"},
+            }
+        )
+    fields = err.value.field.split(", ")
+    assert fields == [
+        "run",
+        "envs.RANK",
+        "secrets.SA_JSON",
+        "resources.accelerators",
+        "num_nodes",
+        "file_mounts.data",
+    ], err.value
+    assert err.value.message.startswith("6 problems in this task: run: required")
+    _assert_hidden(str(err.value))
+    # one problem is reported as it always was
+    with pytest.raises(SpecError) as one:
+        parse_task({"run": "true", "num_nodes": 0})
+    assert one.value.field == "num_nodes" and one.value.message.startswith("must be at least 1")

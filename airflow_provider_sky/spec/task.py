@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from airflow_provider_sky.spec.common import (
     _CONTROL,
@@ -32,6 +32,8 @@ from airflow_provider_sky.spec.resources import (
     _parse_resource_options,
     _resources_to_dict,
 )
+
+_T = TypeVar("_T")
 
 # ---------------------------------------------------------------------------------------------------------
 # envs, secrets, file mounts
@@ -302,35 +304,67 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         _check_keys("", overrides, TOP_LEVEL_KEYS, _SKYPILOT_ONLY_TOP)
     data = _merge(obj, overrides)
 
-    run = _parse_script(data.get("run"), "run", required=True)
-    assert run is not None  # required=True raised otherwise
+    # Each field is parsed even when another failed: one error names every problem of the task.
+    problems: list[SpecError] = []
+
+    def attempt(parse: Callable[[], _T], default: _T) -> _T:
+        try:
+            return parse()
+        except SpecError as err:
+            problems.append(err)
+            return default
+
+    run = attempt(lambda: _parse_script(data.get("run"), "run", required=True), None) or ""
     name = data.get("name")
     if name is not None and (not isinstance(name, str) or not _TASK_NAME.fullmatch(name)):
-        raise SpecError(
-            "name",
-            f"{name!r} is not a valid task name; use 1-63 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit (e.g. train-llm)",
+        problems.append(
+            SpecError(
+                "name",
+                f"{name!r} is not a valid task name; use 1-63 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit (e.g. train-llm)",
+            )
         )
-    envs = _parse_env_mapping(data.get("envs"), "envs")
-    secrets = _parse_env_mapping(data.get("secrets"), "secrets")
+    envs: dict[str, str] = attempt(lambda: _parse_env_mapping(data.get("envs"), "envs"), {})
+    secrets: dict[str, str] = attempt(lambda: _parse_env_mapping(data.get("secrets"), "secrets"), {})
     clash = sorted(envs.keys() & secrets.keys())
     if clash:
-        raise SpecError(
-            f"secrets.{clash[0]}", "is also set in envs; keep it in secrets only (values there are redacted)"
+        problems.append(
+            SpecError(
+                f"secrets.{clash[0]}",
+                "is also set in envs; keep it in secrets only (values there are redacted)",
+            )
         )
-    options = _parse_resource_options(data.get("resources"))
+    options: tuple[Resources, ...] = attempt(
+        lambda: _parse_resource_options(data.get("resources")), (Resources(),)
+    )
+    num_nodes = attempt(lambda: _parse_num_nodes(data.get("num_nodes", 1)), 1)
+    setup = attempt(lambda: _parse_script(data.get("setup"), "setup", required=False), None)
+    workdir = attempt(
+        lambda: _opt_str(data.get("workdir"), "workdir", "a local directory synced to every node"), None
+    )
+    file_mounts: dict[str, str] = attempt(lambda: _parse_file_mounts(data.get("file_mounts")), {})
+    if problems:
+        raise _all_of(problems)
     return TaskSpec(
         run=run,
-        num_nodes=_parse_num_nodes(data.get("num_nodes", 1)),
-        name=name,
+        num_nodes=num_nodes,
+        name=name if isinstance(name, str) else None,
         resources=options[0],
         alternatives=options if len(options) > 1 else (),
-        setup=_parse_script(data.get("setup"), "setup", required=False),
+        setup=setup,
         envs=envs,
         secrets=secrets,
-        workdir=_opt_str(data.get("workdir"), "workdir", "a local directory synced to every node"),
-        file_mounts=_parse_file_mounts(data.get("file_mounts")),
+        workdir=workdir,
+        file_mounts=file_mounts,
     )
+
+
+def _all_of(problems: list[SpecError]) -> SpecError:
+    """One error for the task's problems: a single one as it is, several listed with their fields."""
+    if len(problems) == 1:
+        return problems[0]
+    listed = "; ".join(str(p) for p in problems)
+    return SpecError(", ".join(p.field for p in problems), f"{len(problems)} problems in this task: {listed}")
 
 
 def task_from_args(**kwargs: object) -> TaskSpec:
