@@ -1328,3 +1328,29 @@ def test_every_problem_of_the_task_itself_is_named_in_one_error() -> None:
     with pytest.raises(SpecError) as one:
         parse_task({"run": "true", "num_nodes": 0})
     assert one.value.field == "num_nodes" and one.value.message.startswith("must be at least 1")
+
+
+@pytest.mark.parametrize(
+    ("entry", "kwargs", "field"),
+    [
+        ("@task.sky", {"retries": -1}, "retries"),
+        ("@task.sky", {"retry_delay": -5}, "retry_delay"),
+        ("@task.sky", {"retry_on_exit_codes": [0]}, "retry_on_exit_codes"),
+        ("sky_gang", {"retries": 101}, "retries"),
+        ("SkyJobOperator", {"gang_retries": -1}, "gang_retries"),
+        ("SkyRankOperator", {"gang_retry_delay": 3601}, "gang_retry_delay"),
+        ("SkyGangSensor", {"gang_retries": 1.5}, "gang_retries"),
+    ],
+)
+def test_bad_gang_retry_numbers_are_refused_naming_the_field(
+    entry: str, kwargs: dict[str, Any], field: str
+) -> None:
+    """``@task.sky`` checks them when the function is decorated, before it is called in a DAG."""
+    import pendulum
+    from airflow.sdk import DAG
+
+    build, _ = _entry_points()[entry]
+    with DAG("bad_retry", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC")):
+        with pytest.raises(SpecError) as err:
+            build(**kwargs)
+    assert err.value.field == field, err.value
