@@ -39,7 +39,7 @@ class Limit:
 
 
 LIMITS: dict[str, Limit] = {
-    "poll_interval": Limit(0.1, 300.0, "0.5", "seconds between two status polls of every node"),
+    "poll_interval": Limit(0.05, 300.0, "0.5", "seconds between two status polls of every node"),
     "grace": Limit(0.0, 3600.0, "3", "seconds a cancelled rank gets between SIGTERM and SIGKILL"),
     "lost_after": Limit(1.0, DAY, "10", "seconds a node may not answer before its ranks count as lost"),
     "hang_timeout": Limit(1.0, 30 * DAY, "600", "seconds a running rank may stay silent", off=True),

@@ -1110,11 +1110,11 @@ def _entry_points() -> dict[str, tuple[Any, tuple[str, ...]]]:
 #: argument -> values refused, each with a fragment of the message
 BAD_TIMING: dict[str, list[tuple[object, str]]] = {
     "poll_interval": [
-        (0, "from 0.1 to 300"),
-        (-1, "from 0.1 to 300"),
-        (0.01, "from 0.1 to 300"),
-        (301, "from 0.1 to 300"),
-        (float("nan"), "from 0.1 to 300"),
+        (0, "from 0.05 to 300"),
+        (-1, "from 0.05 to 300"),
+        (0.01, "from 0.05 to 300"),
+        (301, "from 0.05 to 300"),
+        (float("nan"), "from 0.05 to 300"),
         ("0.5", "expected seconds as a number"),
         (None, "expected seconds as a number"),
         (True, "expected seconds as a number"),
@@ -1242,7 +1242,7 @@ def test_good_timing_arguments_at_the_edges_are_accepted() -> None:
         for i, kw in enumerate(
             (
                 {},
-                {"poll_interval": 0.1, "grace": 0, "lost_after": 1, "orphan_timeout": 0, "hang_timeout": 0},
+                {"poll_interval": 0.05, "grace": 0, "lost_after": 1, "orphan_timeout": 0, "hang_timeout": 0},
                 {
                     "poll_interval": 300,
                     "grace": 3600,
