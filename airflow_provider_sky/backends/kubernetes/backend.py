@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +73,8 @@ NEEDED_PERMISSIONS = (
 #: a pod create answered 429 or 5xx is tried this often in all
 CREATE_TRIES = 4
 _POLL = 0.5
+#: a Kubernetes label value (empty, or 1-63 characters)
+_LABEL_VALUE = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?")
 
 
 def api_configuration(settings: KubeSettings) -> Any:
@@ -222,6 +225,19 @@ class KubernetesBackend(Backend):
         return ClusterHandle.from_dict(record) if record is not None else None
 
     # -- choosing ------------------------------------------------------------------------------------------
+
+    def spec_problems(self, spec: TaskSpec) -> list[tuple[str, str]]:
+        """Labels become pod labels: a value Kubernetes refuses is named here, not by the API server after
+        'Provisioning cluster'."""
+        problems: dict[str, str] = {}
+        for res in spec.resource_choices:
+            for key, value in res.labels.items():
+                if not _LABEL_VALUE.fullmatch(value):
+                    problems[f"resources.labels.{key}"] = (
+                        f"the kubernetes backend makes it a pod label, whose value is at most 63 letters, "
+                        f"digits, '.', '_' or '-', starting and ending with a letter or digit; got {value!r}"
+                    )
+        return list(problems.items())
 
     def _gpu_labels(self) -> set[str] | None:
         """The values of the accelerator label over the cluster's nodes (lowercase); None when the
