@@ -301,3 +301,17 @@ def test_a_label_value_kubernetes_refuses_is_named_before_any_pod(value: str) ->
         choose_resources(b, spec)
     assert err.value.field == "resources.labels.team" and "a pod label" in err.value.message
     choose_resources(b, task_from_args(run="true", resources={"labels": {"team": "ml.team_1", "e": ""}}))
+
+
+def test_a_label_name_kubernetes_refuses_is_named_before_any_pod() -> None:
+    """An EC2 tag key such as 'Cost Center' is a fine label elsewhere; a pod label cannot have it."""
+    from airflow_provider_sky.backends.base import choose_resources
+    from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
+    from airflow_provider_sky.spec import SpecError
+
+    spec = task_from_args(run="true", resources={"labels": {"Cost Center": "ml"}})
+    with pytest.raises(SpecError) as err:
+        choose_resources(KubernetesBackend(parse_kube_config({})), spec)
+    assert (
+        err.value.field == "resources.labels.Cost Center" and "whose name is at most 63" in err.value.message
+    )

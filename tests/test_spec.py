@@ -914,7 +914,7 @@ def test_good_names_still_parse() -> None:
             name="train-llm.v2",
             envs={"MY_VAR": "1"},
             secrets={"HF_TOKEN": "hf_abc"},
-            resources={"labels": {"team": "ml", "example.com/owner": "a_b"}},
+            resources={"labels": {"team": "ml", "example.com/owner": "a_b", "Cost Center": "42"}},
             file_mounts={"/data": "/tmp", "~/x y": "/tmp"},
         )
     )

@@ -93,8 +93,11 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 _CLOUD_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
 _ACCEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-#: a label name: Kubernetes' qualified name (an optional ``prefix/``), also a valid EC2 tag key
-_LABEL_NAME = re.compile(
+#: a label name: 1-128 printable characters (an EC2 tag key's limit), no space at either end; a backend
+#: with stricter rules (Kubernetes' qualified names) checks its own
+_LABEL_NAME = re.compile(r"[^\s\x00-\x1f\x7f](?:[^\x00-\x1f\x7f]{0,126}[^\s\x00-\x1f\x7f])?")
+#: a Kubernetes label key: a qualified name, with an optional DNS-subdomain ``prefix/``
+K8S_LABEL_KEY = re.compile(
     r"(?:[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?"
 )
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")

@@ -263,9 +263,8 @@ def _parse_labels(value: object) -> dict[str, str]:
         if not isinstance(key, str) or not _LABEL_NAME.fullmatch(key):
             raise SpecError(
                 where,
-                "label names must be non-empty strings of letters, digits, '.', '_' or '-' (at most 63, "
-                "starting and ending with a letter or digit), optionally after a 'domain/' prefix, "
-                f"e.g. team or example.com/team; got {key!r}",
+                "label names must be non-empty strings of at most 128 characters, without control "
+                f"characters (newline, NUL, ...) or spaces at either end, e.g. team; got {key!r}",
             )
         text = _coerce_value(raw, f"{where}.{key}", "give the label a value, e.g. team: ml")
         if _CONTROL.search(text):

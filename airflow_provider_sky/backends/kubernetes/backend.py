@@ -48,6 +48,7 @@ from airflow_provider_sky.gang import rank_order
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.kubernetes import KubernetesRunner
 from airflow_provider_sky.spec import BackendCapabilities, Resources, TaskSpec
+from airflow_provider_sky.spec.common import K8S_LABEL_KEY
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +233,13 @@ class KubernetesBackend(Backend):
         problems: dict[str, str] = {}
         for res in spec.resource_choices:
             for key, value in res.labels.items():
-                if not _LABEL_VALUE.fullmatch(value):
+                if not K8S_LABEL_KEY.fullmatch(key):
+                    problems[f"resources.labels.{key}"] = (
+                        "the kubernetes backend makes it a pod label, whose name is at most 63 letters, "
+                        "digits, '.', '_' or '-', starting and ending with a letter or digit, optionally "
+                        "after a 'domain/' prefix (e.g. team or example.com/team)"
+                    )
+                elif not _LABEL_VALUE.fullmatch(value):
                     problems[f"resources.labels.{key}"] = (
                         f"the kubernetes backend makes it a pod label, whose value is at most 63 letters, "
                         f"digits, '.', '_' or '-', starting and ending with a letter or digit; got {value!r}"
