@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 from airflow_provider_sky.gang import HUNG_PREFIX
 from airflow_provider_sky.jobs import GangClient, Poll, fan_out
 from airflow_provider_sky.runtime import MARKED_FUNCS, check_job_id
+from airflow_provider_sky.timing import check_timing
 from airflow_provider_sky.watch import MonitorState, watch
 
 log = logging.getLogger(__name__)
@@ -67,16 +67,10 @@ done
 )
 
 
-def check_hang_timeout(value: Any, where: str = "hang_timeout") -> float:
-    """``hang_timeout`` as seconds (0: off), or a ValueError naming the field: checked when the DAG is
-    parsed, so a typo never reaches a provisioned cluster."""
-    if value is None or value is False:
-        return 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{where}: expected seconds as a number (e.g. 600) or None for off, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{where}: must be a number of seconds >= 0 (0 or None: off), got {value!r}")
-    return float(value)
+def check_hang_timeout(value: Any) -> float:
+    """``hang_timeout`` as seconds (0: off), or a SpecError (a ValueError) naming the field: checked
+    when the DAG is parsed, so a typo never reaches a provisioned cluster (see :mod:`timing`)."""
+    return float(check_timing(hang_timeout=value)["hang_timeout"] or 0.0)
 
 
 def hang_reason(timeout: float, ranks: Sequence[int]) -> str:

@@ -26,6 +26,7 @@ from airflow_provider_sky.gang import HUNG_PREFIX, LOST, ORPHANED_REASON, UNKNOW
 from airflow_provider_sky.hang import HangWatch, watch_gang
 from airflow_provider_sky.jobs import GangClient, Poll, fan_out
 from airflow_provider_sky.runners.base import RunnerError
+from airflow_provider_sky.spec import SpecError
 from airflow_provider_sky.watch import MonitorState
 
 log = logging.getLogger(__name__)
@@ -63,40 +64,43 @@ class RetryPolicy:
             "retry_on_exit_codes",
         ),
     ) -> RetryPolicy:
-        """The policy from user arguments, or a ValueError naming the field (checked at DAG parse)."""
+        """The policy from user arguments, or a SpecError (a ValueError) naming the field (checked at DAG
+        parse, with the timing arguments of :mod:`~airflow_provider_sky.timing`)."""
         n_retries, n_delay, n_exp, n_codes = names
         if retries is None:
             retries = 0
         if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
-            raise ValueError(
-                f"{n_retries}: expected a whole number of gang retries from 0 to 100, got {retries!r}"
+            raise SpecError(
+                n_retries, f"expected a whole number of gang retries from 0 to 100, got {retries!r}"
             )
         if retry_delay is None:
             retry_delay = 0.0
         if hasattr(retry_delay, "total_seconds"):
             retry_delay = retry_delay.total_seconds()
         if isinstance(retry_delay, bool) or not isinstance(retry_delay, (int, float)):
-            raise ValueError(f"{n_delay}: expected seconds (or a timedelta), got {retry_delay!r}")
+            raise SpecError(n_delay, f"expected seconds (or a timedelta), got {retry_delay!r}")
         if not math.isfinite(retry_delay) or not 0 <= retry_delay <= MAX_DELAY:
-            raise ValueError(f"{n_delay}: must be between 0 and {MAX_DELAY:g} seconds, got {retry_delay!r}")
+            raise SpecError(n_delay, f"must be between 0 and {MAX_DELAY:g} seconds, got {retry_delay!r}")
         if not isinstance(retry_exponential_backoff, bool):
-            raise ValueError(f"{n_exp}: expected True or False, got {retry_exponential_backoff!r}")
+            raise SpecError(n_exp, f"expected True or False, got {retry_exponential_backoff!r}")
         any_nonzero = False
         codes: list[int] = []
         if isinstance(retry_on_exit_codes, str):
             if retry_on_exit_codes != ANY_NONZERO:
-                raise ValueError(
-                    f"{n_codes}: expected a list of exit codes (e.g. [1, 137]) or {ANY_NONZERO!r}, "
-                    f"got {retry_on_exit_codes!r}"
+                raise SpecError(
+                    n_codes,
+                    f"expected a list of exit codes (e.g. [1, 137]) or {ANY_NONZERO!r}, "
+                    f"got {retry_on_exit_codes!r}",
                 )
             any_nonzero = True
         elif retry_on_exit_codes is not None:
             if isinstance(retry_on_exit_codes, int) or not isinstance(
                 retry_on_exit_codes, (list, tuple, set)
             ):
-                raise ValueError(
-                    f"{n_codes}: expected a list of exit codes (e.g. [1, 137]) or {ANY_NONZERO!r}, "
-                    f"got {retry_on_exit_codes!r}"
+                raise SpecError(
+                    n_codes,
+                    f"expected a list of exit codes (e.g. [1, 137]) or {ANY_NONZERO!r}, "
+                    f"got {retry_on_exit_codes!r}",
                 )
             for code in retry_on_exit_codes:
                 if (
@@ -105,8 +109,8 @@ class RetryPolicy:
                     or not (-64 <= code <= 255)
                     or code == 0
                 ):
-                    raise ValueError(
-                        f"{n_codes}: {code!r} is not a nonzero exit code (1..255, or -N for a signal)"
+                    raise SpecError(
+                        n_codes, f"{code!r} is not a nonzero exit code (1..255, or -N for a signal)"
                     )
                 codes.append(code)
         return cls(

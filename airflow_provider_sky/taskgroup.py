@@ -18,6 +18,7 @@ from airflow_provider_sky.operators.job import SkyJobOperator
 from airflow_provider_sky.operators.rank import SkyRankOperator
 from airflow_provider_sky.retry import RetryPolicy, operator_args
 from airflow_provider_sky.sensors.gang import SkyGangSensor
+from airflow_provider_sky.timing import check_timing
 
 
 def check_gang_arguments(where: str, given: Mapping[str, Any], *, without: tuple[str, ...] = ()) -> None:
@@ -68,6 +69,15 @@ def sky_gang(
     attempts (these are not Airflow's task retries).
     """
     check_gang_arguments("sky_gang", spec_fields)
+    check_timing(
+        poll_interval=poll_interval,
+        grace=grace,
+        lost_after=lost_after,
+        orphan_timeout=orphan_timeout,
+        idle_down=idle_down,
+        triggerers=triggerers,
+        hang_timeout=hang_timeout,
+    )
     spec_args: dict[str, Any] = {"task_yaml": task_yaml, "task_config": task_config, **spec_fields}
     watch: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
     hang: dict[str, Any] = {"hang_timeout": check_hang_timeout(hang_timeout) or None}

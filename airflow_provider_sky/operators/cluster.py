@@ -25,6 +25,7 @@ from airflow_provider_sky.operators._spec import (
 from airflow_provider_sky.operators.down import log_teardown, unclean_message
 from airflow_provider_sky.setup_stage import SetupFailed, run_setup
 from airflow_provider_sky.spec import TaskSpec
+from airflow_provider_sky.timing import check_timing
 
 
 class SkyClusterOperator(SkySpecMixin, BaseOperator):
@@ -77,6 +78,13 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
         check_operator_arguments(self, kwargs, *SPEC_FIELDS, task_id=kwargs.get("task_id"))
+        check_timing(
+            poll_interval=poll_interval,
+            grace=grace,
+            orphan_timeout=orphan_timeout,
+            idle_down=idle_down,
+            triggerers=triggerers,
+        )
         super().__init__(**kwargs)
         self._init_spec(task_yaml, task_config, overrides)
         if cluster_name and "{" not in cluster_name:

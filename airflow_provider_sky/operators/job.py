@@ -18,6 +18,7 @@ from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._spec import SPEC_FIELDS, SkySpecMixin, pop_spec_fields
 from airflow_provider_sky.retry import OPERATOR_ARGS, RetryPolicy, trigger_retry
 from airflow_provider_sky.spec import TaskSpec
+from airflow_provider_sky.timing import check_timing
 
 
 class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
@@ -79,6 +80,15 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
         check_operator_arguments(self, kwargs, *SPEC_FIELDS, task_id=kwargs.get("task_id"))
+        check_timing(
+            poll_interval=poll_interval,
+            grace=grace,
+            lost_after=lost_after,
+            orphan_timeout=orphan_timeout,
+            idle_down=idle_down,
+            bridge_timeout=bridge_timeout,
+            hang_timeout=hang_timeout,
+        )
         policy = RetryPolicy.build(
             gang_retries,
             gang_retry_delay,

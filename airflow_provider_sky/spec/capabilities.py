@@ -93,7 +93,9 @@ def resource_problems(
     return problems
 
 
-def _spec_problems(spec: TaskSpec, caps: BackendCapabilities) -> list[tuple[str, str]]:
+def spec_problems(spec: TaskSpec, caps: BackendCapabilities) -> list[tuple[str, str]]:
+    """(field, why) for what of ``spec`` beyond its resources ``caps`` cannot honour (node count, bucket
+    mounts): what no resources alternative changes."""
     problems: list[tuple[str, str]] = []
     if spec.num_nodes > caps.max_nodes:
         problems.append(
@@ -123,7 +125,7 @@ def problems_error(backend: str, problems: Sequence[tuple[str, str]]) -> SpecErr
     fields_text = ", ".join(f for f, _ in problems)
     listed = "; ".join(f"{f}: {m}" for f, m in problems)
     return SpecError(
-        fields_text, f"the {backend} backend cannot honour {len(problems)} fields of this task: {listed}"
+        fields_text, f"the {backend} backend cannot run this task, {len(problems)} problems: {listed}"
     )
 
 
@@ -136,7 +138,7 @@ def check_backend(
     resources field must be in ``supported_resources``. With alternatives (``any_of``, ``ordered``, several
     accelerators) one that the backend can honour is enough; none is an error listing each one's problems.
     """
-    problems = _spec_problems(spec, caps)
+    problems = spec_problems(spec, caps)
     choices = spec.resource_choices
     per_choice = [resource_problems(r, caps, backends) for r in choices]
     if len(choices) == 1:

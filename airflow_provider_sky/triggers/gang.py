@@ -32,6 +32,7 @@ from airflow_provider_sky.linetimes import aread_times
 from airflow_provider_sky.logtext import LineClock, LineSplitter, iso_time
 from airflow_provider_sky.retry import GangPoll, RetryPolicy, rank_attempts, stop_gang, watch_attempts
 from airflow_provider_sky.runners.base import RunnerError
+from airflow_provider_sky.timing import check_timing
 from airflow_provider_sky.triggers.log_room import log_room
 from airflow_provider_sky.triggers.outcome import (
     attempt_boundary,
@@ -194,6 +195,9 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         hang_timeout: float = 0.0,
         retry: dict[str, Any] | None = None,
     ) -> None:
+        check_timing(
+            poll_interval=poll_interval, grace=grace, lost_after=lost_after, hang_timeout=hang_timeout
+        )
         super().__init__()
         #: a handle, or (a task started in the triggerer) an ``xcom_ref`` to the cluster task's handle
         self.cluster: Any = cluster

@@ -56,7 +56,14 @@ from airflow_provider_sky.backends.local.topdir import mark_topdir
 from airflow_provider_sky.backends.local.trash import discard
 from airflow_provider_sky.gang import rank_order
 from airflow_provider_sky.runners.local import LocalRunner
-from airflow_provider_sky.spec import Accelerator, BackendCapabilities, Resources, SpecError, TaskSpec
+from airflow_provider_sky.spec import (
+    Accelerator,
+    BackendCapabilities,
+    Resources,
+    SpecError,
+    TaskSpec,
+    problems_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -286,13 +293,21 @@ class LocalBackend(Backend):
                 return block
         raise BackendError("local backend: all 254 address blocks (127.1-254.x.x) are in use; down a cluster")
 
+    def spec_problems(self, spec: TaskSpec) -> list[tuple[str, str]]:
+        """Every node of this machine shares one filesystem: a mount outside the node's home would be one
+        path for all of them."""
+        return [
+            (
+                f"file_mounts.{key}",
+                "the local backend puts file mounts in each node's own home; use a '~/...' destination",
+            )
+            for key in spec.file_mounts
+            if not key.startswith("~/")
+        ]
+
     def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
-        for key, _path in spec.file_mounts.items():
-            if not key.startswith("~/"):
-                raise SpecError(
-                    f"file_mounts.{key}",
-                    "the local backend puts file mounts in each node's own home; use a '~/...' destination",
-                )
+        if problems := self.spec_problems(spec):  # checked before provisioning too (hook.check)
+            raise problems_error(self.kind, problems)
 
         def attempt() -> ClusterHandle:
             with self._lock():
