@@ -841,7 +841,7 @@ def test_check_backend_names_an_existing_backend_for_its_cloud() -> None:
     with pytest.raises(SpecError) as info:
         check_backend(parse_task(_res(infra="k8s", accelerators="T4")), SSH, KINDS)
     assert info.value.field == "resources.cloud"
-    assert "sky_kubernetes connection" in info.value.message
+    assert "skykubernetes connection" in info.value.message
 
 
 def test_check_backend_accepts_when_one_alternative_fits_and_lists_all_when_none_does() -> None:

@@ -40,7 +40,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
     :param num_nodes, run, setup, envs, secrets, resources, workdir, file_mounts, name: any field of
         the task given as a keyword argument; it overrides the YAML's (or dict's) value.
     :param cluster_name: defaults to one cluster per DAG run (``sky-<dag>-<hash of dag id and run id>``).
-    :param sky_conn_id: a ``sky_local`` / ``sky_ssh`` connection; the default falls back to the local backend.
+    :param sky_conn_id: a ``skylocal`` / ``skyssh`` / ``skykubernetes`` / ``skyaws`` connection; the default falls back to the local backend.
     :param down_on_failure: tear the cluster down when this task fails or is killed. Airflow skips a
         teardown task whose setup task failed, so without this a failed setup would leak the nodes.
     :param lease: hold a lease on the cluster for this DAG run (``<dag_id>/<run_id>``), released by the

@@ -39,7 +39,7 @@ _WHY_NOT = {
     "region": "it does not choose where machines are",
     "zone": "it does not choose where machines are",
     "image_id": "it runs commands on the machines as they are; images are run by the kubernetes backend "
-    "(a sky_kubernetes connection)",
+    "(a skykubernetes connection)",
 }
 
 

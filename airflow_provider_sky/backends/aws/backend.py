@@ -261,7 +261,7 @@ class AWSBackend(Backend):
                 (
                     "resources.region",
                     f"the connection works in {self.settings.region}, the task asks for {resources.region}; "
-                    "use a sky_aws connection of that region (region_name)",
+                    "use a skyaws connection of that region (region_name)",
                 )
             )
         try:

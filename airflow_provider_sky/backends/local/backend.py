@@ -106,7 +106,7 @@ def check_machine(node: Node, action: str) -> None:
             f"the local backend runs every node on the machine that provisioned the cluster ({home}); "
             f"this task runs on {this_machine()} and cannot {action} there. Run all of the gang's tasks "
             "on one machine (e.g. a Celery queue served by one worker: the operators' queue argument), "
-            "or use a sky_ssh, sky_kubernetes or sky_aws connection"
+            "or use a skyssh, skykubernetes or skyaws connection"
         )
 
 
@@ -237,7 +237,7 @@ class LocalBackend(Backend):
             raise SpecError(
                 where,
                 f"the local backend: this machine has {inv.describe()}; the task asks for {acc} per node. "
-                "Ask for a GPU it has, or declare the machine's GPUs in the sky_local connection's extra "
+                "Ask for a GPU it has, or declare the machine's GPUs in the skylocal connection's extra "
                 '"accelerators" (e.g. "H100:8")',
             )
         used = self._gpus_in_use(exclude)
