@@ -141,7 +141,7 @@ def test_a_worker_on_another_machine_is_refused_and_breaks_nothing(sky_home: Pat
     )
     for line in lines:
         assert f"provisioned the cluster ({this_machine()})" in line and "sky-other-machine" in line, line
-        assert "sky_ssh" in line, line  # the fix
+        assert "skyssh" in line, line  # the fix
     # nothing changed: the ranks still run, the record is whole, and this machine's teardown works
     from airflow_provider_sky.backends.base import ClusterHandle
     from airflow_provider_sky.jobs import GangClient

@@ -10,6 +10,7 @@ from typing import Any, cast
 import pytest
 import yaml
 
+from airflow_provider_sky.backends.registry import conn_types
 from airflow_provider_sky.spec import (
     RANK_VARIABLES,
     Accelerator,
@@ -821,7 +822,7 @@ SSH = BackendCapabilities(
     supported_resources=frozenset({"cpus", "memory", "accelerators", "labels"}),
     clouds=frozenset({"ssh"}),
 )
-KINDS = {"local": "sky_local", "ssh": "sky_ssh", "kubernetes": "sky_kubernetes"}
+KINDS = conn_types()  # what the errors name: the connection types users create
 
 
 def test_check_backend_names_every_field_it_cannot_honour_at_once() -> None:
