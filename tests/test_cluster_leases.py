@@ -274,6 +274,28 @@ def test_default_cluster_of_a_run_is_its_own(sky_home: Path) -> None:
     assert SkyDownOperator(task_id="down", sky_conn_id=None).execute(ctx2) is True
 
 
+def test_a_spec_the_backend_refuses_fails_the_cluster_task_without_retries(
+    sky_home: Path, tmp_path: Path
+) -> None:
+    """A missing source is found before anything is provisioned, and no retry can fix it: the task fails
+    for good (AirflowFailException) instead of spending its retries on the same error."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_sky.operators.cluster import SkyClusterOperator
+
+    op = SkyClusterOperator(
+        task_id="cluster",
+        num_nodes=2,
+        run="true",
+        sky_conn_id=None,
+        retries=3,
+        file_mounts={"~/data": str(tmp_path / "missing")},
+    )
+    with pytest.raises(AirflowFailException, match=r"file_mounts\.~/data"):
+        op.execute(_dag_context("spec_fail", "manual__1"))
+    assert not list((sky_home / "local").glob("*/node-0")), "nothing may be provisioned"
+
+
 # ------------------------------------------------------------------------------------------- paths
 
 

@@ -24,7 +24,7 @@ from airflow_provider_sky.operators._spec import (
 )
 from airflow_provider_sky.operators.down import log_teardown, unclean_message
 from airflow_provider_sky.setup_stage import SetupFailed, run_setup
-from airflow_provider_sky.spec import TaskSpec
+from airflow_provider_sky.spec import SpecError, TaskSpec
 from airflow_provider_sky.timing import check_timing
 
 
@@ -121,13 +121,16 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
             self._down_after_failure(self._provisioning)
 
     def execute(self, context: Context) -> dict[str, Any]:
-        spec = self.rendered_spec()
-        name = resolve_cluster_name(self.cluster_name, context)
-        self._holder = run_holder(context)
         hook = SkyHook(self.sky_conn_id)
-        if self.rank_tasks:
-            check_airflow_room(spec.num_nodes, self.triggerers)
-        choice = hook.check(spec, name)
+        try:
+            spec = self.rendered_spec()
+            name = resolve_cluster_name(self.cluster_name, context)
+            if self.rank_tasks:
+                check_airflow_room(spec.num_nodes, self.triggerers)
+            choice = hook.check(spec, name)
+        except SpecError as exc:  # the task as written cannot run: no retry would change that
+            raise AirflowFailException(str(exc)) from None
+        self._holder = run_holder(context)
         self.log.info(
             "Provisioning cluster %s: %s node(s) on the %s backend; %s",
             name,
