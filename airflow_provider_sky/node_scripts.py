@@ -48,7 +48,7 @@ clock() {
 #: whole in what waits. Values come from the mask file on fd 3, one a line. No single quote in it: it
 #: travels single-quoted in :data:`MASK_FUNC`.
 MASK_PY = r"""
-import os, re
+import os
 with open("/dev/fd/3", "rb") as f:
     vals = sorted({v for v in f.read().split(b"\n") if v}, key=lambda v: (-len(v), v))
 try:
@@ -56,27 +56,34 @@ try:
     fcntl.fcntl(0, 1031, 1 << 20)  # F_SETPIPE_SZ: fewer, larger reads
 except Exception:
     pass
-pat = re.compile(b"|".join(re.escape(v) for v in vals))
+pat = None  # compiled at the first secret seen: importing re is a third of the start
 keep = max([len(v) for v in vals] + [1]) - 1
 limit = max(65536, keep)
 cr = not any(b"\r" in v for v in vals)
-buf = b""
+size = 1 << 20
+buf = bytearray(limit + size)  # what waits, then one read: reused (a new 1 MiB a read cost page faults)
+mv = memoryview(buf)
+held = 0
 while True:
-    data = os.read(0, 1 << 20)
-    buf = buf + data if buf else data
-    n = len(buf)
+    got = os.readv(0, [mv[held : held + size]])
+    n = held + got
     cut = n
-    if data:
-        cut = max(buf.rfind(b"\n"), buf.rfind(b"\r") if cr else -1) + 1
+    if got:
+        cut = max(buf.rfind(b"\n", 0, n), buf.rfind(b"\r", 0, n) if cr else -1) + 1
         if n - cut > limit:
             cut = n - keep
         if not cut:
+            held = n
             continue
-    # a match starting before the cut ends by cut + keep: leftmost, longest first, as one pass
+    # a match starting before the cut ends by cut + keep: leftmost, longest first, in one pass
     end = min(n, cut + keep)
-    out = memoryview(buf)[:cut]
+    out = mv[:cut]
     for v in vals:
         if buf.find(v, 0, end) >= 0:
+            if pat is None:
+                import re
+
+                pat = re.compile(b"|".join(re.escape(v) for v in vals))
             parts, pos = [], 0
             for m in pat.finditer(buf, 0, end):
                 if m.start() >= cut:
@@ -89,8 +96,10 @@ while True:
             break
     while out:
         out = out[os.write(1, out) :]
-    buf = buf[cut:]
-    if not data:
+    held = n - cut
+    if held:
+        buf[:held] = buf[cut:n]
+    if not got:
         break
 """
 
