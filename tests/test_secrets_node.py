@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -242,3 +243,42 @@ def test_the_filter_masks_across_reads_and_cuts_and_shows_each_line_at_once(
     p.stdin.close()
     assert p.wait(10) == 0
     assert out.read_bytes() == expected
+
+
+def test_on_a_busybox_pod_awk_masks_live_and_across_writes(k8s: Any, k8s_image: Any) -> None:
+    """A Kubernetes test pod has busybox and no Python: the awk filter shows each line while the rank
+    still runs and masks a secret printed in two pieces."""
+    import asyncio
+
+    from airflow_provider_sky.backends.registry import by_kind
+    from airflow_provider_sky.spec import task_from_args
+    from airflow_provider_sky.watch import watch
+    from k8s_cluster import connection_extras
+
+    secret = "s3cr3t-token-0123456789"
+    run = (
+        'command -v python3 || echo "no python here"; echo "first $TOK"; '
+        'printf "%s" "${TOK%????????????}"; sleep 0.5; printf "%s\\n" "${TOK#s3cr3t-toke}"; sleep 3; echo last'
+    )
+    b = by_kind("kubernetes").make(connection_extras(k8s, k8s_image))
+    spec = task_from_args(num_nodes=1, run=run, secrets={"TOK": secret})
+    h = b.provision("mask", spec)
+    try:
+        c = GangClient(b, h)
+        c.launch(spec, "job")
+        seen, live = b"", b""
+
+        async def go() -> None:
+            nonlocal seen, live
+            async for poll in watch(c, "job", poll_interval=0.2):
+                if 0 in poll.chunks:
+                    seen += poll.chunks[0][1]
+                if not poll.status.ranks[0].terminal and b"***" in seen:
+                    live = seen
+
+        asyncio.run(asyncio.wait_for(go(), 90))
+        assert seen == b"no python here\nfirst ***\n***\nlast\n", seen
+        assert live.startswith(b"no python here\nfirst ***\n"), live  # shown before the rank ended
+    finally:
+        b.terminate("mask")
+        b.close()
