@@ -12,6 +12,7 @@ import pytest
 from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.jobs import GangClient
 from gangs import local_gang, wait_done
+from sshd import SSHDCluster, needs_sshd
 
 PEM = "-----BEGIN KEY-----\nMIIEvQIBADANBgkqhkiG9w0\nQEFAASCBKcwggSjAgEAAoIB\n-----END KEY-----"
 
@@ -282,3 +283,50 @@ def test_on_a_busybox_pod_awk_masks_live_and_across_writes(k8s: Any, k8s_image: 
     finally:
         b.terminate("mask")
         b.close()
+
+
+@needs_sshd
+def test_on_an_ssh_host_the_rank_user_masks_live_and_across_writes(tmp_path: Path) -> None:
+    """An SSH host: the rank runs as the host's own user, its filter (the system's python3 there) masks a
+    secret printed in two pieces and shows each line while the rank still runs."""
+    import asyncio
+
+    from airflow_provider_sky.backends.ssh import SSHBackend
+    from airflow_provider_sky.runners import ssh
+    from airflow_provider_sky.spec import task_from_args
+    from airflow_provider_sky.watch import watch
+
+    secret = "s3cr3t-token-0123456789"
+    run = (
+        'echo "first $TOK"; printf "%s" "${TOK%????????????}"; sleep 0.5; '
+        'printf "%s\\n" "${TOK#s3cr3t-toke}"; sleep 3; echo last'
+    )
+    with SSHDCluster(1, tmp_path) as c:
+        b = SSHBackend(
+            c.host_list(),
+            user="",
+            key_file=c.client_key_path,
+            known_hosts=c.known_hosts_path,
+            connect_timeout=5.0,
+        )
+        spec = task_from_args(num_nodes=1, run=run, secrets={"TOK": secret})
+        h = b.provision("mask", spec)
+        try:
+            client = GangClient(b, h)
+            client.launch(spec, "job")
+            seen, live = b"", b""
+
+            async def go() -> None:
+                nonlocal seen, live
+                async for poll in watch(client, "job", poll_interval=0.2):
+                    if 0 in poll.chunks:
+                        seen += poll.chunks[0][1]
+                    if not poll.status.ranks[0].terminal and b"***" in seen:
+                        live = seen
+
+            asyncio.run(asyncio.wait_for(go(), 60))
+            assert seen == b"first ***\n***\nlast\n", seen
+            assert live.startswith(b"first ***\n"), live
+        finally:
+            b.terminate("mask")
+            ssh.close_all()
