@@ -252,8 +252,10 @@ fi
 [ ! -e "$d/secrets" ] || rm -f "$d/secrets"
 if [ "$out" != "$d/log" ]; then
   # let the filter flush the last lines (bounded: a leftover background process may hold the pipe)
+  # (its last read takes a millisecond or two: short ticks first, the rank's end waits on this)
   i=0; while [ ! -f "$d/filter.done" ] && [ "$i" -lt 50 ]; do
-    if [ "$i" -lt 10 ]; then sleep 0.01 2>/dev/null || tick; else tick; fi; i=$((i + 1))
+    case $i in [0-4]) sleep 0.002 2>/dev/null || tick;; [5-9]) sleep 0.01 2>/dev/null || tick;; *) tick;; esac
+    i=$((i + 1))
   done
   rm -f "$d/out"
 fi
