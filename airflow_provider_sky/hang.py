@@ -35,9 +35,22 @@ DUMP_TIMEOUT = 60.0
 #: status script reports. ``py-spy dump`` where the node has it (Python processes), else each
 #: thread's state, ``wchan`` and kernel stack from /proc (the stack needs root). Arguments:
 #: ``reason``, then ``root job rank`` per rank; prints ``DUMPED <rank>`` per rank dumped here.
+#:
+#: A rank with secrets writes through its mask filter (``$d/out``, a fifo while the filter runs): the
+#: dump goes the same way, so a ``--hf-token "$TOKEN"`` in a command line (ours, or py-spy's header)
+#: is masked like the rank's own output (whole arguments only: a cut one could show the start of a
+#: secret). The fifo is opened read-write (an open that never blocks,
+#: should the filter end meanwhile). A rank whose filter has ended (its command closed its output) can
+#: mask nothing more: its dump shows no command lines and no py-spy output.
 DUMP_SCRIPT = (
     MARKED_FUNCS
     + r"""
+# a process's command line, whole arguments up to ~300 characters: a cut inside one could leave the
+# first part of a secret, which no mask matches
+args() {
+  tr '\000' '\n' < "/proc/$1/cmdline" 2>/dev/null |
+    awk 'NR > 1 && length(s) + length($0) >= 300 { s = s " ..."; exit } { s = s (NR > 1 ? " " : "") $0 } END { print s }'
+}
 reason=$1; shift
 pyspy=$(command -v py-spy 2>/dev/null || :)
 to=''; command -v timeout >/dev/null 2>&1 && to='timeout 20'
@@ -45,12 +58,21 @@ while [ $# -ge 3 ]; do
   d="$1/jobs/$2/$3"; r=$3; shift 3
   [ -d "$d" ] && [ ! -f "$d/exit" ] || continue
   mkdir "$d/hang" 2>/dev/null || continue
+  cl=1
+  if [ ! -p "$d/out" ]; then exec 4>>"$d/log"
+  elif [ ! -f "$d/filter.done" ]; then exec 4<>"$d/out"
+  else exec 4>>"$d/log"; cl=''
+  fi
   {
   echo "==== airflow-provider-sky: rank $r $reason; stack dump of its processes ===="
   for p in $(marked "$d/"); do
     [ -d "/proc/$p" ] || continue
-    echo "--- process $p ($(cat "/proc/$p/comm" 2>/dev/null)): $(tr '\000' ' ' < "/proc/$p/cmdline" 2>/dev/null | head -c 300)"
-    if [ -n "$pyspy" ] && $to "$pyspy" dump --pid "$p" 2>/dev/null; then continue; fi
+    if [ -n "$cl" ]; then
+      echo "--- process $p ($(cat "/proc/$p/comm" 2>/dev/null)): $(args "$p")"
+      if [ -n "$pyspy" ] && $to "$pyspy" dump --pid "$p" 2>/dev/null; then continue; fi
+    else
+      echo "--- process $p ($(cat "/proc/$p/comm" 2>/dev/null)): command line not shown (the rank's secrets can no longer be masked)"
+    fi
     for t in /proc/"$p"/task/[0-9]*; do
       s=$(sed -n 's/^State:[[:space:]]*//p' "$t/status" 2>/dev/null)
       w=$(cat "$t/wchan" 2>/dev/null); [ -n "$w" ] || w='?'
@@ -60,7 +82,8 @@ while [ $# -ge 3 ]; do
     done
   done
   echo "==== end of the stack dump of rank $r ===="
-  } >> "$d/log" 2>&1
+  } >&4 2>&1
+  exec 4>&-
   echo "DUMPED $r"
 done
 """

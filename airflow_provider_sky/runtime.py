@@ -90,14 +90,10 @@ def mask_values(secrets: Mapping[str, str]) -> list[str]:
     return sorted(found, key=lambda v: (-len(v), v))
 
 
-def _bre(text: str) -> str:
-    """``text`` as a literal POSIX basic regular expression (for a ``sed s///`` with ``/``)."""
-    return "".join("\\" + c if c in "\\.*[]^$/" else c for c in text)
-
-
-def mask_script(secrets: Mapping[str, str]) -> str:
-    """A ``sed`` script replacing every secret (and every line of one) with ``***``; '' if none."""
-    return "".join(f"s/{_bre(v)}/***/g\n" for v in mask_values(secrets))
+def mask_file(secrets: Mapping[str, str]) -> str:
+    """The rank's mask: every value to hide, one a line, longest first ('' if none); the node's output
+    filter (:data:`~airflow_provider_sky.node_scripts.MASK_FUNC`) replaces each with ``***``."""
+    return "".join(f"{v}\n" for v in mask_values(secrets))
 
 
 @dataclass(frozen=True)
@@ -350,7 +346,7 @@ def launch_many_script(
         parts.append(_write('"$d/env"', env_file(rl.env)))
         if rl.secrets:
             parts.append(_write('"$d/secrets"', env_file(rl.secrets)))
-            mask = mask_script(rl.secrets)
+            mask = mask_file(rl.secrets)
             if mask:
                 # read once by the rank's output filter, then deleted: no secret stays on disk
                 parts.append(_write('"$d/mask"', mask))

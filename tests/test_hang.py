@@ -203,3 +203,79 @@ def test_a_hung_python_rank_gets_a_py_spy_dump_in_its_log(
     assert re.search(r"train_loop \(.*train\.py:\d+\)", log), log[-3000:]
     backend.terminate("c")
     assert not job_processes(sky_home)
+
+
+#: what a hung trainer's command line carries: its token, the job's secret
+HF_TOKEN = "hf_s3cr3tT0kenForTheDump42"
+
+
+@pytest.mark.parametrize("pyspy", [False, True], ids=["proc-fallback", "py-spy"])
+def test_a_hung_ranks_command_line_in_the_dump_is_masked_in_its_log_and_task_output(
+    sky_home: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, pyspy: bool
+) -> None:
+    """The dump shows each process's command line (and py-spy's header repeats it): a ``--hf-token``
+    argument goes through the rank's output mask like everything else in its log."""
+    import asyncio
+    import os
+    import sys
+
+    from airflow_provider_sky.triggers.gang import SkyGangTrigger, SkyRankTrigger
+    from gangs import launched, trigger_kwargs
+    from test_triggers import _shared
+
+    venv_bin = str(Path(sys.executable).parent)
+    path = [
+        p
+        for p in os.environ.get("PATH", "").split(os.pathsep)
+        if p and Path(p, "py-spy").resolve() != Path(venv_bin, "py-spy").resolve()
+    ]
+    monkeypatch.setenv("PATH", os.pathsep.join([venv_bin, *path] if pyspy else path))
+    run = (
+        f'echo "training with a token"; exec {sys.executable} -c '
+        "'import threading; threading.Event().wait()' --hf-token \"$HF_TOKEN\""
+    )
+    b, handle = launched(sky_home, 1, run, secrets={"HF_TOKEN": HF_TOKEN})
+    kw = trigger_kwargs(handle, hang_timeout=1.5)
+    events = asyncio.run(asyncio.wait_for(_shared([SkyRankTrigger(rank=0, **kw), SkyGangTrigger(**kw)]), 60))
+    out = _out(capfd)
+    assert events[0]["reason"] == "hung: no output for 1.5 s (rank 0)", events
+    log = next(sky_home.glob("local/c/node-0/.sky/jobs/job/0/log")).read_text()
+    for text in (log, out):
+        assert "stack dump of its processes ====" in text, text[-3000:]
+        assert HF_TOKEN not in text, text[-3000:]
+        assert "--hf-token ***" in text, text[-3000:]
+    if pyspy:
+        assert "MainThread" in log, log[-3000:]
+    b.terminate("c")
+    assert not job_processes(sky_home)
+
+
+def test_a_hung_rank_that_closed_its_output_gets_a_dump_without_command_lines(sky_home: Path) -> None:
+    """Its mask filter has ended (the rank closed stdout and stderr), so nothing could mask a command
+    line any more: the dump leaves them out, and still shows each thread."""
+    import asyncio
+    import sys
+
+    from airflow_provider_sky.retry import watch_attempts
+    from gangs import local_gang
+
+    run = (
+        f'echo "closing my output"; exec >/dev/null 2>&1; exec {sys.executable} -c '
+        "'import threading; threading.Event().wait()' --hf-token \"$HF_TOKEN\""
+    )
+    backend, client, task = local_gang(sky_home, 1, run, secrets={"HF_TOKEN": HF_TOKEN})
+    client.launch(task, "job")
+
+    async def go():  # type: ignore[no-untyped-def]
+        last = None
+        async for poll in watch_attempts(client, "job", poll_interval=0.2, hang_timeout=1.5):
+            last = poll
+        return last
+
+    final = asyncio.run(asyncio.wait_for(go(), 60))
+    assert final.final and final.status.by_rank(0).reason == "hung: no output for 1.5 s (rank 0)"
+    log = next(sky_home.glob("local/c/node-0/.sky/jobs/job/0/log")).read_text()
+    assert "command line not shown (the rank's secrets can no longer be masked)" in log, log[-3000:]
+    assert re.search(r"thread \d+ \(python3?\): state S", log), log[-3000:]
+    assert HF_TOKEN not in log and "--hf-token" not in log, log[-3000:]
+    backend.terminate("c")
