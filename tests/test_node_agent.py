@@ -1,0 +1,399 @@
+"""The node agent on real processes: several agents on this machine act as nodes (the head listens on
+127.0.0.2), each with its own node root and rank processes started by today's launch script; nothing
+but the agents connects the nodes (each node root is its own machine for the node runtime: its own
+gang flag, ``.ranks``, ``.pgids``), so a failure crosses nodes only through the agents.
+
+The agent runs as the single file a backend copies to a node, under ``python -I -S`` (no site
+packages, nothing of this package importable): what a node has is what it gets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from airflow_provider_sky.agent import AGENT_FILE
+from airflow_provider_sky.agent.client import (
+    AgentClient,
+    AgentError,
+    AgentStatus,
+    AgentUnreachable,
+    node_plan,
+)
+from airflow_provider_sky.agent.node import MAGIC, client_handshake, read_rank
+from airflow_provider_sky.runtime import Guard, RankLaunch
+from test_containment import _alive, _marked, _wait_for
+
+HEAD_IP = "127.0.0.2"
+TOKEN = os.urandom(24).hex().encode()
+SLEEP = "sleep 10000"
+
+
+class Cluster:
+    """Agents as nodes on this machine: ``n0`` is the head; ``roots[node]`` is each node's root."""
+
+    def __init__(self, tmp: Path, nodes: int, *, lost_after: float = 10.0, beat: float = 0.2) -> None:
+        self.tmp = tmp
+        self.agent = tmp / "shipped" / "agent.py"  # the one file a node gets
+        self.agent.parent.mkdir(parents=True)
+        shutil.copy(AGENT_FILE, self.agent)
+        self.token_file = tmp / "token"
+        self.token_file.write_bytes(TOKEN + b"\n")
+        self.token_file.chmod(0o600)
+        self.lost_after, self.beat = lost_after, beat
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.roots = {f"n{i}": str(tmp / "nodes" / f"n{i}") for i in range(nodes)}
+        for root in self.roots.values():
+            Path(root).mkdir(parents=True)
+        port_file = tmp / "port"
+        self.procs["n0"] = self._agent("n0", "--listen", f"{HEAD_IP}:0", "--port-file", str(port_file))
+        assert _wait_for(port_file.exists, 10), self.log("n0")
+        self.port = int(port_file.read_text())
+        for i in range(1, nodes):
+            self.procs[f"n{i}"] = self._agent(f"n{i}", "--head", f"{HEAD_IP}:{self.port}")
+        assert _wait_for(lambda: self.all_up(), 10), self.log("n0")
+
+    def _agent(self, node: str, *args: str) -> subprocess.Popen[bytes]:
+        cmd = [
+            sys.executable,
+            "-I",
+            "-S",
+            str(self.agent),
+            "--node",
+            node,
+            "--token-file",
+            str(self.token_file),
+        ]
+        cmd += ["--lost-after", str(self.lost_after), "--beat", str(self.beat), *args]
+        with open(self.tmp / f"{node}.log", "wb") as log:  # the agent keeps its own copy of the descriptor
+            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/")
+
+    def log(self, node: str) -> str:
+        return (self.tmp / f"{node}.log").read_text(errors="replace")[-3000:]
+
+    def client(self) -> AgentClient:
+        return AgentClient(HEAD_IP, self.port, TOKEN)
+
+    def all_up(self) -> bool:
+        nodes = asyncio.run(_with(self.client(), lambda c: c.nodes()))
+        return len(nodes) == len(self.roots) and all(v["up"] for v in nodes.values())
+
+    def plan(self, job: str, ranks: dict[str, list[int]], run: str, grace: float = 1.0) -> dict[str, Any]:
+        out = {}
+        for node, rs in ranks.items():
+            root = self.roots[node]
+            items = [
+                (root, RankLaunch(r, run, {"SKYPILOT_NODE_RANK": str(r)}, {}, root), Guard()) for r in rs
+            ]
+            out[node] = node_plan(job, items, grace=grace)
+        return out
+
+    def rank_dir(self, node: str, job: str, rank: int) -> str:
+        return f"{self.roots[node]}/jobs/{job}/{rank}"
+
+    def kill(self, node: str) -> None:
+        self.procs[node].send_signal(signal.SIGKILL)
+        self.procs[node].wait()
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for pid in _marked(str(self.tmp)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+async def _with(client: AgentClient, fn: Any) -> Any:
+    try:
+        return await fn(client)
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+def cluster_of(tmp_path: Path) -> Iterator[Any]:
+    made: list[Cluster] = []
+
+    def make(nodes: int, **kw: Any) -> Cluster:
+        made.append(Cluster(tmp_path, nodes, **kw))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+    assert not _alive(_marked(str(tmp_path)))
+
+
+#: four nodes, two ranks each: rank r on node r // 2
+RANKS = {f"n{i}": [2 * i, 2 * i + 1] for i in range(4)}
+
+
+def _ends(c: Cluster, job: str, ranks: dict[str, list[int]]) -> dict[int, dict[str, Any]]:
+    """Every rank's record as its node's wrapper wrote it (read from disk, not from the agents)."""
+    return {r: read_rank(c.rank_dir(n, job, r)) for n, rs in ranks.items() for r in rs}
+
+
+def _over(c: Cluster, job: str, ranks: dict[str, list[int]]) -> bool:
+    return all(rec["state"] == "exited" for rec in _ends(c, job, ranks).values())
+
+
+def test_a_failing_rank_on_one_node_cancels_every_node_through_the_head(cluster_of: Any) -> None:
+    """Rank 5 (node n2) exits 3; nothing polls: the head hears it from n2's agent and tells every agent,
+    whose cancel stops their ranks with the cause as the reason. Measured: from rank 5's exit record to
+    the last sibling's on another node."""
+    c = cluster_of(4)
+    run = f'if [ "$SKYPILOT_NODE_RANK" = 5 ]; then sleep 1.5; exit 3; fi\n{SLEEP}'
+
+    async def start() -> Any:
+        return await c.client().start("job", c.plan("job", RANKS, run), grace=1.0)
+
+    res = asyncio.run(start())
+    assert res.errors() == {}, res.nodes
+    assert res.words() == dict.fromkeys(range(8), "STARTED"), res.nodes
+    # no status call until it is over: the gang decides on its own nodes
+    assert _wait_for(lambda: _over(c, "job", RANKS), 15), _ends(c, "job", RANKS)
+    ends = _ends(c, "job", RANKS)
+    assert ends[5]["code"] == 3 and ends[5]["own"], ends[5]
+    for r, rec in ends.items():
+        if r != 5:
+            assert rec["code"] == 143 and rec["why"] == "@rank-failed 5 3" and not rec["own"], (r, rec)
+    other = [rec["end"] for r, rec in ends.items() if r // 2 != 2]
+    gone = max(other) - ends[5]["end"]
+    print(f"\nnode agent fail-fast: rank 5's exit -> last sibling on another node gone: {gone:.3f} s")
+    # one round trip on loopback is well under 10 ms; the rest is the agents' 0.05 s scan and a fork of
+    # the cancel script; 2 s is the margin for 2 cores shared with other test runs
+    assert gone < 2.0, f"the last sibling on another node ended {gone:.2f} s after the failure"
+
+    status: AgentStatus = asyncio.run(_with(c.client(), lambda cl: cl.status("job")))
+    assert status.state == "failed" and status.done, status
+    assert status.cause is not None and status.cause["rank"] == 5 and status.cause["code"] == 3
+    assert status.by_rank(0).reason == "rank 5 failed first: exited with code 3"
+    assert {r.node for r in status.ranks} == set(RANKS)
+
+
+def test_cancel_from_the_control_plane_is_one_call(cluster_of: Any) -> None:
+    c = cluster_of(3)
+    ranks = {n: [i] for i, n in enumerate(c.roots)}
+
+    async def go() -> tuple[str, float, AgentStatus]:
+        client = c.client()
+        try:
+            await client.start("job", c.plan("job", ranks, SLEEP), grace=1.0)
+            t0 = time.time()
+            state = await client.cancel("job", "a user asked")
+            return state, t0, await client.status("job")
+        finally:
+            await client.aclose()
+
+    state, t0, _ = asyncio.run(go())
+    assert state == "cancelled"
+    assert _wait_for(lambda: _over(c, "job", ranks), 10), _ends(c, "job", ranks)
+    ends = _ends(c, "job", ranks)
+    assert all(rec["code"] == 143 and rec["why"] == "a user asked" for rec in ends.values()), ends
+    print(
+        f"\nnode agent cancel: one call -> last rank gone: {max(r['end'] for r in ends.values()) - t0:.3f} s"
+    )
+    status = asyncio.run(_with(c.client(), lambda cl: cl.status("job")))
+    assert status.state == "cancelled" and status.done and status.reason == "a user asked", status
+
+
+def test_a_lost_worker_agent_fails_the_gang_after_lost_after(cluster_of: Any) -> None:
+    """n2's agent is killed (its node, for the head): after ``lost_after`` the gang fails with the node
+    named, and the ranks of every other node are stopped."""
+    c = cluster_of(3, lost_after=2.0)
+    ranks = {n: [i] for i, n in enumerate(c.roots)}
+    asyncio.run(_with(c.client(), lambda cl: cl.start("job", c.plan("job", ranks, SLEEP), grace=1.0)))
+    t0 = time.time()
+    c.kill("n2")
+    alive = {"n0": [0], "n1": [1]}
+    assert _wait_for(lambda: _over(c, "job", alive), 15), _ends(c, "job", alive)
+    ends = _ends(c, "job", alive)
+    took = max(r["end"] for r in ends.values()) - t0
+    print(f"\nnode agent: worker agent killed -> siblings gone: {took:.3f} s (lost_after 2 s)")
+    # not before lost_after (0.1 s for clocks read apart), and within it plus 3 s of margin
+    assert 1.9 <= took < 5.0, took
+    for rec in ends.values():
+        assert rec["code"] == 143 and "node n2 (ranks 2) lost" in rec["why"], rec
+    status = asyncio.run(_with(c.client(), lambda cl: cl.status("job")))
+    assert status.state == "failed" and "node n2 (ranks 2) lost" in status.reason, status
+    assert status.by_rank(2).state == "lost" and status.done, status
+    assert status.nodes["n2"]["up"] is False
+
+
+def test_a_lost_head_makes_every_worker_stop_its_ranks(cluster_of: Any) -> None:
+    c = cluster_of(3, lost_after=2.0)
+    ranks = {n: [i] for i, n in enumerate(c.roots)}
+    asyncio.run(_with(c.client(), lambda cl: cl.start("job", c.plan("job", ranks, SLEEP), grace=1.0)))
+    t0 = time.time()
+    c.kill("n0")
+    workers = {"n1": [1], "n2": [2]}
+    assert _wait_for(lambda: _over(c, "job", workers), 15), _ends(c, "job", workers)
+    ends = _ends(c, "job", workers)
+    took = max(r["end"] for r in ends.values()) - t0
+    print(f"\nnode agent: head agent killed -> workers' ranks gone: {took:.3f} s (lost_after 2 s)")
+    assert 1.9 <= took < 5.0, took  # lost_after, with the same margins as above
+    for rec in ends.values():
+        assert rec["code"] == 143 and "head node lost" in rec["why"], rec
+
+
+def test_the_dead_mans_switch_stops_a_gang_nobody_polls(cluster_of: Any) -> None:
+    c = cluster_of(2)
+    ranks = {"n0": [0], "n1": [1]}
+    asyncio.run(
+        _with(
+            c.client(), lambda cl: cl.start("job", c.plan("job", ranks, SLEEP), grace=1.0, orphan_timeout=1)
+        )
+    )
+    assert _wait_for(lambda: _over(c, "job", ranks), 10), _ends(c, "job", ranks)
+    for rec in _ends(c, "job", ranks).values():
+        assert rec["orphaned"] and rec["code"] == 143 and rec["why"].startswith("orphaned: nothing polled"), (
+            rec
+        )
+
+
+def test_a_start_naming_a_node_the_head_does_not_hear_starts_nothing(cluster_of: Any) -> None:
+    """Where the nodes cannot reach the head, the start says which: the control plane then uses the
+    per-node path; nothing was started."""
+    c = cluster_of(2)
+    plan = c.plan("job", {"n0": [0], "n1": [1]}, SLEEP)
+    plan["n9"] = plan.pop("n1")
+    with pytest.raises(AgentUnreachable) as err:
+        asyncio.run(_with(c.client(), lambda cl: cl.start("job", plan)))
+    assert err.value.nodes == ["n9"]
+    assert not Path(c.rank_dir("n0", "job", 0)).exists()
+
+
+# -- a hostile network -----------------------------------------------------------------------------
+
+
+def _hostile(port: int, payload: bytes) -> bytes:
+    """Connect from another address (127.0.0.5), send ``payload``, return what came back."""
+    s = socket.create_connection((HEAD_IP, port), timeout=5, source_address=("127.0.0.5", 0))
+    got = b""
+    try:
+        got = s.recv(64)
+        s.sendall(payload)
+        s.settimeout(6)
+        while True:
+            more = s.recv(4096)
+            if not more:
+                break
+            got += more
+    except OSError:
+        pass
+    finally:
+        s.close()
+    return got
+
+
+def test_the_head_drops_wrong_tokens_and_garbage_and_answers_its_own(cluster_of: Any) -> None:
+    c = cluster_of(2)
+    ranks = {"n0": [0], "n1": [1]}
+    asyncio.run(_with(c.client(), lambda cl: cl.start("job", c.plan("job", ranks, SLEEP))))
+
+    # garbage, an HTTP request, a wrong token's proof: the greeting, then the connection is closed
+    for payload in (os.urandom(100_000), b"GET / HTTP/1.0\r\n\r\n", os.urandom(48)):
+        got = _hostile(c.port, payload)
+        assert got[: len(MAGIC)] == MAGIC and len(got) == len(MAGIC) + 16, got[:100]
+
+    # a client with the wrong token learns nothing (the head proves nothing to it) and is refused
+    async def wrong() -> None:
+        await AgentClient(HEAD_IP, c.port, b"not-the-cluster-token").status("job")
+
+    with pytest.raises(AgentError):
+        asyncio.run(wrong())
+
+    # right token, forged frame (its MAC cannot be right): dropped
+    async def forged() -> bytes:
+        reader, writer = await asyncio.open_connection(HEAD_IP, c.port)
+        await client_handshake(reader, writer, TOKEN, 5)
+        writer.write(b"\x00\x00\x00\x40" + b"\x00" * 64)
+        await writer.drain()
+        rest = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return rest
+
+    assert asyncio.run(forged()) == b""
+
+    # a flood from one host (silent connections, and connections pouring bytes) while the control
+    # plane asks for the status: the head answers it, every agent stays up, the ranks run on
+    stop = threading.Event()
+    opened = [0]
+
+    def silent() -> None:
+        held: list[socket.socket] = []
+        while not stop.is_set():
+            try:
+                held.append(socket.create_connection((HEAD_IP, c.port), 2, ("127.0.0.5", 0)))
+                opened[0] += 1
+            except OSError:
+                time.sleep(0.01)
+            if len(held) > 400:
+                held.pop(0).close()
+        for s in held:
+            s.close()
+
+    def pour() -> None:
+        junk = os.urandom(65536)
+        while not stop.is_set():
+            try:
+                with socket.create_connection((HEAD_IP, c.port), 2, ("127.0.0.5", 0)) as s:
+                    for _ in range(100):
+                        s.sendall(junk)
+            except OSError:
+                pass
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (silent, silent, pour, pour)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        for _ in range(5):
+            status = asyncio.run(_with(c.client(), lambda cl: cl.status("job")))
+            assert status.state == "running" and [r.state for r in status.ranks] == ["running"] * 2, status
+            assert all(v["up"] for v in status.nodes.values()), status.nodes
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert opened[0] > 100, opened
+    assert all(p.poll() is None for p in c.procs.values()), c.log("n0")
+    # and the gang still obeys its own: one cancel stops it
+    assert asyncio.run(_with(c.client(), lambda cl: cl.cancel("job", "done"))) == "cancelled"
+    assert _wait_for(lambda: _over(c, "job", ranks), 10), _ends(c, "job", ranks)
+
+
+def test_the_token_never_reaches_a_command_line_and_its_file_must_be_private(tmp_path: Path) -> None:
+    """The agents' command lines hold no token; a token file others can read is refused at start."""
+    token = tmp_path / "token"
+    token.write_bytes(TOKEN)
+    token.chmod(0o644)
+    agent = [sys.executable, "-I", "-S", str(AGENT_FILE), "--node", "n0", "--token-file", str(token)]
+    res = subprocess.run([*agent, "--listen", "127.0.0.2:0"], capture_output=True, timeout=30)
+    assert res.returncode != 0 and b"readable by others: chmod 600" in res.stderr, res.stderr
+    assert TOKEN not in res.stderr
+
+
+def test_the_token_is_not_on_the_agents_command_lines(cluster_of: Any) -> None:
+    c = cluster_of(2)
+    for p in c.procs.values():
+        cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes()
+        environ = Path(f"/proc/{p.pid}/environ").read_bytes()
+        assert TOKEN not in cmdline and TOKEN not in environ
