@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import signal
 import struct
 import sys
 import time
@@ -280,6 +281,9 @@ class NodeWork:
         nj = self.jobs.get(job)
         if nj is None:
             nj = self.jobs[job] = NodeJob(job, ranks, flag, grace, cancel_script)
+            done = [j for j, x in self.jobs.items() if x.done]
+            for j in done[: max(0, len(self.jobs) - MAX_JOBS)]:
+                del self.jobs[j]  # the oldest finished: every hello carries the state of the rest
         return nj
 
     async def run(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -405,13 +409,47 @@ async def _sh(script: str, args: list[str], timeout: float) -> tuple[int | None,
         stderr=asyncio.subprocess.STDOUT,
         cwd="/",
     )
+    OURS.add(proc.pid)
     try:
         out, _ = await asyncio.wait_for(proc.communicate(script.encode()), timeout)
     except asyncio.TimeoutError:
         proc.kill()
         await proc.wait()
         return None, "timed out"
+    finally:
+        OURS.discard(proc.pid)
     return proc.returncode, out[-MAX_OUTPUT:].decode("utf-8", "replace")
+
+
+#: the agent's own ``sh`` children (asyncio waits for them): the orphan reaper leaves them alone
+OURS: set[int] = set()
+
+
+def reap_orphans() -> int:
+    """Reap the zombies an init must: as a pod's own process (pid 1) the agent inherits every rank
+    wrapper (each is started detached and its starter exits), and nothing else would wait for them."""
+    reaped = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in OURS:
+            continue
+        stat = _read(f"/proc/{entry}/stat", 1024) or ""
+        fields = stat.rpartition(")")[2].split()
+        if len(fields) > 1 and fields[0] == "Z" and fields[1] == str(os.getpid()):
+            try:
+                if os.waitpid(int(entry), os.WNOHANG)[0]:
+                    reaped += 1
+            except ChildProcessError:
+                pass
+    return reaped
+
+
+async def reaper(every: float = 1.0) -> None:
+    while True:
+        await asyncio.sleep(every)
+        try:
+            reap_orphans()
+        except OSError as exc:
+            log.debug("Reaping failed: %s", exc)
 
 
 # -- the head: the gang's authority --------------------------------------------------------------
@@ -476,6 +514,8 @@ class Head:
             r = int(rec.get("rank", -1))
             if hj.node_of.get(r) != node:
                 continue  # an agent speaks for its own ranks only
+            if hj.ranks.get(r, {}).get("state") in TERMINAL and rec.get("state") not in TERMINAL:
+                continue  # an ended rank stays ended, whatever a late or repeated report says
             hj.ranks[r] = rec
             if rec.get("own") and hj.state == "running":
                 code = rec.get("code")
@@ -939,12 +979,29 @@ async def amain(args: argparse.Namespace, token: bytes) -> None:
             _write(tmp, f"{bound}\n")
             os.replace(tmp, args.port_file)
         log.info("Head agent of node %s listening on %s:%s", args.node, host, bound)
-        await asyncio.gather(work.watch(), head.housekeeping())
+        duties = [work.watch(), head.housekeeping()]
     else:
         worker = Worker(args.node, args.head, token, args.lost_after, args.beat)
         worker.work = NodeWork(args.node, worker.report, args.scan)
         log.info("Agent of node %s reporting to %s:%s", args.node, *args.head)
-        await asyncio.gather(worker.work.watch(), worker.run(), worker.watchdog())
+        duties = [worker.work.watch(), worker.run(), worker.watchdog()]
+    if os.getpid() == 1:
+        duties.append(reaper())
+    # SIGTERM (a pod deleted, a teardown) ends the agent at once; as pid 1 it would be ignored otherwise
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(sig, stop.set)
+    tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(d) for d in duties]
+    tasks.append(asyncio.ensure_future(stop.wait()))
+    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for t in tasks:
+        t.cancel()
+    for t in done:
+        exc = t.exception()
+        if exc is not None:
+            raise exc
+    log.info("Agent of node %s stopping", args.node)
 
 
 def main(argv: list[str] | None = None) -> None:

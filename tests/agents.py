@@ -1,0 +1,134 @@
+"""Node agents as nodes on this machine for tests and benchmarks: the head listens on 127.0.0.2, each
+node has its own root (its own machine for the node runtime: gang flag, ``.ranks``, ``.pgids``), and
+the agent runs as the single file a backend copies to a node, under ``python -I -S`` (no site
+packages, nothing of this package importable): what a node has is what it gets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from airflow_provider_sky.agent import AGENT_FILE
+from airflow_provider_sky.agent.client import AgentClient, node_plan
+from airflow_provider_sky.agent.node import read_rank
+from airflow_provider_sky.runtime import Guard, RankLaunch
+from test_containment import _marked, _wait_for
+
+HEAD_IP = "127.0.0.2"
+TOKEN = os.urandom(24).hex().encode()
+SLEEP = "sleep 10000"
+
+
+class Cluster:
+    """Agents as nodes on this machine: ``n0`` is the head; ``roots[node]`` is each node's root."""
+
+    def __init__(
+        self, tmp: Path, nodes: int, *, lost_after: float = 10.0, beat: float = 0.2, head_pid1: bool = False
+    ) -> None:
+        self.tmp = tmp
+        self.agent = tmp / "shipped" / "agent.py"  # the one file a node gets
+        self.agent.parent.mkdir(parents=True)
+        shutil.copy(AGENT_FILE, self.agent)
+        self.token_file = tmp / "token"
+        self.token_file.write_bytes(TOKEN + b"\n")
+        self.token_file.chmod(0o600)
+        self.lost_after, self.beat = lost_after, beat
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.roots = {f"n{i}": str(tmp / "nodes" / f"n{i}") for i in range(nodes)}
+        for root in self.roots.values():
+            Path(root).mkdir(parents=True)
+        port_file = tmp / "port"
+        # head_pid1: the head runs as a pod's own process does, pid 1 of its own pid namespace
+        pre = ["unshare", "--pid", "--fork", "--mount-proc"] if head_pid1 else []
+        self.procs["n0"] = self._agent(
+            "n0", "--listen", f"{HEAD_IP}:0", "--port-file", str(port_file), pre=pre
+        )
+        assert _wait_for(port_file.exists, 10), self.log("n0")
+        self.port = int(port_file.read_text())
+        for i in range(1, nodes):
+            self.procs[f"n{i}"] = self._agent(f"n{i}", "--head", f"{HEAD_IP}:{self.port}")
+        assert _wait_for(lambda: self.all_up(), 10), self.log("n0")
+
+    def _agent(self, node: str, *args: str, pre: list[str] | None = None) -> subprocess.Popen[bytes]:
+        cmd = [
+            *(pre or []),
+            sys.executable,
+            "-I",
+            "-S",
+            str(self.agent),
+            "--node",
+            node,
+            "--token-file",
+            str(self.token_file),
+        ]
+        cmd += ["--lost-after", str(self.lost_after), "--beat", str(self.beat), *args]
+        with open(self.tmp / f"{node}.log", "wb") as log:  # the agent keeps its own copy of the descriptor
+            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/")
+
+    def log(self, node: str) -> str:
+        return (self.tmp / f"{node}.log").read_text(errors="replace")[-3000:]
+
+    def client(self) -> AgentClient:
+        return AgentClient(HEAD_IP, self.port, TOKEN)
+
+    def all_up(self) -> bool:
+        nodes = asyncio.run(with_client(self.client(), lambda c: c.nodes()))
+        return len(nodes) == len(self.roots) and all(v["up"] for v in nodes.values())
+
+    def plan(self, job: str, ranks: dict[str, list[int]], run: str, grace: float = 1.0) -> dict[str, Any]:
+        out = {}
+        for node, rs in ranks.items():
+            root = self.roots[node]
+            items = [
+                (root, RankLaunch(r, run, {"SKYPILOT_NODE_RANK": str(r)}, {}, root), Guard()) for r in rs
+            ]
+            out[node] = node_plan(job, items, grace=grace)
+        return out
+
+    def rank_dir(self, node: str, job: str, rank: int) -> str:
+        return f"{self.roots[node]}/jobs/{job}/{rank}"
+
+    def agent_pid(self, node: str) -> int:
+        """The agent's pid here (under ``unshare`` it is that process's child)."""
+        pid = self.procs[node].pid
+        exe = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        if exe.endswith(b"unshare"):
+            return int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+        return pid
+
+    def kill(self, node: str) -> None:
+        self.procs[node].send_signal(signal.SIGKILL)
+        self.procs[node].wait()
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for pid in _marked(str(self.tmp)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+async def with_client(client: AgentClient, fn: Any) -> Any:
+    try:
+        return await fn(client)
+    finally:
+        await client.aclose()
+
+
+def records(c: Cluster, job: str, ranks: dict[str, list[int]]) -> dict[int, dict[str, Any]]:
+    """Every rank's record as its node's wrapper wrote it (read from disk, not from the agents)."""
+    return {r: read_rank(c.rank_dir(n, job, r)) for n, rs in ranks.items() for r in rs}
+
+
+def over(c: Cluster, job: str, ranks: dict[str, list[int]]) -> bool:
+    return all(rec["state"] == "exited" for rec in records(c, job, ranks).values())
