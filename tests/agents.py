@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_sky.agent import AGENT_FILE
-from airflow_provider_sky.agent.client import AgentClient, node_plan
+from airflow_provider_sky.agent.client import AgentClient, AgentStatus, node_plan
 from airflow_provider_sky.agent.node import read_rank
 from airflow_provider_sky.runtime import Guard, RankLaunch
 from test_containment import _marked, _wait_for
@@ -132,3 +132,15 @@ def records(c: Cluster, job: str, ranks: dict[str, list[int]]) -> dict[int, dict
 
 def over(c: Cluster, job: str, ranks: dict[str, list[int]]) -> bool:
     return all(rec["state"] == "exited" for rec in records(c, job, ranks).values())
+
+
+def final_status(c: Cluster, job: str, within: float = 5.0) -> AgentStatus:
+    """The head's status once it says the job is over (it follows the disk by one scan and one report)."""
+    got: list[AgentStatus] = []
+
+    def done() -> bool:
+        got.append(asyncio.run(with_client(c.client(), lambda cl: cl.status(job))))
+        return got[-1].done
+
+    _wait_for(done, within)
+    return got[-1]

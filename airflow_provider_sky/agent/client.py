@@ -110,6 +110,8 @@ class AgentStatus:
     done: bool
     ranks: list[AgentRank]
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: when the head decided the gang's fate (failed, cancelled: the head's clock), None while it runs
+    decided: float | None = None
 
     def by_rank(self, rank: int) -> AgentRank:
         return next(r for r in self.ranks if r.rank == rank)
@@ -251,11 +253,12 @@ class AgentClient:
         return AgentStatus(
             job_id=job_id,
             state=str(reply["state"]),
-            reason=str(reply.get("reason") or ""),
+            reason=runtime.node_cancel_reason(str(reply.get("reason") or "")),
             cause=cause if isinstance(cause, dict) else None,
             done=bool(reply.get("done")),
             ranks=[_rank(r) for r in reply.get("ranks") or []],
             nodes=dict(reply.get("nodes") or {}),
+            decided=reply.get("decided"),
         )
 
     async def cancel(self, job_id: str, reason: str = "cancelled") -> str:

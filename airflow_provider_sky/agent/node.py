@@ -362,15 +362,38 @@ class NodeWork:
         if not ranks or nj.cancel is None:
             return
         nj.covered.update(ranks)
-        reason = nj.cancel["reason"]
-        # a rank failing first on this machine claimed its cancel already: that one covers every rank here
+        reason = " ".join(nj.cancel["reason"].split())[:400]
         mode = "nowait"
         if RANK_FAILED.fullmatch(reason) and nj.flag:
+            # a rank failing first on this machine claimed its cancel already: that one covers every rank here
             mode = "after:" + os.path.dirname(nj.flag)
-        args = [f"{nj.grace:.3f}", mode, " ".join(reason.split())[:400]]
+            if os.path.isdir(os.path.join(mode[6:], ".cancelling")):
+                return
+        # every running rank's reason, then one SIGTERM per group, from here (no fork between the head's
+        # word and the signal); the cancel script then does the rest as on the per-node path (ranks not
+        # started yet, escaped processes, the SIGKILL after the grace) and signals no group twice
+        groups = []
+        for r in ranks:
+            d = nj.dirs[r]
+            pg = _num(_read(os.path.join(d, "pgid"), 32))
+            if pg and pg > 1 and not os.path.exists(os.path.join(d, "exit")):
+                _write(os.path.join(d, "cancel"), reason + "\n")
+                groups.append(int(pg))
+        for pg in groups:
+            try:
+                os.killpg(pg, signal.SIGTERM)
+            except ProcessLookupError:  # the group is gone; its first process may not have run setsid yet
+                try:
+                    os.kill(pg, signal.SIGTERM)
+                except OSError:
+                    pass
+            except OSError as exc:
+                log.warning("Could not signal group %s: %s", pg, exc)
+        args = [f"{nj.grace:.3f}", mode, reason]
         for r in ranks:
             args += [nj.roots[r], nj.job, str(r)]
-        rc, out = await _sh(nj.cancel_script, args, timeout=30 + nj.grace)
+        env = dict(os.environ, SKY_SIGNALLED="".join(f" -{pg}" for pg in groups))
+        rc, out = await _sh(nj.cancel_script, args, timeout=30 + nj.grace, env=env)
         if rc != 0:
             log.warning("The cancel of job %s ranks %s ended with %s: %s", nj.job, ranks, rc, out[-500:])
 
@@ -397,7 +420,9 @@ def _write(path: str, text: str) -> None:
         log.warning("Could not write %s: %s", path, exc)
 
 
-async def _sh(script: str, args: list[str], timeout: float) -> tuple[int | None, str]:
+async def _sh(
+    script: str, args: list[str], timeout: float, env: dict[str, str] | None = None
+) -> tuple[int | None, str]:
     """``sh -s -- ARGS`` with the script on stdin (as the control plane runs the node scripts)."""
     proc = await asyncio.create_subprocess_exec(
         "sh",
@@ -408,6 +433,7 @@ async def _sh(script: str, args: list[str], timeout: float) -> tuple[int | None,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         cwd="/",
+        env=env,
     )
     OURS.add(proc.pid)
     try:
@@ -483,6 +509,7 @@ class HeadJob:
         self.cause: dict[str, Any] | None = None
         self.cancel: dict[str, Any] | None = None  # what every agent is told: reason, orphaned
         self.lost: dict[str, str] = {}  # node -> why
+        self.decided: float | None = None  # when the head decided the gang's fate (its clock)
         self.orphan_timeout = orphan_timeout
         self.contact = now
         self.started: dict[str, asyncio.Future[dict[str, Any]]] = {}
@@ -539,6 +566,7 @@ class Head:
         if hj.cancel is not None:
             return
         hj.state, hj.reason = state, reason
+        hj.decided = time.time()
         hj.cancel = {"op": "cancel", "job": hj.job, "reason": cancel, "orphaned": orphaned}
         log.info("Job %s %s: %s; cancelling on %d nodes", hj.job, state, reason, len(hj.nodes))
         for node in hj.nodes:
@@ -676,6 +704,7 @@ class Head:
             "state": hj.state,
             "reason": hj.reason,
             "cause": hj.cause,
+            "decided": hj.decided,
             "done": hj.done(),
             "ranks": ranks,
             "nodes": self.nodes(),
