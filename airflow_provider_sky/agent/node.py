@@ -260,6 +260,7 @@ class NodeJob:
         self.roots = {int(r): str(root) for root, r in ranks}
         self.flag, self.grace, self.cancel_script = flag, grace, cancel_script
         self.recs: dict[int, dict[str, Any]] = {}
+        self.pids: dict[int, int] = {}  # each running rank's wrapper
         self.lost_once: set = set()
         self.cancel: dict[str, Any] | None = None  # the head's cancel, once told
         self.covered: set = set()  # ranks a cancel call covered (their directory existed then)
@@ -308,7 +309,12 @@ class NodeWork:
                 old = nj.recs.get(r)
                 if old is not None and old["state"] in TERMINAL:
                     continue
+                pid = nj.pids.get(r)
+                if pid and not os.path.exists(os.path.join(d, "exit")) and _alive(pid):
+                    continue  # still running: two system calls, not a read of every file (256 ranks: 10% of a core)
                 rec = read_rank(d)
+                if rec["state"] == "running" and r not in nj.pids:
+                    nj.pids[r] = int(_num(_read(os.path.join(d, "pid"), 32)) or 0)
                 if rec["state"] == "lost" and r not in nj.lost_once:
                     nj.lost_once.add(r)  # a pid read half-written: the next read decides
                     continue
