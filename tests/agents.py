@@ -81,12 +81,20 @@ class Cluster:
         nodes = asyncio.run(with_client(self.client(), lambda c: c.nodes()))
         return len(nodes) == len(self.roots) and all(v["up"] for v in nodes.values())
 
-    def plan(self, job: str, ranks: dict[str, list[int]], run: str, grace: float = 1.0) -> dict[str, Any]:
+    def plan(
+        self,
+        job: str,
+        ranks: dict[str, list[int]],
+        run: str,
+        grace: float = 1.0,
+        secrets: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
         out = {}
         for node, rs in ranks.items():
             root = self.roots[node]
             items = [
-                (root, RankLaunch(r, run, {"SKYPILOT_NODE_RANK": str(r)}, {}, root), Guard()) for r in rs
+                (root, RankLaunch(r, run, {"SKYPILOT_NODE_RANK": str(r)}, dict(secrets or {}), root), Guard())
+                for r in rs
             ]
             out[node] = node_plan(job, items, grace=grace)
         return out

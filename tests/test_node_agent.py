@@ -329,3 +329,45 @@ def test_as_a_pods_own_process_the_agent_reaps_the_wrappers_and_ends_on_sigterm(
     assert _wait_for(lambda: not _zombies_of(agent), 4), _zombies_of(agent)
     os.kill(agent, signal.SIGTERM)
     assert c.procs["n0"].wait(10) == 0, c.log("n0")
+
+
+def test_a_start_carries_the_ranks_secrets_unreadable_on_the_wire(cluster_of: Any) -> None:
+    """A gang start's launch scripts hold the ranks' secrets (as over SSH today): on the cluster's network
+    a recording proxy in front of the head sees neither them nor any message, and the ranks get them."""
+    c = cluster_of(2)
+    secret = "s3cr3t-" + os.urandom(8).hex()
+    captured = bytearray()
+    ranks = {"n0": [0], "n1": [1]}
+
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                captured.extend(data)
+                w.write(data)
+                await w.drain()
+        finally:
+            w.close()
+
+    async def relay(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        hr, hw = await asyncio.open_connection(HEAD_IP, c.port)
+        await asyncio.gather(pipe(r, hw), pipe(hr, w), return_exceptions=True)
+
+    async def go() -> None:
+        proxy = await asyncio.start_server(relay, "127.0.0.3", 0)
+        client = AgentClient("127.0.0.3", proxy.sockets[0].getsockname()[1], TOKEN)
+        try:
+            run = f'[ "${{#MY_SECRET}}" = {len(secret)} ]'  # the secret's length: it arrived
+            await client.start("job", c.plan("job", ranks, run, secrets={"MY_SECRET": secret}))
+            for _ in range(100):
+                if (await client.status("job")).done:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await client.aclose()
+            proxy.close()
+
+    asyncio.run(go())
+    assert {r: rec["code"] for r, rec in records(c, "job", ranks).items()} == {0: 0, 1: 0}
+    assert len(captured) > 2000, len(captured)  # the launch scripts went through
+    assert secret.encode() not in bytes(captured)
+    assert b'"op"' not in bytes(captured) and b"rank.sh" not in bytes(captured)

@@ -76,12 +76,22 @@ def _mac(token: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.new(token, label + b"".join(parts), hashlib.sha256).digest()
 
 
-class Channel:
-    """One authenticated connection: length-prefixed frames of ``MAC || JSON``, both ways.
+def _keystream_xor(key: bytes, seq: int, data: bytes) -> bytes:
+    """``data`` XOR a SHAKE-256 keystream of (key, sequence number): the frame's encryption, its own
+    inverse. Each (connection, direction, frame) has its own key and number, so no keystream repeats.
+    SHAKE-256 (a keyed sponge, as KMAC is) is in every Python 3's ``hashlib``; AES is not."""
+    ks = hashlib.shake_256(key + struct.pack(">Q", seq)).digest(len(data))
+    return (int.from_bytes(data, "big") ^ int.from_bytes(ks, "big")).to_bytes(len(data), "big")
 
-    Each frame's MAC (HMAC-SHA256 with the cluster's token) covers its direction, both sides' nonces
-    of this connection and its sequence number: a frame cannot be forged, replayed, reordered or
-    reflected, on this connection or another. Nothing is encrypted (no secret travels here).
+
+class Channel:
+    """One authenticated, encrypted connection: length-prefixed frames of ``MAC || ciphertext``.
+
+    Keys per connection and direction are derived from the cluster's token and both sides' nonces.
+    Each frame's body (JSON) is encrypted (:func:`_keystream_xor`), then MACed (HMAC-SHA256 over its
+    sequence number and the ciphertext, checked before anything is decrypted or parsed): a frame cannot
+    be read, forged, replayed, reordered or reflected, on this connection or another. A gang start's
+    launch scripts carry the ranks' secrets, as they do over SSH.
     """
 
     def __init__(
@@ -94,8 +104,9 @@ class Channel:
         max_frame: int = MAX_FRAME,
     ) -> None:
         self.reader, self.writer = reader, writer
-        self._token, self._session = token, session
-        self._out, self._in = (b"s>", b"c>") if server else (b"c>", b"s>")
+        out, into = (b"s>", b"c>") if server else (b"c>", b"s>")
+        self._enc_out, self._mac_out = _mac(token, b"enc" + out, session), _mac(token, b"mac" + out, session)
+        self._enc_in, self._mac_in = _mac(token, b"enc" + into, session), _mac(token, b"mac" + into, session)
         self._sent = self._got = 0
         self._max = max_frame
         self._lock = asyncio.Lock()
@@ -106,8 +117,10 @@ class Channel:
         body = json.dumps(msg, separators=(",", ":")).encode()
         async with self._lock:  # sequence numbers in the order the frames go out
             self._sent += 1
-            mac = _mac(self._token, self._out, self._session, struct.pack(">Q", self._sent), body)
-            self.writer.write(struct.pack(">I", MAC + len(body)) + mac + body)
+            seq = struct.pack(">Q", self._sent)
+            ct = _keystream_xor(self._enc_out, self._sent, body)
+            mac = hmac.new(self._mac_out, seq + ct, hashlib.sha256).digest()
+            self.writer.write(struct.pack(">I", MAC + len(ct)) + mac + ct)
             await asyncio.wait_for(self.writer.drain(), timeout)
 
     async def recv(self, timeout: float | None = None) -> dict[str, Any]:
@@ -117,11 +130,11 @@ class Channel:
             raise ProtocolError(f"frame of {n} bytes")
         data = await asyncio.wait_for(self.reader.readexactly(n), timeout)
         self._got += 1
-        want = _mac(self._token, self._in, self._session, struct.pack(">Q", self._got), data[MAC:])
+        want = hmac.new(self._mac_in, struct.pack(">Q", self._got) + data[MAC:], hashlib.sha256).digest()
         if not hmac.compare_digest(data[:MAC], want):
             raise ProtocolError("bad frame MAC")
         try:
-            msg = json.loads(data[MAC:])
+            msg = json.loads(_keystream_xor(self._enc_in, self._got, data[MAC:]))
         except ValueError as exc:
             raise ProtocolError("frame is not JSON") from exc
         if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
