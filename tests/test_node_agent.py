@@ -86,6 +86,23 @@ def test_a_failing_rank_on_one_node_cancels_every_node_through_the_head(cluster_
     assert {r.node for r in status.ranks} == set(RANKS)
 
 
+def test_a_rank_failing_at_once_during_the_start_stops_every_node(cluster_of: Any) -> None:
+    """Rank 2 fails before the other nodes' launch scripts have run: the head's cancel comes right behind
+    their ``run``; every other rank ends cancelled by rank 2 (started and stopped, or never started)."""
+    c = cluster_of(4)
+    run = f'[ "$SKYPILOT_NODE_RANK" = 2 ] && exit 1\n{SLEEP}'
+    res = asyncio.run(with_client(c.client(), lambda cl: cl.start("job", c.plan("job", RANKS, run))))
+    assert res.errors() == {}, res.nodes
+    assert _wait_for(lambda: over(c, "job", RANKS), 15), records(c, "job", RANKS)
+    for r, rec in records(c, "job", RANKS).items():
+        if r == 2:
+            assert rec["code"] == 1 and rec["own"], rec
+        else:
+            assert rec["code"] == 143 and rec["why"] == "@rank-failed 2 1" and not rec["own"], (r, rec)
+    status = final_status(c, "job")
+    assert status.state == "failed" and status.cause is not None and status.cause["rank"] == 2, status
+
+
 def test_cancel_from_the_control_plane_is_one_call(cluster_of: Any) -> None:
     c = cluster_of(3)
     ranks = {n: [i] for i, n in enumerate(c.roots)}

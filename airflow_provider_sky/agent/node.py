@@ -300,14 +300,22 @@ class NodeWork:
                 del self.jobs[j]  # the oldest finished: every hello carries the state of the rest
         return nj
 
-    async def run(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Start this node's ranks of a job: its launch script, run as the control plane rendered it."""
-        job = str(msg["job"])
-        nj = self.add(
-            job, msg["ranks"], str(msg.get("flag") or ""), float(msg["grace"]), msg["cancel_script"]
+    def prepare(self, msg: dict[str, Any]) -> NodeJob:
+        """Know a job's ranks from the moment its ``run`` arrives, before its script runs: a cancel
+        that comes right behind it (a rank failed at once elsewhere) then finds them."""
+        return self.add(
+            str(msg["job"]),
+            msg["ranks"],
+            str(msg.get("flag") or ""),
+            float(msg["grace"]),
+            msg["cancel_script"],
         )
-        if nj.cancel is not None and not nj.flag:
-            return {"rc": 0, "out": "", "skipped": True}
+
+    async def run(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Start this node's ranks of a job: its launch script, run as the control plane rendered it.
+        Cancelled already, it still runs: with the gang flag set its launchers record every rank
+        cancelled without starting it, and a rank started all the same is cancelled when a scan sees it."""
+        self.prepare(msg)
         rc, out = await _sh(str(msg["script"]), [], timeout=float(msg.get("timeout") or 120))
         self.tick()  # a rank that failed at once is reported with the answer
         return {"rc": rc, "out": out}
@@ -631,6 +639,9 @@ class Head:
                         hj.lost[node] = f"its agent stopped answering for {heard:.0f}s"
                         ranks = ",".join(str(r) for r in hj.nodes[node])
                         reason = f"node {node} (ranks {ranks}) lost: {hj.lost[node]}"
+                        fut = hj.started.get(node)
+                        if fut is not None and not fut.done():
+                            fut.set_result({"rc": None, "out": "", "error": reason})
                         if hj.cancel is None:
                             hj.cause = {"rank": min(hj.nodes[node]), "code": None, "oom": False, "node": node}
                             hj.cause["why"] = reason
@@ -929,6 +940,7 @@ class Worker:
                     self.heard = time.monotonic()
                     op = msg["op"]
                     if op == "run":
+                        self.work.prepare(msg)
                         self.work._spawn(self._run(chan, msg))
                     elif op == "cancel":
                         self.work.cancel(
