@@ -103,6 +103,25 @@ def test_a_rank_failing_at_once_during_the_start_stops_every_node(cluster_of: An
     assert status.state == "failed" and status.cause is not None and status.cause["rank"] == 2, status
 
 
+def test_every_sibling_on_every_node_gets_one_sigterm(cluster_of: Any) -> None:
+    """A SIGTERM handler (a checkpoint save) runs once: the agent signals each group itself and the
+    cancel script it runs after skips those groups; on the failing rank's node the machine's own cancel
+    and the agent's do not both signal (whichever claims the node's cancel first does it)."""
+    c = cluster_of(4)
+    run = (
+        'if [ "$SKYPILOT_NODE_RANK" = 5 ]; then sleep 1.5; exit 3; fi\n'
+        "trap 'echo term >> \"${SKY_PROGRESS_FILE%/*}/terms\"' TERM\n"
+        "while :; do sleep 0.05; done"
+    )
+    asyncio.run(with_client(c.client(), lambda cl: cl.start("job", c.plan("job", RANKS, run), grace=1.5)))
+    assert _wait_for(lambda: over(c, "job", RANKS), 15), records(c, "job", RANKS)
+    for node, rs in RANKS.items():
+        for r in rs:
+            if r != 5:
+                terms = Path(c.rank_dir(node, "job", r), "terms").read_text().split()
+                assert terms == ["term"], (r, terms)
+
+
 def test_cancel_from_the_control_plane_is_one_call(cluster_of: Any) -> None:
     c = cluster_of(3)
     ranks = {n: [i] for i, n in enumerate(c.roots)}

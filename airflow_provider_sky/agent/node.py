@@ -277,6 +277,7 @@ class NodeJob:
         self.lost_once: set = set()
         self.cancel: dict[str, Any] | None = None  # the head's cancel, once told
         self.covered: set = set()  # ranks a cancel call covered (their directory existed then)
+        self.claimed = False  # this agent claimed the machine's cancel (.cancelling)
         self.done = False
 
 
@@ -390,12 +391,27 @@ class NodeWork:
             return
         nj.covered.update(ranks)
         reason = " ".join(nj.cancel["reason"].split())[:400]
-        mode = "nowait"
-        if RANK_FAILED.fullmatch(reason) and nj.flag:
-            # a rank failing first on this machine claimed its cancel already: that one covers every rank here
-            mode = "after:" + os.path.dirname(nj.flag)
-            if os.path.isdir(os.path.join(mode[6:], ".cancelling")):
+        if RANK_FAILED.fullmatch(reason) and nj.flag and not nj.claimed:
+            # the machine's cancel is claimed once (.cancelling, as the wrapper of a rank failing first
+            # there claims it): a rank of this machine that claimed it first covers every rank here;
+            # claimed here, no wrapper of this machine signals its siblings a second time
+            claim = os.path.join(os.path.dirname(nj.flag), ".cancelling")
+            try:
+                os.mkdir(claim)
+            except FileExistsError:
+                nj.covered.update(nj.dirs)
                 return
+            except OSError:
+                pass
+            else:
+                nj.claimed = True
+                aside = os.path.join(claim, f"reason.{os.getpid()}")
+                _write(aside, reason + "\n")
+                try:  # whole or not at all: a wrapper reads it (see the node runtime's WRAPPER)
+                    os.replace(aside, os.path.join(claim, "reason"))
+                except OSError as exc:
+                    log.warning("Could not write the cancel reason of job %s: %s", nj.job, exc)
+        mode = "nowait"
         # every running rank's reason, then one SIGTERM per group, from here (no fork between the head's
         # word and the signal); the cancel script then does the rest as on the per-node path (ranks not
         # started yet, escaped processes, the SIGKILL after the grace) and signals no group twice
