@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,82 @@ TOKEN = os.urandom(24).hex().encode()
 SLEEP = "sleep 10000"
 
 
+PROXY_IP = "127.0.0.3"
+
+
+class Proxy:
+    """A TCP relay on 127.0.0.3 in front of the head, in a thread of its own: it records every byte that
+    passes (what the cluster's network sees) and can cut every connection at once (a network blip)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.captured = bytearray()
+        self.loop = asyncio.new_event_loop()
+        self.writers: set[asyncio.StreamWriter] = set()
+        self.connections = 0
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.server = self.loop.run_until_complete(asyncio.start_server(self._relay, PROXY_IP, 0))
+            self.port = self.server.sockets[0].getsockname()[1]
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert ready.wait(10)
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                self.captured.extend(data)
+                w.write(data)
+                await w.drain()
+        except OSError:
+            pass
+        finally:
+            w.close()
+
+    async def _relay(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            hr, hw = await asyncio.open_connection(*self.target)
+        except OSError:
+            w.close()
+            return
+        self.writers |= {w, hw}
+        await asyncio.gather(self._pipe(r, hw), self._pipe(hr, w), return_exceptions=True)
+        self.writers -= {w, hw}
+
+    def cut(self) -> None:
+        """Reset every connection through the relay (new ones are relayed again)."""
+
+        def reset() -> None:
+            for w in list(self.writers):
+                w.transport.abort()
+
+        self.loop.call_soon_threadsafe(reset)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.cut()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
 class Cluster:
     """Agents as nodes on this machine: ``n0`` is the head; ``roots[node]`` is each node's root."""
 
     def __init__(
-        self, tmp: Path, nodes: int, *, lost_after: float = 10.0, beat: float = 0.2, head_pid1: bool = False
+        self,
+        tmp: Path,
+        nodes: int,
+        *,
+        lost_after: float = 10.0,
+        beat: float = 0.2,
+        head_pid1: bool = False,
+        via_proxy: tuple[str, ...] = (),
     ) -> None:
         self.tmp = tmp
         self.agent = tmp / "shipped" / "agent.py"  # the one file a node gets
@@ -51,8 +123,16 @@ class Cluster:
         )
         assert _wait_for(port_file.exists, 10), self.log("n0")
         self.port = int(port_file.read_text())
+        # via_proxy: these nodes reach the head through a relay the test can cut (a network blip)
+        self.proxy = Proxy(HEAD_IP, self.port) if via_proxy else None
         for i in range(1, nodes):
-            self.procs[f"n{i}"] = self._agent(f"n{i}", "--head", f"{HEAD_IP}:{self.port}")
+            node = f"n{i}"
+            head = (
+                f"{PROXY_IP}:{self.proxy.port}"
+                if self.proxy and node in via_proxy
+                else f"{HEAD_IP}:{self.port}"
+            )
+            self.procs[node] = self._agent(node, "--head", head)
         assert _wait_for(lambda: self.all_up(), 10), self.log("n0")
 
     def _agent(self, node: str, *args: str, pre: list[str] | None = None) -> subprocess.Popen[bytes]:
@@ -115,6 +195,8 @@ class Cluster:
         self.procs[node].wait()
 
     def close(self) -> None:
+        if self.proxy is not None:
+            self.proxy.close()
         for p in self.procs.values():
             if p.poll() is None:
                 p.kill()

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from agents import HEAD_IP, SLEEP, TOKEN, Cluster, final_status, over, records, with_client
+from agents import HEAD_IP, PROXY_IP, SLEEP, TOKEN, Cluster, Proxy, final_status, over, records, with_client
 from airflow_provider_sky.agent import AGENT_FILE
 from airflow_provider_sky.agent.client import AgentClient, AgentError, AgentStatus, AgentUnreachable
 from airflow_provider_sky.agent.node import MAGIC, client_handshake
@@ -369,41 +369,41 @@ def test_as_a_pods_own_process_the_agent_reaps_the_wrappers_and_ends_on_sigterm(
 
 def test_a_start_carries_the_ranks_secrets_unreadable_on_the_wire(cluster_of: Any) -> None:
     """A gang start's launch scripts hold the ranks' secrets (as over SSH today): on the cluster's network
-    a recording proxy in front of the head sees neither them nor any message, and the ranks get them."""
+    a recording relay in front of the head sees neither them nor any message, and the ranks get them."""
     c = cluster_of(2)
+    proxy = Proxy(HEAD_IP, c.port)
     secret = "s3cr3t-" + os.urandom(8).hex()
-    captured = bytearray()
     ranks = {"n0": [0], "n1": [1]}
-
-    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            while data := await r.read(65536):
-                captured.extend(data)
-                w.write(data)
-                await w.drain()
-        finally:
-            w.close()
-
-    async def relay(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        hr, hw = await asyncio.open_connection(HEAD_IP, c.port)
-        await asyncio.gather(pipe(r, hw), pipe(hr, w), return_exceptions=True)
-
-    async def go() -> None:
-        proxy = await asyncio.start_server(relay, "127.0.0.3", 0)
-        client = AgentClient("127.0.0.3", proxy.sockets[0].getsockname()[1], TOKEN)
-        try:
-            run = f'[ "${{#MY_SECRET}}" = {len(secret)} ]'  # the secret's length: it arrived
-            await client.start("job", c.plan("job", ranks, run, secrets={"MY_SECRET": secret}))
-            for _ in range(100):
-                if (await client.status("job")).done:
-                    break
-                await asyncio.sleep(0.1)
-        finally:
-            await client.aclose()
-            proxy.close()
-
-    asyncio.run(go())
+    run = f'[ "${{#MY_SECRET}}" = {len(secret)} ]'  # the secret's length: it arrived
+    try:
+        client = AgentClient(PROXY_IP, proxy.port, TOKEN)
+        plan = c.plan("job", ranks, run, secrets={"MY_SECRET": secret})
+        asyncio.run(with_client(client, lambda cl: cl.start("job", plan)))
+        assert _wait_for(lambda: over(c, "job", ranks), 10), records(c, "job", ranks)
+    finally:
+        proxy.close()
     assert {r: rec["code"] for r, rec in records(c, "job", ranks).items()} == {0: 0, 1: 0}
+    captured = bytes(proxy.captured)
     assert len(captured) > 2000, len(captured)  # the launch scripts went through
-    assert secret.encode() not in bytes(captured)
-    assert b'"op"' not in bytes(captured) and b"rank.sh" not in bytes(captured)
+    assert secret.encode() not in captured
+    assert b'"op"' not in captured and b"rank.sh" not in captured
+
+
+def test_a_network_blip_shorter_than_lost_after_changes_nothing(cluster_of: Any) -> None:
+    """n1's link to the head is cut three times: its agent joins again at once with its ranks' state,
+    and neither side counts it lost; the gang runs on and still obeys one cancel."""
+    c = cluster_of(3, lost_after=3.0, via_proxy=("n1",))
+    ranks = {n: [i] for i, n in enumerate(c.roots)}
+    asyncio.run(with_client(c.client(), lambda cl: cl.start("job", c.plan("job", ranks, SLEEP))))
+    assert c.proxy is not None
+    for _ in range(3):
+        c.proxy.cut()
+        time.sleep(0.5)
+    time.sleep(3.5)  # past lost_after since the first cut
+    assert c.proxy.connections >= 4, c.proxy.connections  # the first link and one after each cut
+    status = asyncio.run(with_client(c.client(), lambda cl: cl.status("job")))
+    assert status.state == "running" and [r.state for r in status.ranks] == ["running"] * 3, status
+    assert all(v["up"] for v in status.nodes.values()), status.nodes
+    assert asyncio.run(with_client(c.client(), lambda cl: cl.cancel("job", "done"))) == "cancelled"
+    assert _wait_for(lambda: over(c, "job", ranks), 10), records(c, "job", ranks)
+    assert all(rec["why"] == "done" for rec in records(c, "job", ranks).values())
