@@ -12,13 +12,15 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from airflow_provider_sky.agent import AGENT_FILE
 from airflow_provider_sky.agent.client import AgentClient, AgentStatus, node_plan
 from airflow_provider_sky.agent.node import read_rank
-from airflow_provider_sky.runtime import Guard, RankLaunch
+from airflow_provider_sky.gang import classify
+from airflow_provider_sky.runtime import STATUS_SCRIPT, Guard, RankLaunch, parse_status, status_args
 from test_containment import _marked, _wait_for
 
 HEAD_IP = "127.0.0.2"
@@ -234,3 +236,33 @@ def final_status(c: Cluster, job: str, within: float = 5.0) -> AgentStatus:
 
     _wait_for(done, within)
     return got[-1]
+
+
+def per_node_view(
+    c: Cluster, job: str, ranks: dict[str, list[int]]
+) -> dict[int, tuple[str, int | None, str]]:
+    """Each rank's (state, exit code, reason) as the per-node path reads it: the node runtime's status
+    script on each node root, then the gang policy (``gang.classify``)."""
+    view = {}
+    for node, rs in ranks.items():
+        args = status_args([(c.roots[node], job, r, 0, 0) for r in rs], now=None)
+        out = subprocess.run(
+            ["sh", "-s", "--", *args],
+            input=STATUS_SCRIPT.encode(),
+            capture_output=True,
+            check=True,
+            timeout=30,
+        ).stdout
+        for raw in parse_status(out):
+            st = classify(raw, node, time.time())
+            view[raw.rank] = (st.state, st.exit_code, st.reason)
+    return view
+
+
+def agent_view(status: AgentStatus) -> dict[int, tuple[str, int | None, str]]:
+    """The same, from the head's one status call."""
+    out = {}
+    for r in status.ranks:
+        st = classify(r.to_raw(status.job_id), r.node, time.time())
+        out[r.rank] = (st.state, st.exit_code, st.reason)
+    return out

@@ -23,7 +23,20 @@ from typing import Any
 
 import pytest
 
-from agents import HEAD_IP, PROXY_IP, SLEEP, TOKEN, Cluster, Proxy, final_status, over, records, with_client
+from agents import (
+    HEAD_IP,
+    PROXY_IP,
+    SLEEP,
+    TOKEN,
+    Cluster,
+    Proxy,
+    agent_view,
+    final_status,
+    over,
+    per_node_view,
+    records,
+    with_client,
+)
 from airflow_provider_sky.agent import AGENT_FILE
 from airflow_provider_sky.agent.client import AgentClient, AgentError, AgentStatus, AgentUnreachable
 from airflow_provider_sky.agent.node import MAGIC, client_handshake
@@ -84,6 +97,9 @@ def test_a_failing_rank_on_one_node_cancels_every_node_through_the_head(cluster_
     assert status.cause is not None and status.cause["rank"] == 5 and status.cause["code"] == 3
     assert status.by_rank(0).reason == "rank 5 failed first: exited with code 3"
     assert {r.node for r in status.ranks} == set(RANKS)
+    # the head's one call reads every rank as the per-node path's status script does, rank for rank
+    assert agent_view(status) == per_node_view(c, "job", RANKS)
+    assert agent_view(status)[0] == ("cancelled", 143, "cancelled: rank 5 failed first: exited with code 3")
 
 
 def test_a_rank_failing_at_once_during_the_start_stops_every_node(cluster_of: Any) -> None:
@@ -101,6 +117,7 @@ def test_a_rank_failing_at_once_during_the_start_stops_every_node(cluster_of: An
             assert rec["code"] == 143 and rec["why"] == "@rank-failed 2 1" and not rec["own"], (r, rec)
     status = final_status(c, "job")
     assert status.state == "failed" and status.cause is not None and status.cause["rank"] == 2, status
+    assert agent_view(status) == per_node_view(c, "job", RANKS)
 
 
 def test_every_sibling_on_every_node_gets_one_sigterm(cluster_of: Any) -> None:
@@ -146,6 +163,7 @@ def test_cancel_from_the_control_plane_is_one_call(cluster_of: Any) -> None:
     )
     status = final_status(c, "job")
     assert status.state == "cancelled" and status.done and status.reason == "a user asked", status
+    assert agent_view(status) == per_node_view(c, "job", ranks)
 
 
 def test_a_lost_worker_agent_fails_the_gang_after_lost_after(cluster_of: Any) -> None:

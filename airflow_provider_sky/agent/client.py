@@ -88,6 +88,8 @@ class AgentRank:
     orphaned: bool = False
     #: it failed on its own (what fails a gang), not by a cancel
     own: bool = False
+    #: a watcher found it hung (its ``hang/`` directory)
+    hung: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -97,6 +99,27 @@ class AgentRank:
     def reason(self) -> str:
         """The cancel reason as users read it (``rank 2 failed first: exited with code 1``)."""
         return runtime.node_cancel_reason(self.why) if self.why else ""
+
+    def to_raw(self, job_id: str) -> runtime.RawRankStatus:
+        """The rank as the per-node status script reports it, for the gang policy (``gang.classify``):
+        the same record read the same way, whichever path read it. No log bytes: logs stay on the
+        per-rank path."""
+        return runtime.RawRankStatus(
+            job_id=job_id,
+            rank=self.rank,
+            state=self.state,
+            exit_code=self.exit_code,
+            start=self.start,
+            end=self.end,
+            log_size=0,
+            cancel_requested=bool(self.why),
+            log_offset=0,
+            log_chunk=b"",
+            orphaned=self.orphaned,
+            cancel_reason=self.reason,
+            oom=self.oom,
+            hung=self.hung,
+        )
 
 
 @dataclass(frozen=True)
@@ -157,6 +180,7 @@ def _rank(rec: Mapping[str, Any]) -> AgentRank:
         oom=bool(rec.get("oom")),
         orphaned=bool(rec.get("orphaned")),
         own=bool(rec.get("own")),
+        hung=bool(rec.get("hung")),
     )
 
 

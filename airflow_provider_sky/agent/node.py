@@ -227,15 +227,17 @@ def _alive(pid: int) -> bool:
 def read_rank(d: str) -> dict[str, Any]:
     """A rank's state from its directory, read the way the node runtime's status script reads it.
 
-    ``own``: it failed on its own (nonzero, no cancel reached it, not orphaned), what fails a gang.
+    ``own``: it failed on its own (nonzero, no cancel reached it, not orphaned; or hung), what fails a gang.
     """
     rec: dict[str, Any] = {"state": "pending", "code": None, "start": None, "end": None, "why": ""}
-    rec.update(oom=False, orphaned=False, own=False)
+    rec.update(oom=False, orphaned=False, own=False, hung=False)
     if not os.path.isdir(d):
         return rec
     rec["start"] = _num(_read(os.path.join(d, "start")))
     rec["orphaned"] = os.path.exists(os.path.join(d, "orphaned"))
+    rec["hung"] = os.path.isdir(os.path.join(d, "hang"))
     cancel = _read(os.path.join(d, "cancel"), 500)
+    rec["why"] = (cancel or "").strip()  # a cancel on its way to a rank still running
     ex = _read(os.path.join(d, "exit"))
     if not ex:
         pid = _num(_read(os.path.join(d, "pid")))
@@ -246,13 +248,13 @@ def read_rank(d: str) -> dict[str, Any]:
             return rec
         ex = _read(os.path.join(d, "exit"))
         if not ex:
-            rec["state"] = "lost"
-            rec["own"] = True
+            # its wrapper is gone without a record: a failure, unless a cancel had reached it
+            rec["state"], rec["own"] = "lost", not rec["why"]
             return rec
     lines = ex.split("\n")
     code = lines[0].strip()
     if not code.lstrip("-").isdigit():
-        rec["state"], rec["own"] = "badexit", True
+        rec["state"], rec["own"] = "badexit", not rec["why"]
         return rec
     rec["state"], rec["code"] = "exited", int(code)
     end = _read(os.path.join(d, "end"))
@@ -260,7 +262,9 @@ def read_rank(d: str) -> dict[str, Any]:
     why = (cancel or "").strip() or (lines[2].strip() if len(lines) > 2 else "")
     rec["why"] = why
     rec["oom"] = os.path.exists(os.path.join(d, "oom"))
-    rec["own"] = rec["code"] != 0 and not why and not rec["orphaned"]
+    # as the gang policy reads it (gang.classify): orphaned is the dead-man's switch, not a rank's
+    # failure; a rank the hang watch killed failed, whatever cancel reason it carries
+    rec["own"] = rec["code"] != 0 and not rec["orphaned"] and (rec["hung"] or not why)
     return rec
 
 
