@@ -86,10 +86,19 @@ class Proxy:
         self.loop.call_soon_threadsafe(reset)
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
-        self.cut()
+        async def shutdown() -> None:
+            self.server.close()
+            for w in list(self.writers):
+                w.transport.abort()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.loop.close()
 
 
 class Cluster:
