@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_sky.agent import AGENT_FILE
+from airflow_provider_sky.agent import AGENT_FILE, agent_args, new_token
 from airflow_provider_sky.agent.client import AgentClient, AgentStatus, node_plan
 from airflow_provider_sky.agent.node import read_rank
 from airflow_provider_sky.gang import classify
@@ -24,7 +24,7 @@ from airflow_provider_sky.runtime import STATUS_SCRIPT, Guard, RankLaunch, parse
 from test_containment import _marked, _wait_for
 
 HEAD_IP = "127.0.0.2"
-TOKEN = os.urandom(24).hex().encode()
+TOKEN = new_token()
 SLEEP = "sleep 10000"
 
 
@@ -113,8 +113,10 @@ class Cluster:
         beat: float = 0.2,
         head_pid1: bool = False,
         via_proxy: tuple[str, ...] = (),
+        python: str = sys.executable,
     ) -> None:
         self.tmp = tmp
+        self.python = python  # the node's interpreter
         self.agent = tmp / "shipped" / "agent.py"  # the one file a node gets
         self.agent.parent.mkdir(parents=True)
         shutil.copy(AGENT_FILE, self.agent)
@@ -147,20 +149,23 @@ class Cluster:
         assert _wait_for(lambda: self.all_up(), 10), self.log("n0")
 
     def _agent(self, node: str, *args: str, pre: list[str] | None = None) -> subprocess.Popen[bytes]:
-        cmd = [
-            *(pre or []),
-            sys.executable,
-            "-I",
-            "-S",
+        listen = dict(zip(args[::2], args[1::2], strict=True))
+        cmd = agent_args(
             str(self.agent),
-            "--node",
             node,
-            "--token-file",
             str(self.token_file),
-        ]
-        cmd += ["--lost-after", str(self.lost_after), "--beat", str(self.beat), *args]
+            listen=listen.get("--listen"),
+            head=listen.get("--head"),
+            port_file=listen.get("--port-file"),
+            beat=self.beat,
+            lost_after=self.lost_after,
+            python=self.python,
+        )
+        cmd[1:1] = ["-I", "-S"]  # no site packages: only what a node has
         with open(self.tmp / f"{node}.log", "wb") as log:  # the agent keeps its own copy of the descriptor
-            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/")
+            return subprocess.Popen(
+                [*(pre or []), *cmd], stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/"
+            )
 
     def log(self, node: str) -> str:
         return (self.tmp / f"{node}.log").read_text(errors="replace")[-3000:]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,7 +38,7 @@ from agents import (
     records,
     with_client,
 )
-from airflow_provider_sky.agent import AGENT_FILE
+from airflow_provider_sky.agent import AGENT_FILE, agent_args
 from airflow_provider_sky.agent.client import AgentClient, AgentError, AgentStatus, AgentUnreachable
 from airflow_provider_sky.agent.node import MAGIC, client_handshake
 from test_containment import _alive, _marked, _wait_for
@@ -137,6 +138,27 @@ def test_every_sibling_on_every_node_gets_one_sigterm(cluster_of: Any) -> None:
             if r != 5:
                 terms = Path(c.rank_dir(node, "job", r), "terms").read_text().split()
                 assert terms == ["term"], (r, terms)
+
+
+#: interpreters a node may have (the oldest the agent supports, the newest): found on this machine or skipped
+NODE_PYTHONS = [f"/root/.pyenv/versions/{v}/bin/python3" for v in ("3.8.18", "3.13.0")] + [
+    shutil.which(f"python3.{m}") or f"python3.{m}" for m in (8, 13)
+]
+
+
+@pytest.mark.parametrize("minor", [8, 13])
+def test_the_agent_runs_on_the_pythons_nodes_have(cluster_of: Any, minor: int) -> None:
+    """The shipped file on Python 3.8 (the oldest a node may have) and 3.13: a cross-node fail-fast."""
+    found = [p for p in NODE_PYTHONS if f"3.{minor}" in p and shutil.which(p)]
+    if not found:
+        pytest.skip(f"no Python 3.{minor} on this machine")
+    c = cluster_of(2, python=found[0])
+    ranks = {"n0": [0], "n1": [1]}
+    run = f'[ "$SKYPILOT_NODE_RANK" = 1 ] && {{ sleep 1; exit 4; }}\n{SLEEP}'
+    asyncio.run(with_client(c.client(), lambda cl: cl.start("job", c.plan("job", ranks, run))))
+    assert _wait_for(lambda: over(c, "job", ranks), 15), (records(c, "job", ranks), c.log("n0"), c.log("n1"))
+    assert records(c, "job", ranks)[0]["why"] == "@rank-failed 1 4"
+    assert final_status(c, "job").state == "failed"
 
 
 def test_cancel_from_the_control_plane_is_one_call(cluster_of: Any) -> None:
@@ -425,3 +447,14 @@ def test_a_network_blip_shorter_than_lost_after_changes_nothing(cluster_of: Any)
     assert asyncio.run(with_client(c.client(), lambda cl: cl.cancel("job", "done"))) == "cancelled"
     assert _wait_for(lambda: over(c, "job", ranks), 10), records(c, "job", ranks)
     assert all(rec["why"] == "done" for rec in records(c, "job", ranks).values())
+
+
+def test_the_agents_command_line_is_checked_before_a_node_runs_it() -> None:
+    with pytest.raises(ValueError, match="either listens"):
+        agent_args("/a.py", "n0", "/t", listen="0.0.0.0:7000", head="10.0.0.1:7000")
+    with pytest.raises(ValueError, match="node id 'n 0; rm' must match"):
+        agent_args("/a.py", "n 0; rm", "/t", head="10.0.0.1:7000")
+    with pytest.raises(ValueError, match="lost_after longer than beat"):
+        agent_args("/a.py", "n0", "/t", head="10.0.0.1:7000", beat=5, lost_after=2)
+    args = agent_args("/a.py", "n1", "/root/.sky/token", head="10.0.0.1:7000")
+    assert args[:6] == ["python3", "/a.py", "--node", "n1", "--token-file", "/root/.sky/token"]
