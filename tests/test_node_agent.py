@@ -458,3 +458,18 @@ def test_the_agents_command_line_is_checked_before_a_node_runs_it() -> None:
         agent_args("/a.py", "n0", "/t", head="10.0.0.1:7000", beat=5, lost_after=2)
     args = agent_args("/a.py", "n1", "/root/.sky/token", head="10.0.0.1:7000")
     assert args[:6] == ["python3", "/a.py", "--node", "n1", "--token-file", "/root/.sky/token"]
+
+
+def test_many_peers_behind_one_address_joining_at_once_are_all_let_in(cluster_of: Any) -> None:
+    """Nodes behind one address (one machine's nodes, a NAT) join together: 200 connections from one
+    address that each prove the token at once all get in; only silent ones are dropped past 16."""
+    c = cluster_of(1)
+
+    async def one() -> int:
+        return len(await with_client(AgentClient(HEAD_IP, c.port, TOKEN, timeout=30), lambda cl: cl.nodes()))
+
+    async def many() -> list[Any]:
+        return await asyncio.gather(*(one() for _ in range(200)), return_exceptions=True)
+
+    got = asyncio.run(many())
+    assert got == [1] * 200, [g for g in got if g != 1][:3]

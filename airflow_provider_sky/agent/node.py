@@ -44,11 +44,14 @@ MAC = 32
 MAX_FRAME = 16 * 1024 * 1024
 #: seconds a new connection has to prove it holds the token
 HANDSHAKE_TIMEOUT = 5.0
-#: connections that have not proven the token yet: past this, the oldest is dropped (a flood of
-#: silent connections cannot lock out a peer that answers at once); past ``PEER_PENDING`` from one
-#: address, that address's oldest: one flooding host cannot crowd out the others
-MAX_PENDING = 256
+#: connections that have not proven the token yet (a peer that holds it proves it in one round trip):
+#: one host's past ``PEER_PENDING`` that have been silent for ``PEER_GRACE`` seconds are dropped, oldest
+#: first, so a flooding host holds 16 (many nodes behind one address joining at once are young, and
+#: kept); past ``MAX_PENDING`` in all, the oldest of the host with the most goes, so a flood never
+#: crowds out another host's peers
+MAX_PENDING = 1024
 PEER_PENDING = 16
+PEER_GRACE = 0.5
 #: authenticated connections at most (every agent of a 1,024-node gang, the control plane's)
 MAX_CONNS = 4096
 #: a launch's output kept for the control plane (``STARTED`` lines: a few per rank)
@@ -799,31 +802,50 @@ async def _send_run(fut: asyncio.Future[dict[str, Any]], link: Link, run: dict[s
 
 
 class Server:
-    """The head's listener: handshake (bounded, evicting the oldest silent connection), then each
-    connection is an agent's link or a control-plane session."""
+    """The head's listener: handshake (bounded: see :data:`MAX_PENDING`), then each connection is an
+    agent's link or a control-plane session."""
 
     def __init__(self, head: Head, token: bytes) -> None:
         self.head, self.token = head, token
-        self.pending: collections.OrderedDict[int, asyncio.StreamWriter] = collections.OrderedDict()
-        self.by_peer: dict[str, collections.OrderedDict[int, asyncio.StreamWriter]] = {}
+        #: per host: the connections that have not proven the token yet, oldest first, with their arrival
+        self.by_peer: dict[str, collections.OrderedDict[int, tuple[asyncio.StreamWriter, float]]] = {}
+        self.npending = 0
         self.conns = 0
         self.rejected = 0
+
+    def _evict(self, ip: str, key: int) -> None:
+        writer, _ = self.by_peer[ip].pop(key)
+        if not self.by_peer[ip]:
+            del self.by_peer[ip]
+        self.npending -= 1
+        writer.close()
+
+    def sweep(self) -> None:
+        """Drop the silent excess of every host, then the oldest of the busiest while over the total."""
+        now = time.monotonic()
+        for ip in list(self.by_peer):
+            group = self.by_peer[ip]
+            while len(group) > PEER_PENDING:
+                key, (_, since) = next(iter(group.items()))
+                if now - since < PEER_GRACE:
+                    break
+                self._evict(ip, key)
+        while self.npending > MAX_PENDING:
+            ip = max(self.by_peer, key=lambda h: len(self.by_peer[h]))
+            self._evict(ip, next(iter(self.by_peer[ip])))
+
+    async def sweeping(self) -> None:
+        while True:
+            await asyncio.sleep(PEER_GRACE / 2)
+            self.sweep()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         key = id(writer)
         peer = writer.get_extra_info("peername")
         ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
-        mine = self.by_peer.setdefault(ip, collections.OrderedDict())
-        self.pending[key] = mine[key] = writer
-        while len(mine) > PEER_PENDING:
-            k, oldest = mine.popitem(last=False)
-            self.pending.pop(k, None)
-            oldest.close()
-        while len(self.pending) > MAX_PENDING:
-            k, oldest = self.pending.popitem(last=False)
-            for group in self.by_peer.values():
-                group.pop(k, None)
-            oldest.close()
+        self.by_peer.setdefault(ip, collections.OrderedDict())[key] = (writer, time.monotonic())
+        self.npending += 1
+        self.sweep()
         try:
             if self.conns >= MAX_CONNS:
                 raise ProtocolError("too many connections")
@@ -851,10 +873,10 @@ class Server:
             writer.close()
 
     def _settled(self, key: int, ip: str) -> None:
-        self.pending.pop(key, None)
         group = self.by_peer.get(ip)
-        if group is not None:
-            group.pop(key, None)
+        if group is not None and key in group:
+            del group[key]
+            self.npending -= 1
             if not group:
                 del self.by_peer[ip]
 
@@ -1059,7 +1081,7 @@ async def amain(args: argparse.Namespace, token: bytes) -> None:
             _write(tmp, f"{bound}\n")
             os.replace(tmp, args.port_file)
         log.info("Head agent of node %s listening on %s:%s", args.node, host, bound)
-        duties = [work.watch(), head.housekeeping()]
+        duties = [work.watch(), head.housekeeping(), server.sweeping()]
     else:
         worker = Worker(args.node, args.head, token, args.lost_after, args.beat)
         worker.work = NodeWork(args.node, worker.report, args.scan)
