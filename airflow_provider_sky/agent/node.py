@@ -1002,7 +1002,8 @@ class Worker:
             res = await self.work.run(msg)
         except Exception as exc:
             res = {"rc": None, "out": "", "error": str(exc)}
-        await self._send(chan, {"op": "ran", "job": msg.get("job"), **res})
+        # on the link of now: one made again while the script ran still gets the answer to the head
+        await self._send(self.chan or chan, {"op": "ran", "job": msg.get("job"), **res})
 
     async def _beats(self, chan: Channel) -> None:
         while True:
