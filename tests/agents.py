@@ -21,6 +21,7 @@ from airflow_provider_sky.agent.client import AgentClient, AgentStatus, node_pla
 from airflow_provider_sky.agent.node import read_rank
 from airflow_provider_sky.gang import classify
 from airflow_provider_sky.runtime import STATUS_SCRIPT, Guard, RankLaunch, parse_status, status_args
+from test_containment import _alive as _alive_only
 from test_containment import _marked, _wait_for
 
 HEAD_IP = "127.0.0.2"
@@ -201,10 +202,26 @@ class Cluster:
     def agent_pid(self, node: str) -> int:
         """The agent's pid here (under ``unshare`` it is that process's child)."""
         pid = self.procs[node].pid
-        exe = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
-        if exe.endswith(b"unshare"):
-            return int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+        try:
+            exe = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+            if exe.endswith(b"unshare"):
+                return int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            pass
         return pid
+
+    def agents_left(self) -> list[int]:
+        """Pids of this cluster's agents still running (none once it is closed)."""
+        mine = str(self.agent).encode()
+        left = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    if mine in Path(f"/proc/{entry}/cmdline").read_bytes():
+                        left.append(int(entry))
+                except OSError:
+                    pass
+        return _alive_only(left)
 
     def kill(self, node: str) -> None:
         self.procs[node].send_signal(signal.SIGKILL)
@@ -213,8 +230,12 @@ class Cluster:
     def close(self) -> None:
         if self.proxy is not None:
             self.proxy.close()
-        for p in self.procs.values():
+        for node, p in self.procs.items():
             if p.poll() is None:
+                # under unshare the agent is the child, pid 1 of its namespace: killing it ends the namespace
+                agent = self.agent_pid(node)
+                if agent != p.pid:
+                    os.kill(agent, signal.SIGKILL)
                 p.kill()
                 p.wait()
         for pid in _marked(str(self.tmp)):

@@ -56,6 +56,7 @@ def cluster_of(tmp_path: Path) -> Iterator[Any]:
     for c in made:
         c.close()
     assert _wait_for(lambda: not _alive(_marked(str(tmp_path))), 5)
+    assert _wait_for(lambda: not any(c.agents_left() for c in made), 5), [c.agents_left() for c in made]
 
 
 #: four nodes, two ranks each: rank r on node r // 2
