@@ -120,3 +120,14 @@ class SkySpecMixin:
             raise _params.name_param(exc, templates) from None
         mask_spec_secrets(spec)
         return spec
+
+
+def refuse_outlets(task: Any) -> None:
+    """A cluster or job task ends before any rank ran: asset events from it would claim data no rank
+    wrote. The gang sensor emits them, and only when every rank succeeded."""
+    if task.outlets:
+        raise ValueError(
+            f"outlets: task {task.task_id} ends before the gang has run, so its asset events would not mean "
+            "the training succeeded; give outlets to the gang sensor (SkyGangSensor(outlets=...), or "
+            "sky_gang(outlets=...) / @task.sky(outlets=...)): it emits them only when every rank succeeded"
+        )

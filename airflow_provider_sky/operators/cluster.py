@@ -17,6 +17,7 @@ from airflow_provider_sky.operators._spec import (
     SkySpecMixin,
     check_cluster_name,
     pop_spec_fields,
+    refuse_outlets,
     resolve_cluster_name,
     run_holder,
 )
@@ -75,6 +76,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
         super().__init__(**kwargs)
+        refuse_outlets(self)
         self._init_spec(task_yaml, task_config, overrides)
         if cluster_name and "{" not in cluster_name:
             check_cluster_name(cluster_name)  # bad input fails at DAG parse time
