@@ -4,12 +4,14 @@
 gang updates an asset) → ``evaluate`` (reads the result), and a second DAG, ``sky_pipeline_publish``,
 scheduled on that asset. ``tests/dags/sky_test_pipeline_fail.py`` is the same with a failing rank: no
 result, no asset event, no consumer run. Runs are triggered the way the UI's Params form does (a run
-``conf``). What is asserted is read back from Airflow's REST API.
+``conf``). What is asserted is read back from Airflow's REST API. The module runs on the local backend,
+then on Kubernetes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -21,6 +23,7 @@ from urllib.parse import quote
 import pytest
 
 from airflow_provider_sky.dev.stack import AirflowStack
+from k8s_cluster import connection_extras
 from leaks import job_processes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,17 +56,24 @@ class Pipeline:
         return events
 
 
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
-    base = tmp_path_factory.mktemp("airflow-pipeline")
+@pytest.fixture(scope="module", params=["local", "kubernetes"])
+def pipeline(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Pipeline]:
+    """The chain on the embedded local backend, then with ``sky_default`` on the Kubernetes test cluster
+    (``tests/k8s_cluster.py``, started only for that run)."""
+    base = tmp_path_factory.mktemp(f"airflow-pipeline-{request.param}")
     sky = base / "sky"
     sky.mkdir()
+    env = {"SKY_PROVIDER_HOME": str(sky)}
+    if request.param == "kubernetes":
+        k8s, image = request.getfixturevalue("k8s"), request.getfixturevalue("k8s_image")
+        extra = connection_extras(k8s, image)
+        env["AIRFLOW_CONN_SKY_DEFAULT"] = json.dumps({"conn_type": "sky_kubernetes", "extra": extra})
     dags = base / "dags"
     dags.mkdir()
     (dags / "sky_pipeline.py").symlink_to(REPO / "dags_examples" / "sky_pipeline.py")
     (dags / "sky_test_pipeline_fail.py").symlink_to(REPO / "tests" / "dags" / "sky_test_pipeline_fail.py")
     try:
-        with AirflowStack(base / "airflow", dags, {"SKY_PROVIDER_HOME": str(sky)}) as stack:
+        with AirflowStack(base / "airflow", dags, env) as stack:
             # the consumers first: a DAG scheduled on an asset must be unpaused to be run by its events
             stack.unpause("sky_pipeline_publish")
             stack.unpause("sky_test_pipeline_fail_consumer")
