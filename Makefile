@@ -5,7 +5,7 @@ UV ?= $(shell command -v uv 2>/dev/null || echo "$(HOME)/.local/bin/uv")
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install system-deps k8s demo test lint typecheck unit bench clean
+.PHONY: install system-deps k8s demo test lint typecheck unit bench compat clean
 
 $(UV):
 	python3 -m pip install --user --quiet uv || python3 -m pip install --quiet uv
@@ -105,6 +105,11 @@ demo: install
 
 bench: install system-deps
 	$(PY) -m benchmarks.run
+
+## SkyPilot's own example YAMLs (../shared/skypilot-corpus): how many load, why the rest are refused, and
+## which backends can run them (nothing is launched; not part of make test). See benchmarks/compat.py.
+compat: install
+	$(PY) -m benchmarks.compat
 
 clean:
 	rm -rf .airflow-demo .pytest_cache .mypy_cache .ruff_cache

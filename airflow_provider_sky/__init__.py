@@ -36,6 +36,8 @@ def get_provider_info() -> dict[str, Any]:
             {"integration-name": "Sky", "external-doc-url": "https://docs.skypilot.co/", "tags": ["software"]}
         ],
         "connection-types": [
-            info.provider_entry("airflow_provider_sky.hooks.sky") for info in all_backends()
+            entry
+            for info in all_backends()
+            for entry in info.provider_entries("airflow_provider_sky.hooks.sky")
         ],
     }

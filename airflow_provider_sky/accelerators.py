@@ -10,6 +10,7 @@ one to the other with a small table (memory tells ``A100`` from ``A100-80GB`` an
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
@@ -102,6 +103,23 @@ def canonical_name(raw: str, memory_mib: int | None = None) -> str:
                 changed = True
     rest = re.sub(r"^RTX[ -]", "RTX", rest.strip(), flags=re.IGNORECASE)
     return re.sub(r"\s+", "-", rest) or text
+
+
+#: the canonical names of the table above (AMD's ``MI<nnn>`` are matched by pattern)
+KNOWN_NAMES: tuple[str, ...] = tuple(
+    dict.fromkeys(n for _, name, _, big in _NVIDIA for n in (name, big) if n)
+) + ("MI100", "MI210", "MI250", "MI250X", "MI300A", "MI300X", "MI325X")
+
+
+def known_name(name: str) -> bool:
+    """A GPU name this provider's catalog knows (case-insensitive), as SkyPilot names it."""
+    return any(same_name(name, k) for k in KNOWN_NAMES) or bool(_AMD.fullmatch(name.strip()))
+
+
+def close_names(name: str, others: Iterable[str] = ()) -> list[str]:
+    """Known names (and ``others``) close to a mistyped ``name``: ``A1000`` -> ``A100``."""
+    pool = {n.upper(): n for n in (*KNOWN_NAMES, *others)}
+    return [pool[c] for c in difflib.get_close_matches(name.upper(), list(pool), n=2, cutoff=0.75)]
 
 
 def same_name(requested: str, have: str) -> bool:
@@ -260,7 +278,7 @@ def detect_local(timeout: float = 30.0) -> Inventory:
 # ---------------------------------------------------------------------------------------------------------
 # declared GPUs (a connection's ``accelerators`` extra)
 
-_DECLARED = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9_.-]*)\s*(?::\s*(\d+))?\s*$")
+_DECLARED = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9_.-]*)\s*(?::\s*(\d+))?\s*")
 DECLARED_FORMAT = (
     "write NAME:COUNT (e.g. 'H100:8'), several comma-separated ('A100:4, T4:2'), or '' for no GPUs"
 )
@@ -278,7 +296,7 @@ def parse_declared(value: object, where: str) -> Inventory:
             items.append((str(k), v))
     elif isinstance(value, str):
         for part in (p for p in value.split(",") if p.strip()):
-            m = _DECLARED.match(part)
+            m = _DECLARED.fullmatch(part)
             if not m:
                 raise ValueError(f"{where}: cannot read {part.strip()!r}; {DECLARED_FORMAT}")
             items.append((m.group(1), int(m.group(2) or 1)))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 from airflow_provider_sky.gang import HUNG_PREFIX
 from airflow_provider_sky.jobs import GangClient, Poll, fan_out
 from airflow_provider_sky.runtime import MARKED_FUNCS, check_job_id
+from airflow_provider_sky.timing import check_timing
 from airflow_provider_sky.watch import MonitorState, watch
 
 log = logging.getLogger(__name__)
@@ -67,16 +67,10 @@ done
 )
 
 
-def check_hang_timeout(value: Any, where: str = "hang_timeout") -> float:
-    """``hang_timeout`` as seconds (0: off), or a ValueError naming the field: checked when the DAG is
-    parsed, so a typo never reaches a provisioned cluster."""
-    if value is None or value is False:
-        return 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{where}: expected seconds as a number (e.g. 600) or None for off, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{where}: must be a number of seconds >= 0 (0 or None: off), got {value!r}")
-    return float(value)
+def check_hang_timeout(value: Any) -> float:
+    """``hang_timeout`` as seconds (0: off), or a SpecError (a ValueError) naming the field: checked
+    when the DAG is parsed, so a typo never reaches a provisioned cluster (see :mod:`timing`)."""
+    return float(check_timing(hang_timeout=value)["hang_timeout"] or 0.0)
 
 
 def hang_reason(timeout: float, ranks: Sequence[int]) -> str:
@@ -92,23 +86,39 @@ class HangWatch:
 
     timeout: float
     seen: dict[int, tuple[int, float | None]] = field(default_factory=dict)
+    #: when this watcher first saw a rank's current sign (its silence is at least ``now - since``)
     since: dict[int, float] = field(default_factory=dict)
+    #: the poll before that one: the sign changed after it (its silence is less than ``now - before``)
+    before: dict[int, float] = field(default_factory=dict)
+    last_at: float | None = None
     fired: bool = False
 
     def hung(self, poll: Poll) -> list[int]:
-        """The ranks silent for ``timeout`` seconds at this poll (none once the gang is cancelled)."""
+        """The ranks silent for ``timeout`` seconds at this poll (none once the gang is cancelled).
+
+        A rank is found hung once it is surely silent that long (``now - since``). When one is, the
+        verdict also names every rank that may have been silent as long: its last sign came between two
+        polls, so two ranks that stopped together can be seen a poll apart (a loaded watcher, ranks that
+        print their last line a moment apart); that uncertainty counts up to half the timeout."""
         if self.fired or not self.timeout or poll.status.cancel_requested or poll.status.failed:
             return []
-        out = []
+        sure, maybe = [], []
+        prev, self.last_at = self.last_at, poll.at
         for r in poll.status.ranks:
             if r.terminal or r.rank in poll.unreachable:
                 continue  # an unreachable node is lost_after's to judge, not ours
             sign = (r.log_size, r.progress)
             if self.seen.get(r.rank) != sign:
                 self.seen[r.rank], self.since[r.rank] = sign, poll.at
-            elif poll.at - self.since[r.rank] >= self.timeout:
-                out.append(r.rank)
-        return out
+                self.before[r.rank] = poll.at if prev is None else prev
+                continue
+            silent = poll.at - self.since[r.rank]
+            doubt = min(self.since[r.rank] - self.before.get(r.rank, self.since[r.rank]), self.timeout / 2)
+            if silent >= self.timeout:
+                sure.append(r.rank)
+            elif silent + doubt >= self.timeout:
+                maybe.append(r.rank)
+        return sorted(sure + maybe) if sure else []
 
     async def fire(self, client: GangClient, job_id: str, poll: Poll, ranks: list[int], grace: float) -> None:
         """Dump the hung ranks' stacks into their logs, then cancel every rank still running."""

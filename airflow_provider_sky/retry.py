@@ -26,6 +26,7 @@ from airflow_provider_sky.gang import HUNG_PREFIX, LOST, ORPHANED_REASON, UNKNOW
 from airflow_provider_sky.hang import HangWatch, watch_gang
 from airflow_provider_sky.jobs import GangClient, Poll, fan_out
 from airflow_provider_sky.runners.base import RunnerError
+from airflow_provider_sky.spec import SpecError
 from airflow_provider_sky.watch import MonitorState
 
 log = logging.getLogger(__name__)
@@ -63,40 +64,43 @@ class RetryPolicy:
             "retry_on_exit_codes",
         ),
     ) -> RetryPolicy:
-        """The policy from user arguments, or a ValueError naming the field (checked at DAG parse)."""
+        """The policy from user arguments, or a SpecError (a ValueError) naming the field (checked at DAG
+        parse, with the timing arguments of :mod:`~airflow_provider_sky.timing`)."""
         n_retries, n_delay, n_exp, n_codes = names
         if retries is None:
             retries = 0
         if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
-            raise ValueError(
-                f"{n_retries}: expected a whole number of gang retries from 0 to 100, got {retries!r}"
+            raise SpecError(
+                n_retries, f"expected a whole number of gang retries from 0 to 100, got {retries!r}"
             )
         if retry_delay is None:
             retry_delay = 0.0
         if hasattr(retry_delay, "total_seconds"):
             retry_delay = retry_delay.total_seconds()
         if isinstance(retry_delay, bool) or not isinstance(retry_delay, (int, float)):
-            raise ValueError(f"{n_delay}: expected seconds (or a timedelta), got {retry_delay!r}")
+            raise SpecError(n_delay, f"expected seconds (or a timedelta), got {retry_delay!r}")
         if not math.isfinite(retry_delay) or not 0 <= retry_delay <= MAX_DELAY:
-            raise ValueError(f"{n_delay}: must be between 0 and {MAX_DELAY:g} seconds, got {retry_delay!r}")
+            raise SpecError(n_delay, f"must be between 0 and {MAX_DELAY:g} seconds, got {retry_delay!r}")
         if not isinstance(retry_exponential_backoff, bool):
-            raise ValueError(f"{n_exp}: expected True or False, got {retry_exponential_backoff!r}")
+            raise SpecError(n_exp, f"expected True or False, got {retry_exponential_backoff!r}")
         any_nonzero = False
         codes: list[int] = []
         if isinstance(retry_on_exit_codes, str):
             if retry_on_exit_codes != ANY_NONZERO:
-                raise ValueError(
-                    f"{n_codes}: expected a list of exit codes (e.g. [1, 137]) or {ANY_NONZERO!r}, "
-                    f"got {retry_on_exit_codes!r}"
+                raise SpecError(
+                    n_codes,
+                    f"expected a list of exit codes (e.g. [1, 137]) or {ANY_NONZERO!r}, "
+                    f"got {retry_on_exit_codes!r}",
                 )
             any_nonzero = True
         elif retry_on_exit_codes is not None:
             if isinstance(retry_on_exit_codes, int) or not isinstance(
                 retry_on_exit_codes, (list, tuple, set)
             ):
-                raise ValueError(
-                    f"{n_codes}: expected a list of exit codes (e.g. [1, 137]) or {ANY_NONZERO!r}, "
-                    f"got {retry_on_exit_codes!r}"
+                raise SpecError(
+                    n_codes,
+                    f"expected a list of exit codes (e.g. [1, 137]) or {ANY_NONZERO!r}, "
+                    f"got {retry_on_exit_codes!r}",
                 )
             for code in retry_on_exit_codes:
                 if (
@@ -105,8 +109,8 @@ class RetryPolicy:
                     or not (-64 <= code <= 255)
                     or code == 0
                 ):
-                    raise ValueError(
-                        f"{n_codes}: {code!r} is not a nonzero exit code (1..255, or -N for a signal)"
+                    raise SpecError(
+                        n_codes, f"{code!r} is not a nonzero exit code (1..255, or -N for a signal)"
                     )
                 codes.append(code)
         return cls(
@@ -213,6 +217,8 @@ class GangPoll(Poll):
     error: str = ""
     #: why a failed final attempt is not retried ("no retry left", "... not retryable: ...")
     verdict: str = ""
+    #: the root-cause rank's last lines of output (masked on the node), read once when it failed
+    cause_tail: tuple[str, ...] = ()
     # cause, failure_message and message are worked out once per poll: every rank trigger of the gang reads
     # the same poll, and each asking anew is O(N) per trigger, O(N^2) per poll (seconds at 1,024 ranks)
 
@@ -223,8 +229,13 @@ class GangPoll(Poll):
 
     @functools.cached_property
     def failure_message(self) -> str:
-        """``status.failure_message()``."""
-        return self.status.failure_message()
+        """``status.failure_message()``, then the root-cause rank's last lines of output: what it said
+        before it failed is the first thing a user looks for, and was a click into its log away."""
+        said = self.status.failure_message()
+        cause = self.cause
+        if said and cause is not None and self.cause_tail:
+            said += f" Rank {cause.rank}'s last output: " + " | ".join(self.cause_tail)
+        return said
 
     def message(self) -> str:
         """The gang's outcome in one paragraph: this attempt's root cause, then every earlier attempt's."""
@@ -252,6 +263,8 @@ class AttemptState:
     notes: dict[int, str] = field(default_factory=dict)
     monitors: dict[int, MonitorState] = field(default_factory=dict)
     hangs: dict[int, HangWatch] = field(default_factory=dict)
+    #: each failed attempt's root-cause rank and its last lines (:func:`cause_tail`), read once
+    tails: dict[int, tuple[int | None, tuple[str, ...]]] = field(default_factory=dict)
 
 
 def _gang_poll(poll: Poll, st: AttemptState, policy: RetryPolicy, **extra: Any) -> GangPoll:
@@ -262,8 +275,34 @@ def _gang_poll(poll: Poll, st: AttemptState, policy: RetryPolicy, **extra: Any) 
         max_attempts=policy.attempts,
         history=list(st.history),
         note=st.notes.get(st.attempt, ""),
+        cause_tail=st.tails.get(st.attempt, (None, ()))[1],
         **extra,
     )
+
+
+#: how many of the root-cause rank's last lines its failure message carries, and how much of each
+CAUSE_LINES = 5
+CAUSE_LINE_CHARS = 200
+#: how much of the end of its log is read for them (one call, once per failed attempt)
+CAUSE_TAIL_BYTES = 2048
+
+
+async def cause_tail(client: GangClient, job_id: str, status: GangStatus) -> tuple[str, ...]:
+    """The root-cause rank's last non-blank lines of output, as the node wrote its log (the job's
+    secrets masked there already); none for a lost rank (its node may not answer) or on a read error."""
+    cause = status.root_cause()
+    if cause is None or cause.state == LOST or not cause.log_size:
+        return ()
+    try:
+        text = await client.alog_tail(job_id, cause.rank, cause.log_size, CAUSE_TAIL_BYTES)
+    except RunnerError as exc:
+        log.warning("Could not read the end of rank %s's output: %s", cause.rank, exc)
+        return ()
+    lines = text.splitlines()
+    if cause.log_size > CAUSE_TAIL_BYTES and lines:
+        lines = lines[1:]  # the read began inside a line
+    kept = [line.rstrip()[:CAUSE_LINE_CHARS] for line in lines if line.strip()]
+    return tuple(kept[-CAUSE_LINES:])
 
 
 async def watch_attempts(
@@ -304,6 +343,10 @@ async def watch_attempts(
         ) as polls:
             async for poll in polls:
                 last = poll
+                cause = poll.status.root_cause() if poll.status.failed else None
+                if cause is not None and st.tails.get(st.attempt, (None, ()))[0] != cause.rank:
+                    # read once the fail-fast cancel is out (watch sent it before yielding this poll)
+                    st.tails[st.attempt] = (cause.rank, await cause_tail(client, aid, poll.status))
                 if poll.status.done:
                     break
                 yield _gang_poll(poll, st, policy, final=False)
@@ -313,7 +356,7 @@ async def watch_attempts(
         if not retry or st.attempt >= policy.attempts:
             if retry:
                 log.info("Job %s: attempt %s/%s failed; no retry left", job_id, st.attempt, policy.attempts)
-            elif not status.succeeded:
+            elif not status.succeeded and policy.retries:  # without retries, no talk of retrying
                 log.info("Job %s: attempt %s failed, %s", job_id, st.attempt, why)
             verdict = ""
             if not status.succeeded:

@@ -32,13 +32,13 @@ from airflow_provider_sky.node_scripts import STATUS_SCRIPT as STATUS_SCRIPT
 from airflow_provider_sky.node_scripts import TEARDOWN_SCRIPT as TEARDOWN_SCRIPT
 from airflow_provider_sky.node_scripts import teardown_script as teardown_script
 
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,180}$")
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,180}")
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def check_job_id(job_id: str) -> str:
     """Job ids become path parts on nodes: allow only a safe alphabet."""
-    if not JOB_ID_RE.match(job_id):
+    if not JOB_ID_RE.fullmatch(job_id):
         raise ValueError(f"job id {job_id!r} must match {JOB_ID_RE.pattern}")
     return job_id
 
@@ -56,7 +56,7 @@ def env_file(env: Mapping[str, str]) -> str:
     """
     lines = []
     for name, value in env.items():
-        if not ENV_NAME_RE.match(name):
+        if not ENV_NAME_RE.fullmatch(name):
             raise ValueError(f"invalid environment variable name {name!r}")
         if "\x00" in value:
             raise ValueError(f"environment variable {name} contains a NUL byte")

@@ -128,7 +128,7 @@ def attempt_job_id(job_id: str, attempt: int) -> str:
 
 
 #: what an address of a node may be (it goes into rank env files inside single quotes)
-IP_RE = re.compile(r"^[A-Za-z0-9.:_%-]{1,255}$")
+IP_RE = re.compile(r"[A-Za-z0-9.:_%-]{1,255}")
 
 
 def relaunch_args(
@@ -143,7 +143,7 @@ def relaunch_args(
     cluster's addresses in rank order (empty: the env of attempt 1 keeps its own); ``flag``: the
     machine's gang flag of the new attempt (:func:`~airflow_provider_sky.runtime.gang_flag`)."""
     for ip in ips:
-        if not IP_RE.match(ip):
+        if not IP_RE.fullmatch(ip):
             raise ValueError(f"node address {ip!r} is not a host name or IP address")
     args = [
         check_job_id(job_id),

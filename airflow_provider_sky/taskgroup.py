@@ -10,6 +10,8 @@ from airflow.sdk import TaskGroup, XComArg
 from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT
+from airflow_provider_sky.operators._args import check_arguments, operator_parameters, parameters
+from airflow_provider_sky.operators._spec import SPEC_FIELDS
 from airflow_provider_sky.operators.cluster import SkyClusterOperator
 from airflow_provider_sky.operators.down import SkyDownOperator
 from airflow_provider_sky.operators.job import SkyJobOperator
@@ -17,6 +19,15 @@ from airflow_provider_sky.operators.rank import SkyRankOperator
 from airflow_provider_sky.result import DEFAULT_MAX_BYTES, check_result_args
 from airflow_provider_sky.retry import RetryPolicy, operator_args
 from airflow_provider_sky.sensors.gang import SkyGangSensor
+from airflow_provider_sky.timing import check_timing
+
+
+def check_gang_arguments(where: str, given: Mapping[str, Any], *, without: tuple[str, ...] = ()) -> None:
+    """``sky_gang``'s own arguments, the task's fields and ``BaseOperator``'s (handed to the cluster and
+    job tasks) are valid; anything else is named here, not by the operator it would have reached."""
+    own = [p for p in (*parameters(sky_gang), *SPEC_FIELDS) if p not in without]
+    check_arguments(where, given, own, operator_parameters(SkyClusterOperator)[1])
+
 
 #: task id of the gang sensor in a ``sky_gang`` group: it ends last on success, and pushes the result
 GANG_TASK_ID = "gang"
@@ -73,6 +84,16 @@ def sky_gang(
     ``inlets`` are shown on the job task.
     """
     result_ranks, result_max_bytes = check_result_args(result_ranks, result_max_bytes)
+    check_gang_arguments("sky_gang", spec_fields)
+    check_timing(
+        poll_interval=poll_interval,
+        grace=grace,
+        lost_after=lost_after,
+        orphan_timeout=orphan_timeout,
+        idle_down=idle_down,
+        triggerers=triggerers,
+        hang_timeout=hang_timeout,
+    )
     spec_args: dict[str, Any] = {"task_yaml": task_yaml, "task_config": task_config, **spec_fields}
     watch: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
     hang: dict[str, Any] = {"hang_timeout": check_hang_timeout(hang_timeout) or None}

@@ -6,6 +6,10 @@ and the fake network that stands in for booted machines.
 * ``FaultProxy`` (a test fake of AWS's failures): forwards every request to moto, except that it answers
   chosen API actions with the error AWS would send (``InsufficientInstanceCapacity``,
   ``VcpuLimitExceeded``, ...), as AWS's XML error document; moto cannot run out of capacity or quota.
+  It can also lose a reply after moto carried the call out, and it plays two parts of EC2 moto lacks:
+  a RunInstances repeated with the same ``ClientToken`` (botocore's retry) gets the first one's reply
+  instead of a second set of instances, and (:func:`case_blind_group_names`) security group names
+  compared without case.
 * ``FakeNetwork`` (a test fake): moto boots nothing and its instance addresses reach nothing, so no test
   connects to them. The backend's one address hook, ``AWSBackend.endpoint(instance)``, is replaced by one
   that gives each live moto instance a real sshd host of ``tests/sshd.py`` (its loopback address, port and
@@ -107,7 +111,10 @@ class MotoEC2:
 
 @dataclass
 class Fault:
-    """Answer ``action`` with AWS's error ``code`` (HTTP ``status``), from its ``after``-th call on."""
+    """Answer ``action`` with AWS's error ``code`` (HTTP ``status``), from its ``after``-th call on.
+
+    ``reach``: the call is carried out by moto first and only its reply is lost (replaced by the error,
+    or, with ``status`` 0, by a connection closed without any reply), as when a reply times out."""
 
     action: str
     code: str
@@ -115,6 +122,7 @@ class Fault:
     status: int = 400
     after: int = 0
     seen: int = 0
+    reach: bool = False
 
 
 class FaultProxy:
@@ -125,7 +133,12 @@ class FaultProxy:
         self.faults: list[Fault] = []
         #: action -> a function run before that call is forwarded (to change moto's state meanwhile)
         self.before: dict[str, Callable[[], None]] = {}
+        #: action -> a function of the call's parameters giving the fault to answer it with, or None (for
+        #: AWS behaviour moto lacks, decided per call)
+        self.answer: dict[str, Callable[[dict[str, str]], Fault | None]] = {}
         self.calls: list[str] = []
+        #: the reply of each RunInstances by its client token
+        self._launched: dict[str, tuple[int, list[tuple[str, str]], bytes]] = {}
         self._lock = threading.Lock()
         proxy = self
 
@@ -135,11 +148,21 @@ class FaultProxy:
 
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                action = urllib.parse.parse_qs(body.decode()).get("Action", [""])[0]
+                params = {k: v[0] for k, v in urllib.parse.parse_qs(body.decode()).items()}
+                action = params.get("Action", "")
                 fault = proxy._fault(action)
                 hook = proxy.before.pop(action, None)
                 if hook is not None:
                     hook()
+                decide = proxy.answer.get(action)
+                if fault is None and decide is not None:
+                    fault = decide(params)
+                if fault is not None and fault.reach:
+                    self._forward(body)  # moto carries the call out; its reply is lost
+                if fault is not None and fault.status == 0:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 if fault is not None:
                     xml = (
                         f"<?xml version='1.0' encoding='UTF-8'?><Response><Errors><Error><Code>{fault.code}"
@@ -152,15 +175,9 @@ class FaultProxy:
                     self.end_headers()
                     self.wfile.write(xml)
                     return
-                conn = http.client.HTTPConnection(
-                    proxy.target.hostname or "127.0.0.1", proxy.target.port, timeout=60
-                )
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
-                conn.request("POST", self.path, body, headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
+                status, reply_headers, data = self._forward(body)
+                self.send_response(status)
+                for k, v in reply_headers:
                     if k.lower() not in (
                         "content-length",
                         "transfer-encoding",
@@ -172,7 +189,32 @@ class FaultProxy:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
-                conn.close()
+
+            def _forward(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+                params = urllib.parse.parse_qs(body.decode())
+                token = params.get("ClientToken", [""])[0] if params.get("Action") == ["RunInstances"] else ""
+                with proxy._lock:
+                    if (
+                        token in proxy._launched
+                    ):  # EC2's idempotency, which moto lacks: same token, same reply
+                        return proxy._launched[token]
+                reply = self._send(body)
+                if token and reply[0] == 200:
+                    with proxy._lock:
+                        proxy._launched[token] = reply
+                return reply
+
+            def _send(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+                conn = http.client.HTTPConnection(
+                    proxy.target.hostname or "127.0.0.1", proxy.target.port, timeout=60
+                )
+                try:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                    conn.request("POST", self.path, body, headers)
+                    resp = conn.getresponse()
+                    return resp.status, resp.getheaders(), resp.read()
+                finally:
+                    conn.close()
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -192,6 +234,22 @@ class FaultProxy:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def case_blind_group_names(moto: MotoEC2) -> Callable[[dict[str, str]], Fault | None]:
+    """For ``FaultProxy.answer["CreateSecurityGroup"]``: EC2 compares a VPC's group names without case
+    ("Names are case-insensitive and must be unique within the VPC", CreateSecurityGroup's reference);
+    moto compares them exactly. A name equal but for case to an existing group's is a duplicate."""
+
+    def decide(params: dict[str, str]) -> Fault | None:
+        name, vpc = params.get("GroupName", ""), params.get("VpcId", "")
+        groups = moto.client().describe_security_groups(Filters=[{"Name": "vpc-id", "Values": [vpc]}])
+        if any(g["GroupName"].lower() == name.lower() for g in groups["SecurityGroups"]):
+            message = f"The security group '{name}' already exists for VPC '{vpc}'"
+            return Fault("CreateSecurityGroup", "InvalidGroup.Duplicate", message)
+        return None
+
+    return decide
 
 
 @dataclass

@@ -36,7 +36,9 @@ from typing import Any
 
 import pytest
 
+from airflow_provider_sky.backends.headrecord import record_path
 from airflow_provider_sky.backends.kubernetes.manifest import CLUSTER_LABEL, cluster_selector
+from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.dev.stack import AirflowStack, parse_time
 from k8s_cluster import Image, K8sCluster, connection_extras
 from leaks import job_processes, processes_under
@@ -101,11 +103,11 @@ class RealAirflow:
             return
         if self.hosts is None:
             dirs = [self.sky / "local" / name]
-            records = [self.sky / "local" / "clusters" / f"{name}.json"]
+            records = [LocalBackend(self.sky).records / f"{name}.json"]
         else:
             homes = [Path(n.home) / ".sky_airflow" for n in self.hosts.nodes]
             dirs = [home / name for home in homes]
-            records = [home / "clusters" / f"{name}.json" for home in homes]
+            records = [Path(n.home, record_path(name)) for n in self.hosts.nodes]
         deadline = time.monotonic() + 5
         left = self._left(dirs)
         while left and time.monotonic() < deadline:
@@ -316,7 +318,11 @@ def test_fail_fast(real: RealAirflow, capsys: pytest.CaptureFixture[str]) -> Non
     if real.kube is None:
         with capsys.disabled():
             print(f"\nsky_fail_fast under the real scheduler: rank 2 exit → run end {latency:.1f} s")
-        assert 0 < latency < 30, f"the run ended {latency:.1f}s after rank 2 exited"
+        # The siblings sleep 10,000 s: a run that ends well before that shows the gang failed fast. The bound
+        # is Airflow's own latency with margin: with 9 runs starting at once on a loaded 2-core machine the
+        # scheduler took up to 32 s here (4-10 s alone); 90 s keeps ~3x that and is still 100x below the
+        # sleeps. How fast is measured by the benchmarks (figures 1 and 4), not asserted here.
+        assert 0 < latency < 90, f"the run ended {latency:.1f}s after rank 2 exited"
     else:
         # the run's end includes the teardown, which on Kubernetes waits until the kubelets have removed the
         # pods (tens of seconds on the test cluster): bound the failure itself, the gang task's end
@@ -328,7 +334,7 @@ def test_fail_fast(real: RealAirflow, capsys: pytest.CaptureFixture[str]) -> Non
                 f"\nsky_fail_fast under the real scheduler on Kubernetes: rank 2 exit → gang failed "
                 f"{decided:.1f} s, → run end (teardown included) {latency:.1f} s"
             )
-        assert 0 < decided < 30, f"the gang failed {decided:.1f}s after rank 2 exited"
+        assert 0 < decided < 90, f"the gang failed {decided:.1f}s after rank 2 exited"  # margin: as above
 
     real.assert_cleaned_up("sky_fail_fast", run_id)
     job_id = real.stack.xcom("sky_fail_fast", run_id, "train.job")[0]["job_id"]
@@ -349,6 +355,12 @@ def test_segfault(real: RealAirflow) -> None:
         assert "segmentation fault (SIGSEGV)" in log, log
     assert tis[("crash.down", -1)]["state"] == "success"
     assert state == "failed"
+    # the scheduler's listener (airflow_provider_sky.notes): the cause in the run's and the ranks' notes
+    note = real.stack.dag_run("sky_segfault", run_id).get("note") or ""
+    assert note.startswith("rank 1 (") and ", failed first" in note, note
+    assert tis[("crash.rank", 1)]["note"] == note
+    for r in (0, 2):
+        assert tis[("crash.rank", r)]["note"] == "cancelled: " + note.split(". Its last output")[0], tis
     real.assert_cleaned_up("sky_segfault", run_id)
 
 

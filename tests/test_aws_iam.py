@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from airflow_provider_sky.backends.aws import iam
 from airflow_provider_sky.backends.aws.ec2 import TAG_CREATED
 from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.spec import task_from_args
@@ -38,34 +39,45 @@ def _readme_policy() -> dict[str, Any]:
     return policy
 
 
-def test_the_readme_iam_policy_allows_the_whole_lifecycle(
-    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
-) -> None:
-    """moto enforcing IAM: a user holding exactly the README's policy provisions, finds, reaps and tears
-    down a cluster and uses the Test button; a call the policy lacks would be AccessDenied. (moto checks
-    the actions; it ignores Resource and Condition, so the tag conditions are not exercised here.)"""
+def _users(moto: MotoEC2, policies: dict[str, dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """IAM users holding these policies, and an admin the tests' own client becomes; their keys."""
     import json
 
     iam = moto.client(service="iam")
+    admin = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
     keys = {}
-    for user, policy in (
-        ("sky", _readme_policy()),
-        (
-            "admin",
-            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]},
-        ),
-    ):
+    for user, policy in {**policies, "admin": admin}.items():
         iam.create_user(UserName=user)
         iam.put_user_policy(UserName=user, PolicyName="p", PolicyDocument=json.dumps(policy))
         key = iam.create_access_key(UserName=user)["AccessKey"]
         keys[user] = (key["AccessKeyId"], key["SecretAccessKey"])
     moto.keys = keys["admin"]
+    return keys
+
+
+def _root_size(ec2: Any, instance_id: str) -> int:
+    vols = ec2.describe_volumes(Filters=[{"Name": "attachment.instance-id", "Values": [instance_id]}])
+    return int(vols["Volumes"][0]["Size"])
+
+
+def test_the_readme_iam_policy_allows_the_whole_lifecycle(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
+) -> None:
+    """moto enforcing IAM: a user holding exactly the README's policy provisions, finds, replaces a node
+    (the new instance gets the cluster's disk size, read from the old one's root volume), reaps and
+    tears down a cluster and uses the Test button; a call the policy lacks would be AccessDenied. (moto
+    checks the actions; it ignores Resource and Condition, so the tag conditions are not exercised.)"""
+    keys = _users(moto, {"sky": _readme_policy()})
     moto.enforce_iam(True)
     try:
         b = backend(moto.url, hosts, login=keys["sky"][0], password=keys["sky"][1])
         assert b.test_connection().startswith(f"EC2 {REGION}")
-        b.provision("iam", task_from_args(num_nodes=2, run="true", resources={"disk_size": 64}), holder="d/r")
+        spec = task_from_args(num_nodes=2, run="true", resources={"disk_size": 512})
+        h = b.provision("iam", spec, holder="d/r")
         assert backend(moto.url, hosts, login=keys["sky"][0], password=keys["sky"][1]).find("iam") is not None
+        h2 = b.replace_nodes(h, [1])
+        new = h2.nodes[1].node_id
+        assert new != h.nodes[1].node_id and _root_size(moto.client(), new) == 512
         assert b.reap(min_age=0) == []
         assert b.terminate("iam", holder="d/r").removed
         assert ours_left(moto.client(), "iam") == {}
@@ -80,6 +92,39 @@ def test_the_readme_iam_policy_allows_the_whole_lifecycle(
         moto.enforce_iam(False)
 
 
+def test_a_replacement_denied_the_root_volume_size_is_an_error_not_a_smaller_disk(
+    moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
+) -> None:
+    """A policy without ec2:DescribeVolumes: replacing a node cannot learn the cluster's disk size, so it
+    fails naming the permission, before the lost instance is ended or a new one launched (never a new
+    instance with the image's default disk)."""
+    policy = _readme_policy()
+    for st in policy["Statement"]:
+        if isinstance(st["Action"], list):
+            st["Action"] = [a for a in st["Action"] if a != "ec2:DescribeVolumes"]
+    keys = _users(moto, {"sky": policy})
+    moto.enforce_iam(True)
+    try:
+        b = backend(moto.url, hosts, login=keys["sky"][0], password=keys["sky"][1])
+        h = b.provision("nodisk", task_from_args(num_nodes=2, run="true", resources={"disk_size": 512}))
+        with pytest.raises(BackendError) as err:
+            b.replace_nodes(h, [1])
+        text = str(err.value)
+        print("\nDescribeVolumes denied:", text)
+        assert "root volume" in text and "permission denied" in text and "ec2:DescribeVolumes" in text
+        assert sorted(ours_left(moto.client(), "nodisk")["instances"]) == sorted(n.node_id for n in h.nodes)
+        assert b.terminate("nodisk").removed
+    finally:
+        moto.enforce_iam(False)
+
+
+def test_the_readme_policy_is_the_one_made_from_the_backends_list_of_actions() -> None:
+    """One list in code (``backends/aws/iam.py``) of the EC2 actions the backend calls; the README's
+    policy is the one made from it, for the default owner."""
+    assert _readme_policy() == iam.policy()
+    assert _actions(_readme_policy()) == iam.ACTIONS
+
+
 def _actions(policy: dict[str, Any]) -> set[str]:
     out: set[str] = set()
     for st in policy["Statement"]:
@@ -92,9 +137,10 @@ def test_the_readme_policy_names_exactly_the_actions_the_backend_calls(
     moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
 ) -> None:
     """Every path of the backend (the Test button, provision with a disk (its image's root device) and the
-    cluster's own group and key pair, find, reuse of a stopped cluster, a lost node's reason, reap with
-    leftovers, teardown, a provision failing part way), each EC2 call recorded by a proxy in front of
-    moto: the actions called are the policy's, no more and no fewer. And the policy's shape: one
+    cluster's own group and key pair, find, reuse of a stopped cluster, a lost node's reason, replacing a
+    node, reap with leftovers, teardown, a provision failing part way), each EC2 call recorded by a proxy
+    in front of moto: the actions called are the list in code (``iam.ACTIONS``) and the policy's, no
+    more and no fewer. And the policy's shape: one
     version, every statement Allow with Resource '*', conditions only on keys EC2 defines."""
     policy = _readme_policy()
     assert policy["Version"] == "2012-10-17"
@@ -117,6 +163,7 @@ def test_the_readme_policy_names_exactly_the_actions_the_backend_calls(
         ec2.get_waiter("instance_stopped").wait(InstanceIds=ids, WaiterConfig={"Delay": 1})
         h = backend(proxy.url, hosts).provision("iam", spec, holder="d/r2")  # StartInstances
         assert b.lost_reason(h.nodes[1]) is None
+        h = b.replace_nodes(h, [1])  # DescribeVolumes (the root disk's size), RunInstances
         assert b.reap(min_age=0) == []
         assert b.terminate("iam", holder=None).removed
         # a leftover group, deleted by reap; a provision failing after the launch undoes what it made
@@ -143,7 +190,33 @@ def test_the_readme_policy_names_exactly_the_actions_the_backend_calls(
         proxy.stop()
     called = {f"ec2:{a}" for a in proxy.calls}
     print("\nEC2 actions called:", sorted(called))
-    assert called == _actions(policy), (
-        f"called, not in the policy: {sorted(called - _actions(policy))}; "
-        f"in the policy, never called: {sorted(_actions(policy) - called)}"
+    assert called == iam.ACTIONS, (
+        f"called, not in the list: {sorted(called - iam.ACTIONS)}; "
+        f"in the list, never called: {sorted(iam.ACTIONS - called)}"
+    )
+    assert _actions(policy) == iam.ACTIONS
+
+
+def test_every_ec2_call_in_the_backends_code_is_in_the_list() -> None:
+    """Also the calls of paths no test above walks: each ``ec2.<method>(`` of ``backends/aws`` (waiters
+    and paginators by the operation they call) is an action of ``iam.ACTIONS``, and each action of the
+    list is called somewhere."""
+    import re
+    from pathlib import Path
+
+    import airflow_provider_sky.backends.aws as package
+
+    waiters = {"instance_running": "describe_instances", "instance_terminated": "describe_instances"}
+    found: dict[str, str] = {}
+    for path in sorted(Path(package.__file__).parent.glob("*.py")):
+        text = path.read_text()
+        for method in re.findall(r"\bec2\.(\w+)\(", text):
+            if method not in ("get_paginator", "get_waiter"):
+                found.setdefault(method, path.name)
+        for kind, op in re.findall(r"get_(paginator|waiter)\(\s*\"(\w+)\"", text):
+            found.setdefault(waiters.get(op, "?" + op) if kind == "waiter" else op, path.name)
+    actions = {"ec2:" + "".join(w.title() for w in m.split("_")): where for m, where in found.items()}
+    assert set(actions) == iam.ACTIONS, (
+        f"called, not in the list: {sorted(set(actions) - iam.ACTIONS)}; "
+        f"listed, never called: {sorted(iam.ACTIONS - set(actions))}"
     )

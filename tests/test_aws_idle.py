@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from airflow_provider_sky.backends.aws.ec2 import TAG_CREATED
+from airflow_provider_sky.backends.aws.ec2 import TAG_CREATED, resource_name
 from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
@@ -71,7 +71,7 @@ def test_a_provision_deletes_an_old_leftover_group_and_waits_for_a_young_one(
             {"Key": TAG_CREATED, "Value": str(int(created))},
         ]
         ec2.create_security_group(
-            GroupName=f"sky-airflow-{name}",
+            GroupName=resource_name(name),
             Description="left",
             VpcId=vpc,
             TagSpecifications=[{"ResourceType": "security-group", "Tags": tags}],
@@ -81,7 +81,7 @@ def test_a_provision_deletes_an_old_leftover_group_and_waits_for_a_young_one(
     b.busy_wait = 1.0
     spec = task_from_args(num_nodes=1, run="true")
     leftover("young", time.time())
-    with pytest.raises(BackendError, match="its security group sky-airflow-young exists"):
+    with pytest.raises(BackendError, match=f"its security group {resource_name('young')} exists"):
         b.provision("young", spec)
     assert len(ours_left(ec2, "young")["security_groups"]) == 1
     leftover("old", time.time() - 3600)

@@ -19,6 +19,7 @@ import pendulum
 import pytest
 
 from airflow_provider_sky.backends.base import Backend, BackendError, Teardown
+from airflow_provider_sky.backends.headrecord import record_path
 from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.backends.ssh import SSHBackend
 from airflow_provider_sky.jobs import GangClient
@@ -55,7 +56,7 @@ def _wait_running(client: GangClient, job_id: str, n: int, timeout: float = 30) 
 
 
 def _local_record(sky_home: Path, name: str) -> dict[str, Any] | None:
-    path = sky_home / "local" / "clusters" / f"{name}.json"
+    path = LocalBackend(sky_home).records / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -108,6 +109,31 @@ def test_leases_are_kept_per_holder_and_a_forced_teardown_ignores_them(sky_home:
     assert b.terminate("c", holder="") == Teardown(removed=False, kept_for=(A, B))
     assert b.terminate("c") == Teardown(removed=True)  # holder=None: forced
     assert b.find("c") is None
+
+
+def test_a_local_teardown_that_cannot_write_the_record_deletes_nothing(sky_home: Path) -> None:
+    """Run A's teardown sees run B's lease but cannot write the record: it deletes nothing, kills
+    nothing and says so (the cluster is kept for the next teardown), rather than failing unexplained."""
+    b = LocalBackend(sky_home)
+    h = b.provision("c", LONG, holder=A)
+    GangClient(b, h).launch(LONG, "job-a")
+    b.provision("c", LONG, holder=B)
+    before = _local_record(sky_home, "c")
+    blocker = b.records / "c.tmp"  # where the new record is written first: a directory cannot be
+    blocker.mkdir()
+    try:
+        with pytest.raises(BackendError, match=r"could not update the record.*nothing was deleted"):
+            b.terminate("c", grace=0.5, holder=A)
+        assert _local_record(sky_home, "c") == before  # both leases still there
+        assert _states(GangClient(b, h), "job-a") == ["running", "running"]
+        with pytest.raises(BackendError, match=r"nothing was deleted"):
+            b.terminate("c", grace=0.5)  # forced: the same
+        assert _states(GangClient(b, h), "job-a") == ["running", "running"]
+    finally:
+        blocker.rmdir()
+    assert b.terminate("c", grace=0.5, holder=A) == Teardown(removed=False, kept_for=(B,))
+    assert b.terminate("c", grace=0.5, holder=B) == Teardown(removed=True)
+    assert not job_processes(sky_home)
 
 
 def test_concurrent_provisions_all_get_their_lease(sky_home: Path) -> None:
@@ -248,6 +274,28 @@ def test_default_cluster_of_a_run_is_its_own(sky_home: Path) -> None:
     assert SkyDownOperator(task_id="down", sky_conn_id=None).execute(ctx2) is True
 
 
+def test_a_spec_the_backend_refuses_fails_the_cluster_task_without_retries(
+    sky_home: Path, tmp_path: Path
+) -> None:
+    """A missing source is found before anything is provisioned, and no retry can fix it: the task fails
+    for good (AirflowFailException) instead of spending its retries on the same error."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_sky.operators.cluster import SkyClusterOperator
+
+    op = SkyClusterOperator(
+        task_id="cluster",
+        num_nodes=2,
+        run="true",
+        sky_conn_id=None,
+        retries=3,
+        file_mounts={"~/data": str(tmp_path / "missing")},
+    )
+    with pytest.raises(AirflowFailException, match=r"file_mounts\.~/data"):
+        op.execute(_dag_context("spec_fail", "manual__1"))
+    assert not list((sky_home / "local").glob("*/node-0")), "nothing may be provisioned"
+
+
 # ------------------------------------------------------------------------------------------- paths
 
 
@@ -289,20 +337,22 @@ def test_file_mount_through_a_symlink_out_of_the_home_is_refused(sky_home: Path,
 # ------------------------------------------------------------------------------------------- SSH hosts
 
 
-def _ssh(c: SSHDCluster, **kw: Any) -> SSHBackend:
-    args: dict[str, Any] = {
+def _ssh_args(c: SSHDCluster) -> dict[str, Any]:
+    return {
         "user": "",
         "key_file": c.client_key_path,
         "known_hosts": c.known_hosts_path,
         "connect_timeout": 2.0,
         "ready_timeout": 5.0,
     }
-    args.update(kw)
-    return SSHBackend(c.host_list(), **args)
+
+
+def _ssh(c: SSHDCluster, **kw: Any) -> SSHBackend:
+    return SSHBackend(c.host_list(), **{**_ssh_args(c), **kw})
 
 
 def _head_record(c: SSHDCluster, name: str) -> dict[str, Any] | None:
-    path = Path(c.nodes[0].home, ".sky_airflow", "clusters", f"{name}.json")
+    path = Path(c.nodes[0].home, record_path(name))
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -376,7 +426,120 @@ def test_concurrent_ssh_provisions_all_get_their_lease(hosts3: SSHDCluster, lock
         t.join()
     assert sum(r.removed for r in results) == 1  # exactly the last holder removed it
     assert _head_record(hosts3, "many") is None
-    assert not list(Path(hosts3.nodes[0].home, ".sky_airflow", "clusters").glob(".lock*/*"))
+    assert not list(Path(hosts3.nodes[0].home, record_path("many")).parent.glob(".lock*/*"))
+
+
+@needs_sshd
+def test_an_ssh_cluster_named_like_an_internal_directory_leaves_the_other_records_alone(
+    hosts3: SSHDCluster,
+) -> None:
+    """A node's runtime is ``~/.sky_airflow/<cluster>`` and the head's records are kept apart from every
+    name a cluster can have: the teardown of a cluster named ``clusters`` once removed the records of
+    every cluster on that head, whose ranks then ran on with no teardown able to find them."""
+    b = _ssh(hosts3)
+    h = b.provision("train", LONG)
+    train = GangClient(b, h)
+    train.launch(LONG, "job-a")
+    _wait_running(train, "job-a", 2)
+    other = b.provision("clusters", task_from_args(num_nodes=3, run="true"))
+    GangClient(b, other).launch(task_from_args(num_nodes=3, run="true"), "job-c")
+    assert b.terminate("clusters", grace=0.5).removed
+    assert _head_record(hosts3, "train") is not None, "the teardown of 'clusters' took the record of 'train'"
+    assert _states(train, "job-a") == ["running", "running"]
+    assert b.terminate("train", grace=0.5) == Teardown(removed=True)
+    assert _sleepers(hosts3) == {}
+
+
+@needs_sshd
+def test_an_ssh_teardown_that_cannot_write_the_record_deletes_nothing(hosts3: SSHDCluster) -> None:
+    """Run A's teardown sees run B's lease, but the head's record lock is held (a stuck writer): the
+    record cannot be updated, so nothing is killed or removed on any node and the error says so."""
+    import fcntl
+
+    b = _ssh(hosts3)
+    b.record_lock_wait = 2.0
+    h = b.provision("locked", LONG, holder=A)
+    GangClient(b, h).launch(LONG, "job-a")
+    _wait_running(GangClient(b, h), "job-a", 2)
+    b.provision("locked", LONG, holder=B)
+    before = _head_record(hosts3, "locked")
+    lock = Path(hosts3.nodes[0].home, record_path("locked")).parent / ".lock"
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(BackendError, match=r"could not update.*nothing was deleted"):
+            b.terminate("locked", grace=0.5, holder=A)
+        with pytest.raises(BackendError, match=r"nothing was deleted"):
+            b.terminate("locked", grace=0.5)  # forced: the same
+    assert _head_record(hosts3, "locked") == before  # both leases still there
+    assert sorted(_sleepers(hosts3)) == [0, 1]  # and both of run A's ranks run on
+    assert b.terminate("locked", grace=0.5, holder=A) == Teardown(removed=False, kept_for=(B,))
+    assert b.terminate("locked", grace=0.5, holder=B) == Teardown(removed=True)
+    assert _sleepers(hosts3) == {}
+
+
+@needs_sshd
+def test_an_ssh_teardown_whose_head_is_unreachable_deletes_nothing(hosts3: SSHDCluster) -> None:
+    """The record (its nodes, its leases) is on the head: a teardown that cannot reach the head cannot
+    know who holds the cluster, so it kills nothing on the other nodes and says so."""
+    b = _ssh(hosts3)
+    h = b.provision("headless", LONG, holder=A)
+    GangClient(b, h).launch(LONG, "job-a")
+    _wait_running(GangClient(b, h), "job-a", 2)
+    hosts3.kill_node(0)  # the head (and rank 0 with it) is gone
+    try:
+        with pytest.raises(BackendError, match=r"nothing was deleted"):
+            b.terminate("headless", grace=0.5, holder=A)
+        assert sorted(_sleepers(hosts3)) == [1]  # rank 1 runs on, on its own host
+    finally:
+        hosts3.restart_node(0)
+        ssh.close_all()
+    b = _ssh(hosts3)
+    assert b.terminate("headless", grace=0.5, holder=A) == Teardown(removed=True)
+    assert _sleepers(hosts3) == {}
+
+
+@needs_sshd
+def test_one_cluster_name_on_two_heads_is_refused_on_a_shared_host(hosts3: SSHDCluster) -> None:
+    """Two connections share a host but have different heads (so different record stores): a cluster
+    name in use on that host by one is refused by the other, which would share its directory and
+    whose teardown would kill the first one's ranks."""
+    first = _ssh(hosts3)  # head: node 0; the cluster takes nodes 0 and 1
+    h = first.provision("same", LONG, holder=A)
+    GangClient(first, h).launch(LONG, "job-a")
+    _wait_running(GangClient(first, h), "job-a", 2)
+    second = SSHBackend(hosts3.host_list()[1:], **_ssh_args(hosts3))  # head: node 1
+    with pytest.raises(BackendError, match=rf"cluster 'same'.*{hosts3.nodes[1].host}:{hosts3.nodes[1].port}"):
+        second.provision("same", LONG, holder=B)
+    assert second.find("same") is None  # nothing recorded on its head
+    assert not Path(hosts3.nodes[2].home, ".sky_airflow", "same").exists()  # nor left on its other host
+    assert second.terminate("same", grace=0.5) == Teardown(removed=False)
+    assert sorted(_sleepers(hosts3)) == [0, 1]  # the first cluster's ranks run on
+    assert first.terminate("same", grace=0.5, holder=A) == Teardown(removed=True)
+    assert _sleepers(hosts3) == {}
+    again = second.provision("same", task_from_args(num_nodes=2, run="true"))  # free once it is gone
+    assert second.terminate(again.name, grace=0.5).removed
+
+
+@needs_sshd
+def test_an_ssh_teardown_leaves_a_directory_another_cluster_owns(hosts3: SSHDCluster) -> None:
+    """A node directory whose owner is another cluster of the same name (another head) is not this
+    cluster's to kill or remove: the teardown leaves it and keeps the node in the record, unclean."""
+    b = _ssh(hosts3)
+    h = b.provision("owned", LONG)
+    GangClient(b, h).launch(LONG, "job-a")
+    _wait_running(GangClient(b, h), "job-a", 2)
+    root = Path(hosts3.nodes[1].home, ".sky_airflow", "owned")
+    mine = (root / ".owner").read_text()
+    (root / ".owner").write_text("someone@10.9.9.9:22 owned\n")
+    try:
+        result = b.terminate("owned", grace=0.5)
+        assert not result.removed and len(result.unclean) == 1
+        assert "another cluster of this name" in result.unclean[0] and "10.9.9.9" in result.unclean[0]
+        assert sorted(_sleepers(hosts3)) == [1] and root.exists()  # node 0 cleaned, node 1 untouched
+    finally:
+        (root / ".owner").write_text(mine)
+    assert b.terminate("owned", grace=0.5) == Teardown(removed=True)  # ours again: finished
+    assert _sleepers(hosts3) == {} and not root.exists()
 
 
 def _hang(c: SSHDCluster, i: int) -> list[int]:

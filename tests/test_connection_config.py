@@ -147,7 +147,7 @@ def test_the_local_backend_reads_no_standard_field() -> None:
 def test_a_connection_of_another_type_names_the_types_to_use() -> None:
     with pytest.raises(
         ConnectionConfigError,
-        match="connection 'c' has type 'ssh'; use one of sky_local, sky_aws, sky_kubernetes, sky_ssh",
+        match="connection 'c' has type 'ssh'; use one of skylocal, skyaws, skykubernetes, skyssh",
     ):
         by_conn_type("ssh", "c")
 
@@ -197,15 +197,17 @@ def test_a_reused_ssh_connection_with_two_keys_is_refused() -> None:
 
 def test_provider_info_hooks_and_factories_come_from_the_registry() -> None:
     types = airflow_provider_sky.get_provider_info()["connection-types"]
-    assert [t["connection-type"] for t in types] == [i.conn_type for i in all_backends()]
-    for entry, info in zip(types, all_backends(), strict=True):
+    assert [t["connection-type"] for t in types] == [t for i in all_backends() for t in i.all_conn_types]
+    for entry in types:
+        info = by_conn_type(entry["connection-type"], "c")
         hook = getattr(hooks, entry["hook-class-name"].rsplit(".", 1)[1])
         # Airflow maps a connection type to a hook class only when the two agree
         assert (hook.conn_type, hook.hook_name, hook.conn_name_attr) == (
-            info.conn_type,
-            info.hook_name,
+            entry["connection-type"],
+            entry["hook-name"],
             "sky_conn_id",
         )
+        assert info.hook_name in hook.hook_name
         assert callable(info.backend_class().from_config)
         assert set(entry["conn-fields"]) <= set(info.extras)
 
@@ -241,5 +243,55 @@ def test_airflow_lists_every_connection_type_with_its_form_and_test_button() -> 
         hook = registered[info.conn_type]
         assert hook is not None and hook.connection_testable, info.conn_type
         assert hook.hook_name == info.hook_name
+        for old in info.former_conn_types:  # connections made before the rename keep form and Test button
+            assert registered[old] is not None and registered[old].connection_testable, old
+            assert behaviours[old] == behaviours[info.conn_type]
         hidden = behaviours[info.conn_type]["hidden_fields"]
         assert set(hidden) == {"host", "schema", "login", "password", "port"} - set(info.standard_fields)
+
+
+# -- name fields match whole: a pasted newline, CR, trailing space or NUL is named, not carried to a node ----
+
+
+@pytest.mark.parametrize("ending", ["\n", "\r", " ", "\0"], ids=repr)
+@pytest.mark.parametrize(
+    ("parse", "config", "key"),
+    [
+        ("ssh", {"host": "h", "login": "ubuntu{}"}, "login"),
+        ("ssh", {"host": "h", "user": "ubuntu{}"}, "login"),
+        ("ssh", {"host": "h,g", "head": "g{}"}, "head"),
+        ("ssh", {"host": "h\0{}"}, "host"),
+        ("ssh", {"host": "h", "spare_hosts": "s\0{}"}, "spare_hosts"),
+        ("aws", {"private_key": KEY, "region_name": "us-east-1{}"}, "region_name"),
+        ("aws", {"private_key": KEY, "zone": "us-east-1a{}"}, "zone"),
+        ("aws", {"private_key": KEY, "subnet_id": "subnet-1{}"}, "subnet_id"),
+        ("aws", {"private_key": KEY, "security_group_ids": ["sg-1\0{}"]}, "security_group_ids"),
+        ("aws", {"private_key": KEY, "key_name": "mykey{}"}, "key_name"),
+        ("aws", {"private_key": KEY, "ssh_user": "ubuntu{}"}, "ssh_user"),
+        ("aws", {"private_key": KEY, "image_id": "ami-1{}"}, "image_id"),
+        ("aws", {"private_key": KEY, "owner": "team{}"}, "owner"),
+        ("k8s", {"context": "kind-sky{}"}, "context"),
+        ("k8s", {"namespace": "default{}"}, "namespace"),
+        ("k8s", {"image": "busybox:latest{}"}, "image"),
+        ("k8s", {"service_account": "runner{}"}, "service_account"),
+        ("k8s", {"gpu_resource": "nvidia.com/gpu{}"}, "gpu_resource"),
+        ("k8s", {"accelerator_label": "skypilot.co/accelerator{}"}, "accelerator_label"),
+    ],
+)
+def test_a_name_field_with_a_bad_ending_is_refused_naming_it(
+    parse: str, config: dict[str, Any], key: str, ending: str
+) -> None:
+    from airflow_provider_sky.backends.aws.config import parse_aws_config
+    from airflow_provider_sky.backends.kubernetes.config import parse_kube_config
+
+    parser = {"ssh": parse_ssh_config, "aws": parse_aws_config, "k8s": parse_kube_config}[parse]
+
+    def filled(end: str) -> dict[str, Any]:
+        def one(v: str) -> str:
+            return v.replace("{}", end) if end else v.replace("\0{}", "").replace("{}", "")
+
+        return {k: [one(i) for i in v] if isinstance(v, list) else one(v) for k, v in config.items()}
+
+    with pytest.raises(BackendError, match=f"^{key}: "):
+        parser(filled(ending))
+    parser(filled(""))  # the same name without the ending is fine

@@ -116,6 +116,31 @@ def test_a_rank_failing_at_once_is_cancelled_from_the_first_instant(sky_home: Pa
     assert tis[("down", -1)].state == "success"
 
 
+def test_the_run_and_rank_notes_say_which_rank_failed_first_and_why(sky_home: Path) -> None:
+    """Issue 28.4: every rank of the run's rank list read ``failed``; which one failed first, and why,
+    was a click into a log. Now the run's note and the rank tasks' notes say it, with its last output."""
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+
+    dr, _ = _run("sky_test_notes", folder="tests/dags")
+    assert str(dr.state) == "failed"
+    with create_session() as session:
+        run = session.query(DagRun).filter_by(dag_id=dr.dag_id, run_id=dr.run_id).one()
+        notes = {
+            ti.map_index: ti.note
+            for ti in session.query(TaskInstance).filter_by(
+                dag_id=dr.dag_id, run_id=dr.run_id, task_id="train.rank"
+            )
+        }
+        run_note = run.note
+    first = "rank 1 (127.1.0.2) exited with code 3, failed first"
+    assert run_note and run_note.startswith(first), run_note
+    assert "CUDA error: an illegal memory access was encountered" in run_note and "step 41" in run_note
+    assert notes[1] == run_note
+    assert notes[0] == notes[2] == f"cancelled: {first}", notes
+
+
 def test_sky_segfault(sky_home: Path, capfd: pytest.CaptureFixture[str]) -> None:
     dr, tis = _run("sky_segfault")
     text = _out(capfd)
@@ -161,6 +186,70 @@ def test_bad_input_fails_at_dag_parse_time() -> None:
             sky_gang("h", num_nodes=2, run="true", envs={"RANK": "3"})
         with pytest.raises(SpecError, match="run"):
             sky_gang("i", num_nodes=2)
+
+
+def test_a_mistyped_argument_is_named_with_the_nearest_valid_one() -> None:
+    """Issue 28.5: ``sky_gang(hang_timout=60)`` said ``Invalid arguments were passed to SkyClusterOperator
+    (task_id: cluster)``: another function than the one called, and no hint. Each names its own."""
+    from airflow.sdk import DAG
+
+    from airflow_provider_sky.operators.cluster import SkyClusterOperator
+    from airflow_provider_sky.operators.down import SkyDownOperator
+    from airflow_provider_sky.operators.job import SkyJobOperator
+    from airflow_provider_sky.operators.rank import SkyRankOperator
+    from airflow_provider_sky.sensors.gang import SkyGangSensor
+    from airflow_provider_sky.taskgroup import sky_gang
+
+    with DAG("typo", schedule=None):
+        with pytest.raises(TypeError) as info:
+            sky_gang("g", num_nodes=2, run="true", hang_timout=60)
+        assert str(info.value) == "sky_gang: unknown argument 'hang_timout'; did you mean 'hang_timeout'?"
+        with pytest.raises(TypeError, match="^sky_gang: unknown argument 'envs_'; did you mean 'envs'"):
+            sky_gang("h", num_nodes=2, run="true", envs_={"A": "1"})
+        cases: list[tuple[Any, dict[str, Any], str, str]] = [
+            (SkyClusterOperator, {"num_nodes": 2, "run": "true"}, "num_node", "num_nodes"),
+            (SkyJobOperator, {"cluster": {}, "num_nodes": 2, "run": "true"}, "hang_timout", "hang_timeout"),
+            (SkyRankOperator, {"cluster": {}, "rank": 0, "job_id": "j"}, "lost_afer", "lost_after"),
+            (SkyGangSensor, {"cluster": {}, "job_id": "j"}, "poll_intervall", "poll_interval"),
+            (SkyDownOperator, {"cluster_name": "c"}, "graze", "grace"),
+            (SkyClusterOperator, {"num_nodes": 2, "run": "true"}, "retires", "retries"),  # BaseOperator's own
+        ]
+        for i, (cls, args, typo, meant) in enumerate(cases):
+            with pytest.raises(TypeError) as info:
+                cls(task_id=f"t{i}", **args, **{typo: 1})
+            assert str(info.value) == (
+                f"{cls.__name__} (task_id: t{i}): unknown argument {typo!r}; did you mean {meant!r}?"
+            )
+        with pytest.raises(
+            TypeError,
+            match=r"^SkyRankOperator \(task_id: r\): unknown argument 'lost_afer'; did you mean 'lost_after'",
+        ):
+            SkyRankOperator.partial(task_id="r", cluster={}, job_id="j", lost_afer=1).expand(rank=[0, 1])
+
+
+def test_yaml_errors_say_which_argument_fixes_them(tmp_path: Path) -> None:
+    """Issue 28.5: a SkyPilot YAML's null env (SkyPilot fills it from ``--env``) says how to give it
+    here, and a SkyPilot key this provider refuses names the ``resources=`` override that drops it."""
+    from airflow.sdk import DAG
+
+    from airflow_provider_sky.spec import SpecError
+    from airflow_provider_sky.taskgroup import sky_gang
+
+    yaml = tmp_path / "task.yaml"
+    yaml.write_text("num_nodes: 2\nrun: echo hi\nenvs:\n  HF_TOKEN:\n")
+    with DAG("yaml_hints", schedule=None):
+        with pytest.raises(SpecError) as info:
+            sky_gang("g", task_yaml=str(yaml))
+        text = str(info.value)
+        assert "envs.HF_TOKEN" in text and "envs={'HF_TOKEN': ...}" in text, text
+        assert "secrets={'HF_TOKEN': ...}" in text, text
+        sky_gang("g2", task_yaml=str(yaml), envs={"HF_TOKEN": "x"})  # the fix it gives works
+
+        yaml.write_text("num_nodes: 2\nrun: echo hi\nresources:\n  ports: 8080\n")
+        with pytest.raises(SpecError) as info:
+            sky_gang("h", task_yaml=str(yaml))
+        assert "resources={'ports': None}" in str(info.value), str(info.value)
+        sky_gang("h2", task_yaml=str(yaml), resources={"ports": None})  # and so does this one
 
 
 def test_rank_tasks_refuse_retries() -> None:

@@ -174,4 +174,4 @@ def test_job_ids_unique_and_path_safe() -> None:
     }
     assert len(ids) == 5
     weird = job_id_for("dag with spaces/../x", "manual__2026-01-01T00:00:00+00:00", "g.t;rm -rf", 3, 1)
-    assert JOB_ID_RE.match(weird) and "/" not in weird and ".." not in weird and " " not in weird
+    assert JOB_ID_RE.fullmatch(weird) and "/" not in weird and ".." not in weird and " " not in weird

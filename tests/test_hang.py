@@ -89,6 +89,30 @@ def test_silence_is_timed_from_the_last_sign_of_life() -> None:
     assert HangWatch(0.0).hung(_poll(1e9, {0: 1})) == []  # off
 
 
+def test_ranks_that_stopped_together_are_named_together() -> None:
+    """Ranks 1 and 3 print their last line a moment apart, so the watcher sees rank 3's a poll later:
+    when rank 1 is surely silent for the timeout, rank 3 may be too and is named with it; rank 0, which
+    printed four seconds after that, is not."""
+    hw = HangWatch(10.0)
+    assert hw.hung(_poll(0.0, {0: 0, 1: 0, 3: 0})) == []
+    assert hw.hung(_poll(1.0, {0: 1, 1: 5, 3: 0})) == []  # rank 1's last line
+    assert hw.hung(_poll(2.0, {0: 2, 1: 5, 3: 5})) == []  # rank 3's, printed in (1.0, 2.0]
+    assert hw.hung(_poll(6.0, {0: 3, 1: 5, 3: 5})) == []  # rank 0's last line, in (2.0, 6.0]
+    assert hw.hung(_poll(10.5, {0: 3, 1: 5, 3: 5})) == []
+    assert hw.hung(_poll(11.0, {0: 3, 1: 5, 3: 5})) == [1, 3]
+
+
+def test_a_stalled_watcher_names_no_rank_that_spoke_late() -> None:
+    """A gap of 9 s between two polls (a paused triggerer) leaves the time of a change that uncertain:
+    at most half the timeout of it counts, so a rank that may have printed 6 s ago is not named."""
+    hw = HangWatch(10.0)
+    assert hw.hung(_poll(0.0, {0: 0, 1: 0})) == []
+    assert hw.hung(_poll(1.0, {0: 1, 1: 5})) == []
+    assert hw.hung(_poll(10.0, {0: 4, 1: 5})) == []  # rank 0 printed somewhere in (1.0, 10.0]
+    assert hw.hung(_poll(11.0, {0: 4, 1: 5})) == [1]
+    assert hw.hung(_poll(16.0, {0: 4, 1: 5})) == [0, 1]  # 6 s sure + 5 s doubt: rank 0 now may be hung
+
+
 def test_reason_names_every_hung_rank() -> None:
     assert hang_reason(600, [3, 1]) == "hung: no output for 600 s (ranks 1, 3)"
     assert hang_reason(90.5, [2]) == "hung: no output for 90.5 s (rank 2)"
@@ -98,8 +122,8 @@ def test_reason_names_every_hung_rank() -> None:
     ("value", "error"),
     [
         ("600", "hang_timeout: expected seconds as a number (e.g. 600) or None for off, got '600'"),
-        (-1, "hang_timeout: must be a number of seconds >= 0 (0 or None: off), got -1"),
-        (float("nan"), "hang_timeout: must be a number of seconds >= 0"),
+        (-1, "hang_timeout: must be a number of seconds from 1 to 2592000 (0 or None: off), got -1"),
+        (float("nan"), "hang_timeout: must be a number of seconds from 1 to"),
         (True, "hang_timeout: expected seconds as a number"),
     ],
 )

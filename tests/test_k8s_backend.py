@@ -428,3 +428,26 @@ def test_the_seed_yamls_verbatim_on_kubernetes(
     assert re.search(r"rank 2 \(\S+\) exit code 1", text), text[-3000:]
     assert tis[("job", -1)].state == "upstream_failed"
     assert _pods(b) == []  # Airflow skips a teardown whose setup failed: the cluster task removed its pods
+
+
+def test_a_gpu_no_node_has_is_refused_before_any_pod_exists(
+    backend: KubernetesBackend, fake_gpus: str
+) -> None:
+    """``A1000:8`` once made pods that sat unschedulable until the provision failed; the nodes' labels
+    say so before anything is created, with the names they carry and a guess at the typo."""
+    from airflow_provider_sky.backends.base import choose_resources
+    from airflow_provider_sky.spec import SpecError
+
+    spec = task_from_args(num_nodes=2, run="true", resources={"accelerators": "A1000:8"})
+    t = time.monotonic()
+    with pytest.raises(SpecError) as err:
+        choose_resources(backend, spec, "typo")
+    assert time.monotonic() - t < 10  # one list of the nodes, no pod waited for
+    assert err.value.field == "resources.accelerators"
+    assert "no node of the cluster has A1000 GPUs (nodes labelled skypilot.co/accelerator: v100)" in str(
+        err.value
+    )
+    assert "did you mean A100" in str(err.value)
+    assert _pods(backend, "typo") == []
+    ok = task_from_args(num_nodes=2, run="true", resources={"accelerators": "V100:1"})
+    assert choose_resources(backend, ok, "fine").resources.accelerators is not None

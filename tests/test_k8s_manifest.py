@@ -294,3 +294,32 @@ def test_pending_reasons_read_from_the_pod() -> None:
     assert s.fatal and "ErrImageNeverPull for image 'img:1'" in s.reason
     running = _pod("Running", pod_ip="10.0.0.3")
     assert pod_state(running).running and pod_state(running).ip == "10.0.0.3"
+
+
+@pytest.mark.parametrize("value", ["ml team", "x" * 64, "-ml", "ml/team"])
+def test_a_label_value_kubernetes_refuses_is_named_before_any_pod(value: str) -> None:
+    """No API call: the check runs on the spec, with the task's other problems, before provisioning."""
+    from airflow_provider_sky.backends.base import choose_resources
+    from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
+    from airflow_provider_sky.spec import SpecError
+
+    b = KubernetesBackend(parse_kube_config({}))
+    spec = task_from_args(run="true", resources={"labels": {"team": value, "ok": "ml.team_1"}})
+    with pytest.raises(SpecError) as err:
+        choose_resources(b, spec)
+    assert err.value.field == "resources.labels.team" and "a pod label" in err.value.message
+    choose_resources(b, task_from_args(run="true", resources={"labels": {"team": "ml.team_1", "e": ""}}))
+
+
+def test_a_label_name_kubernetes_refuses_is_named_before_any_pod() -> None:
+    """An EC2 tag key such as 'Cost Center' is a fine label elsewhere; a pod label cannot have it."""
+    from airflow_provider_sky.backends.base import choose_resources
+    from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
+    from airflow_provider_sky.spec import SpecError
+
+    spec = task_from_args(run="true", resources={"labels": {"Cost Center": "ml"}})
+    with pytest.raises(SpecError) as err:
+        choose_resources(KubernetesBackend(parse_kube_config({})), spec)
+    assert (
+        err.value.field == "resources.labels.Cost Center" and "whose name is at most 63" in err.value.message
+    )

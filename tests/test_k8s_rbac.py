@@ -185,3 +185,19 @@ def test_no_role_is_refused_at_create_in_the_api_servers_words(
         assert api.list_namespaced_pod(k8s.namespace, label_selector="sky.airflow/cluster=norbac").items == []
     finally:
         api.api_client.close()
+
+
+def test_a_role_that_may_not_list_nodes_still_has_a_gpu_typo_refused(
+    k8s: K8sCluster, k8s_image: Image, accounts: dict[str, dict[str, Any]]
+) -> None:
+    """Without leave to list nodes their labels cannot be read: a likely typo of a known GPU name is
+    still refused before any pod, and a name the catalog does not know (a custom label) is let through."""
+    from airflow_provider_sky.backends.base import choose_resources
+    from airflow_provider_sky.spec import SpecError
+
+    b = _backend(k8s, k8s_image, accounts["allowed"])
+    with pytest.raises(SpecError, match="A1000 is not a GPU name SkyPilot knows; did you mean A100"):
+        choose_resources(b, task_from_args(num_nodes=1, run="true", resources={"accelerators": "A1000:8"}))
+    custom = task_from_args(num_nodes=1, run="true", resources={"accelerators": "MyCustomGpu:1"})
+    assert choose_resources(b, custom).resources.accelerators is not None
+    b.close()

@@ -141,7 +141,7 @@ def test_a_worker_on_another_machine_is_refused_and_breaks_nothing(sky_home: Pat
     )
     for line in lines:
         assert f"provisioned the cluster ({this_machine()})" in line and "sky-other-machine" in line, line
-        assert "sky_ssh" in line, line  # the fix
+        assert "skyssh" in line, line  # the fix
     # nothing changed: the ranks still run, the record is whole, and this machine's teardown works
     from airflow_provider_sky.backends.base import ClusterHandle
     from airflow_provider_sky.jobs import GangClient
@@ -220,3 +220,45 @@ def test_a_torn_down_clusters_files_go_after_its_processes(sky_home: Path) -> No
     again = b.provision("c", task_from_args(num_nodes=2, run="true"))
     assert len(again.nodes) == 2
     b.terminate("c")
+
+
+def test_a_cluster_named_like_an_internal_directory_leaves_every_other_cluster_alone(sky_home: Path) -> None:
+    """Cluster names and the backend's own paths never meet: a cluster named ``clusters`` (or ``trash``,
+    ``lock``) once had the records' directory as its own, and its teardown erased every other cluster's
+    record; the other cluster's ranks ran on and its own teardown found nothing (``removed=False``)."""
+    from airflow_provider_sky.jobs import GangClient
+    from leaks import job_processes
+
+    b = LocalBackend(sky_home)
+    spec = task_from_args(num_nodes=2, run="sleep 600")
+    h = b.provision("train", spec)
+    train = GangClient(b, h)
+    train.launch(spec, "job", orphan_timeout=0)
+    for name in ("clusters", "trash", "lock", "local"):
+        other = b.provision(name, task_from_args(num_nodes=1, run="true"))
+        assert not set(other.ips) & set(h.ips)
+        assert b.terminate(name, grace=0.5).removed, name
+        assert b.find("train") is not None, f"tearing down {name!r} took the record of 'train'"
+        assert [r.state for r in train.peek("job").ranks] == ["running", "running"]
+    assert b.terminate("train", grace=0.5).removed
+    assert b.find("train") is None and not [p for p in job_processes(sky_home) if "sleep" in p[1]]
+
+
+def test_a_record_that_names_another_cluster_is_never_acted_on(sky_home: Path) -> None:
+    """A teardown acts only on a record whose full name is the one asked for: a record of ``b`` found
+    where ``a``'s belongs (copied by hand, restored from a backup) is refused, and ``b`` runs on."""
+    from airflow_provider_sky.jobs import GangClient
+
+    b = LocalBackend(sky_home)
+    spec = task_from_args(num_nodes=1, run="sleep 600")
+    hb = b.provision("b", spec)
+    GangClient(b, hb).launch(spec, "job", orphan_timeout=0)
+    b.provision("a", task_from_args(num_nodes=1, run="true"))
+    a_path, b_path = b.records / "a.json", b.records / "b.json"
+    a_text = a_path.read_text()
+    a_path.write_text(b_path.read_text())
+    with pytest.raises(BackendError, match=r"names cluster 'b', not 'a'.*nothing"):
+        b.terminate("a", grace=0.5)
+    assert [r.state for r in GangClient(b, hb).peek("job").ranks] == ["running"]
+    a_path.write_text(a_text)
+    assert b.terminate("a").removed and b.terminate("b", grace=0.5).removed

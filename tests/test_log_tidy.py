@@ -85,7 +85,8 @@ def test_failed_and_cancelled_rank_logs_lead_with_the_root_cause(sky_home: Path)
     assert all(t.strip() for t in texts), texts
     levels = [lvl for lvl, _, _ in rec.records]
     first_error = texts[levels.index("error")]
-    assert first_error == "root cause: rank 0 (127.1.0.1) exited with code 1", texts
+    # with the failing rank's last line of output: what it said before it failed (issue 28.4)
+    assert first_error == "root cause: rank 0 (127.1.0.1) exited with code 1; its last output: step 4", texts
     # once, right after the rank's output (the UI orders a log by time: the output's lines come first)
     assert texts.count(first_error) == 1, texts
     assert texts.index(first_error) == texts.index("step 4") + 1, texts
@@ -97,7 +98,9 @@ def test_failed_and_cancelled_rank_logs_lead_with_the_root_cause(sky_home: Path)
 
     rec1, _ = _late_trigger(handle, 1)
     texts1 = [text for lvl, text, _ in rec1.records if lvl == "error"]
-    assert texts1 == ["rank 1 cancelled; root cause: rank 0 (127.1.0.1) exited with code 1"], rec1.records
+    assert texts1 == [
+        "rank 1 cancelled; root cause: rank 0 (127.1.0.1) exited with code 1; its last output: step 4"
+    ], rec1.records
     assert any("rank 1 waiting" in t for _, t, _ in rec1.records)
     b.terminate("c")
 

@@ -11,7 +11,7 @@ from airflow.executors.workloads import TaskInstance
 from airflow.triggers.shared_stream import SharedStreamManager
 
 from airflow_provider_sky.triggers.gang import SkyGangTrigger, SkyRankTrigger
-from gangs import launched, trigger_kwargs
+from gangs import launched, local_gang, trigger_kwargs
 
 
 async def _subscribe(manager: SharedStreamManager, i: int, trig: Any) -> dict[str, Any]:
@@ -127,3 +127,62 @@ def test_a_cancel_by_a_trigger_without_its_task_still_says_a_user_did_it(sky_hom
             "Job job was cancelled from Airflow: the task watching rank 1 was marked failed, "
             "marked success or cleared by a user" in e["message"]
         ), e["message"]
+
+
+def test_a_gang_without_retries_says_nothing_of_retrying(sky_home: Path, caplog: Any) -> None:
+    """Issue 28.7: with no retries configured the gang log said ``rank 2 exited 1, not retryable (not in
+    retry_on_exit_codes)``, about a setting the user never touched. With retries it still says why."""
+    import logging
+
+    from airflow_provider_sky.retry import RetryPolicy, watch_attempts
+
+    run = 'if [ "$SKYPILOT_NODE_RANK" = 1 ]; then exit 3; fi; sleep 10000'
+
+    def failed(policy: RetryPolicy | None, name: str) -> str:
+        b, client, task = local_gang(sky_home, 2, run, name=name)
+        client.launch(task, "job")
+
+        async def go() -> None:
+            async for _ in watch_attempts(client, "job", policy=policy, poll_interval=0.1, grace=1.0):
+                pass
+
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="airflow_provider_sky"):
+            asyncio.run(asyncio.wait_for(go(), 30))
+        b.terminate(name)
+        return "\n".join(caplog.messages)
+
+    quiet = failed(None, "a")
+    assert "retry" not in quiet and "retryable" not in quiet, quiet
+    told = failed(RetryPolicy.build(1, 0.0, False, [4]), "b")
+    assert "rank 1 exited 3, not retryable (not in retry_on_exit_codes)" in told, told
+
+
+def test_the_failure_says_the_failing_ranks_last_output_lines_masked(sky_home: Path) -> None:
+    """Issue 28.4: the root cause said only ``exited with code 3``; the rank's own last lines (``CUDA
+    error: an illegal memory access``) were in its log only. Now every rank task's message and the gang
+    sensor's carry them, the failing rank's short headline its last line; a secret stays masked."""
+    run = (
+        'if [ "$SKYPILOT_NODE_RANK" = 2 ]; then for i in 1 2 3 4 5 6 7 8; do echo "step $i"; done; '
+        'echo "token is $HF_TOKEN"; echo "CUDA error: an illegal memory access"; sleep 0.3; exit 3; fi; '
+        "sleep 10000"
+    )
+    b, handle = launched(sky_home, 3, run, secrets={"HF_TOKEN": "hf_s3cr3t_value"})
+    triggers: list[Any] = [SkyRankTrigger(rank=r, **trigger_kwargs(handle)) for r in range(3)]
+    triggers.append(SkyGangTrigger(**trigger_kwargs(handle)))
+
+    async def go() -> list[dict[str, Any]]:
+        manager = SharedStreamManager()
+        return await asyncio.gather(*(_subscribe(manager, i, t) for i, t in enumerate(triggers)))
+
+    events = asyncio.run(go())
+    assert [e["state"] for e in events] == ["cancelled", "cancelled", "failed", "failed"]
+    for e in events:
+        message = e["message"]
+        assert "rank 2" in message and "exited with code 3" in message, message
+        assert "CUDA error: an illegal memory access" in message and "step 8" in message, message
+        assert "step 1" not in message, message  # the last few lines, not the whole log
+        assert "hf_s3cr3t_value" not in message, message
+    assert "CUDA error: an illegal memory access" in events[2]["headline"], events[2]["headline"]
+    assert "rank 2" in events[0]["headline"] and "CUDA error" in events[0]["headline"], events[0]["headline"]
+    b.terminate("c")

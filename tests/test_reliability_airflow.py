@@ -41,6 +41,7 @@ from urllib.parse import quote
 
 import pytest
 
+from airflow_provider_sky.backends.headrecord import record_path
 from airflow_provider_sky.dev.stack import AirflowStack, group_members, parse_time
 from gangs import rank_exit
 from leaks import bridges, job_processes, processes_under
@@ -385,7 +386,7 @@ def _leaks(rel: Rel, case: Case, ti_ids: set[str]) -> list[str]:
             d = Path(n.home) / ".sky_airflow" / name
             if d.exists() and (i, str(d)) not in case.keep:
                 problems.append(f"cluster directory left on {n.host}: {d}")
-        record = Path(rel.node(0).home) / ".sky_airflow" / "clusters" / f"{name}.json"
+        record = Path(rel.node(0).home, record_path(name))
         if record.exists() and (0, str(record)) not in case.keep:
             problems.append(f"cluster record left on the head: {record}")
     workers = [(pid, cmd) for pid, cmd in _airflow_workers() if cmd.split()[-1] in ti_ids]
@@ -407,9 +408,7 @@ def _clean(rel: Rel, case: Case) -> None:
         home = Path(n.home)
         for dag_id, run_id in case.runs:
             shutil.rmtree(home / ".sky_airflow" / _cluster_name(dag_id, run_id), ignore_errors=True)
-            (home / ".sky_airflow" / "clusters" / f"{_cluster_name(dag_id, run_id)}.json").unlink(
-                missing_ok=True
-            )
+            (home / record_path(_cluster_name(dag_id, run_id))).unlink(missing_ok=True)
         for f in home.glob(f"rel-{case.tag}*"):
             f.unlink(missing_ok=True)
     for pid, _ in processes_under(rel.sky):
@@ -618,7 +617,7 @@ def test_node_loss_is_reported_and_fails_the_gang(rel: Rel, case: Case) -> None:
     # nothing of the cluster is left on the surviving hosts; the record stays for a later teardown
     for i in (0, 1, 3):
         assert not (Path(rel.node(i).home) / ".sky_airflow" / name).exists()
-    record = Path(rel.node(0).home) / ".sky_airflow" / "clusters" / f"{name}.json"
+    record = Path(rel.node(0).home, record_path(name))
     assert record.exists() and "unclean" in record.read_text()
     case.keep.add((0, str(record)))
     # the dead node could not be cleaned; once back, its stale directory holds no live process

@@ -379,5 +379,7 @@ def test_dag_test_lost_local_node_replaced_rank_tasks_show_it(
     summary = _xcom(dr, "train.rank", "sky_rank", 1)
     assert summary["state"] == "succeeded" and summary["attempt"] == 2, summary
     assert [a["state"] for a in summary["attempts"]] == ["lost", "succeeded"], summary
-    assert not list(sky_home.glob("local/clusters/*.json"))  # the down task removed the cluster
+    from airflow_provider_sky.backends.local import LocalBackend
+
+    assert not list(LocalBackend(sky_home).records.glob("*.json"))  # the down task removed the cluster
     assert not job_processes(sky_home)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.jobs import GangClient
+from airflow_provider_sky.spec import SpecError
 from gangs import local_gang, wait_done
 
 PEM = "-----BEGIN KEY-----\nMIIEvQIBADANBgkqhkiG9w0\nQEFAASCBKcwggSjAgEAAoIB\n-----END KEY-----"
@@ -90,4 +93,22 @@ def test_a_200_kb_env_value_and_secret_work(sky_home: Path) -> None:
     assert "env=200000 secret=200000" in log and "42" in log
     assert "BIG is 200005 bytes" in log  # says why the value is not exported
     assert not _on_disk(sky_home, secret[:1000].encode())
+    b.terminate("c")
+
+
+def test_a_secret_name_with_a_newline_never_launches_and_a_good_one_reaches_every_rank(
+    sky_home: Path,
+) -> None:
+    """``HF_TOKEN\\n`` once passed the name check, broke its line of the env file and the rank ran without
+    the variable (the run succeeded); now it is refused at parse, and the real name still works."""
+    with pytest.raises(SpecError, match="secrets.HF_TOKEN"):
+        local_gang(sky_home, 2, "true", secrets={"HF_TOKEN\n": "hf_secret_value_1"})
+    assert not list(sky_home.rglob("*.json")), "nothing may be provisioned for a refused spec"
+    run = '[ "$HF_TOKEN" = hf_secret_value_1 ] && echo "rank $SKYPILOT_NODE_RANK has the token"'
+    b, client, spec = local_gang(sky_home, 2, run, secrets={"HF_TOKEN": "hf_secret_value_1"})
+    client.launch(spec, "job")
+    assert wait_done(client).status.succeeded
+    for rank in (0, 1):
+        log = (Path(client.node_of(rank).root) / "jobs" / "job" / str(rank) / "log").read_bytes()
+        assert f"rank {rank} has the token".encode() in log and b"command not found" not in log
     b.terminate("c")

@@ -10,6 +10,7 @@ backend, and on the SSH test hosts (``SSHDCluster(gpus=...)``). Everything else 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from airflow_provider_sky.backends.registry import conn_types
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.setup_stage import run_setup
-from airflow_provider_sky.spec import SpecError, TaskSpec, load_task_yaml, parse_task
+from airflow_provider_sky.spec import SpecError, TaskSpec, is_bucket_source, load_task_yaml, parse_task
 from envdump import DUMP, parse
 from gangs import wait_done
 from gpus import A100_40, A100_80, H100, L4, T4, V100, local_gpus
@@ -88,16 +89,23 @@ def _dumping(name: str) -> TaskSpec:
 def _sources_exist(spec: TaskSpec) -> bool:
     sources = [spec.workdir] if spec.workdir else []
     sources += list(spec.file_mounts.values())
-    return all(Path(s).expanduser().exists() for s in sources if s)
+    return all(Path(s).expanduser().exists() for s in sources if s and not is_bucket_source(s))
+
+
+def _brought(b: Backend, name: str, spec: TaskSpec) -> TaskSpec:
+    """A source the user would bring (a key at ~/.ssh/sky-key) is named before anything is provisioned,
+    with every other problem of the spec; the rest of the example then runs without it."""
+    if _sources_exist(spec):
+        return spec
+    with pytest.raises(SpecError, match="does not exist; fix the path"):
+        choose_resources(b, spec, name, conn_types())
+    here = {d: s for d, s in spec.file_mounts.items() if is_bucket_source(s) or Path(s).expanduser().exists()}
+    return dataclasses.replace(spec, file_mounts=here)
 
 
 def _check_gang(b: Backend, name: str, spec: TaskSpec, handle: ClusterHandle) -> list[dict[str, str]]:
     """Sync, setup and run like the cluster and job tasks; every rank's run env (setup env checked here)."""
-    if _sources_exist(spec):
-        b.sync_files(handle, spec)
-    else:  # a key the user would bring (~/.ssh/sky-key): named before anything runs, as in the cluster task
-        with pytest.raises(SpecError, match="does not exist; fix the path"):
-            b.sync_files(handle, spec)
+    b.sync_files(handle, spec)
     client = GangClient(b, handle)
     lines: dict[int, list[str]] = {}
     try:
@@ -147,6 +155,7 @@ def test_on_the_local_backend_of_a_machine_with_enough_gpus(
     per_node = acc.gpus_per_node if acc else 0
     local_gpus(monkeypatch, tmp_path, [LINES[acc.name]] * (spec.num_nodes * per_node) if acc else [])
     b = LocalBackend(sky_home)
+    spec = _brought(b, name, spec)
     expect = _expect(name)
     if isinstance(expect, dict):  # refused: every field named at once, nothing made
         with pytest.raises(SpecError) as info:
@@ -217,6 +226,7 @@ def test_on_ssh_hosts_that_have_the_gpus(name: str, mixed_hosts: SSHDCluster) ->
         connect_timeout=5.0,
         ready_timeout=5.0,
     )
+    spec = _brought(b, name, spec)
     needs = EXAMPLES[name].get("needs_disk_gb")
     if needs and _disk_gb(Path(mixed_hosts.nodes[0].home)) < needs * 0.95:
         with pytest.raises(SpecError) as info:

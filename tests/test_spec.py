@@ -10,6 +10,7 @@ from typing import Any, cast
 import pytest
 import yaml
 
+from airflow_provider_sky.backends.registry import conn_types
 from airflow_provider_sky.spec import (
     RANK_VARIABLES,
     Accelerator,
@@ -821,7 +822,7 @@ SSH = BackendCapabilities(
     supported_resources=frozenset({"cpus", "memory", "accelerators", "labels"}),
     clouds=frozenset({"ssh"}),
 )
-KINDS = {"local": "sky_local", "ssh": "sky_ssh", "kubernetes": "sky_kubernetes"}
+KINDS = conn_types()  # what the errors name: the connection types users create
 
 
 def test_check_backend_names_every_field_it_cannot_honour_at_once() -> None:
@@ -830,7 +831,7 @@ def test_check_backend_names_every_field_it_cannot_honour_at_once() -> None:
         check_backend(spec, SSH, KINDS)
     err = info.value
     assert err.field == "resources.cloud, resources.use_spot, resources.image_id"
-    assert "cannot honour 3 fields" in err.message
+    assert "cannot run this task, 3 problems" in err.message
     assert "cloud 'gcp'" in err.message and "no backend of this provider runs on 'gcp'" in err.message
     assert "no spot instances" in err.message and "images are run by the kubernetes backend" in err.message
     assert "region" not in err.field  # a part of the refused infra, not a field of its own
@@ -841,7 +842,7 @@ def test_check_backend_names_an_existing_backend_for_its_cloud() -> None:
     with pytest.raises(SpecError) as info:
         check_backend(parse_task(_res(infra="k8s", accelerators="T4")), SSH, KINDS)
     assert info.value.field == "resources.cloud"
-    assert "sky_kubernetes connection" in info.value.message
+    assert "skykubernetes connection" in info.value.message
 
 
 def test_check_backend_accepts_when_one_alternative_fits_and_lists_all_when_none_does() -> None:
@@ -853,3 +854,504 @@ def test_check_backend_accepts_when_one_alternative_fits_and_lists_all_when_none
     assert info.value.field == "resources"
     assert "none of the 2 alternatives" in info.value.message
     assert "#1 (cloud aws)" in info.value.message and "#2 (use_spot True)" in info.value.message
+
+
+# -------------------------------------------------- names match whole: no trailing newline, CR, space, NUL
+
+#: what a copy-paste leaves at the end of a name; Python's ``$`` also matches before a final newline
+BAD_ENDINGS = ["\n", "\r", " ", "\0", "\r\n"]
+
+
+@pytest.mark.parametrize("ending", BAD_ENDINGS, ids=repr)
+@pytest.mark.parametrize(
+    ("field", "task"),
+    [
+        ("envs.", lambda bad: _task(envs={f"MY_VAR{bad}": "1"})),
+        ("secrets.", lambda bad: _task(secrets={f"HF_TOKEN{bad}": "hf_abc"})),
+        ("name", lambda bad: _task(name=f"train{bad}")),
+        ("resources.labels", lambda bad: _res(labels={f"team{bad}": "ml"})),
+        ("resources.labels", lambda bad: _res(labels={f"example.com/team{bad}": "ml"})),
+        ("file_mounts.", lambda bad: _task(file_mounts={f"/data{bad}": "/tmp"})),
+    ],
+)
+def test_a_name_with_a_bad_ending_is_refused(field: str, task: Any, ending: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_task(task(ending))
+    assert err.value.field.startswith(field)
+
+
+@pytest.mark.parametrize("ending", BAD_ENDINGS, ids=repr)
+def test_names_checked_outside_the_spec_match_whole(ending: str) -> None:
+    from airflow_provider_sky.operators._spec import check_cluster_name
+    from airflow_provider_sky.runtime import check_job_id, env_file
+    from airflow_provider_sky.runtime_retry import relaunch_args
+
+    with pytest.raises(SpecError, match="cluster_name"):
+        check_cluster_name(f"train{ending}")
+    with pytest.raises(ValueError):
+        check_job_id(f"job{ending}")
+    with pytest.raises(ValueError):
+        env_file({f"HF_TOKEN{ending}": "x"})
+    with pytest.raises(ValueError):
+        relaunch_args("job", 2, 0.0, [("/r", 0)], ips=[f"10.0.0.1{ending}"])
+    with pytest.raises(SpecError, match="accelerators"):
+        Accelerator(f"A100{ending}", 1)
+
+
+@pytest.mark.parametrize("bad", ["eu\0west", "aws/us-east-1\0", "aws/us\neast-1"], ids=repr)
+def test_control_characters_in_resource_names_are_refused(bad: str) -> None:
+    for task in (_res(infra=bad), _res(region=bad), _res(image_id=bad)):
+        with pytest.raises(SpecError, match="control character"):
+            parse_task(task)
+    with pytest.raises(SpecError, match="control character|NUL byte"):
+        parse_task(_res(labels={"team": f"ml{bad}"}))
+    with pytest.raises(SpecError, match="control character"):
+        parse_task(_task(file_mounts={"/data": f"/tmp/{bad}"}))
+
+
+def test_good_names_still_parse() -> None:
+    spec = parse_task(
+        _task(
+            name="train-llm.v2",
+            envs={"MY_VAR": "1"},
+            secrets={"HF_TOKEN": "hf_abc"},
+            resources={"labels": {"team": "ml", "example.com/owner": "a_b", "Cost Center": "42"}},
+            file_mounts={"/data": "/tmp", "~/x y": "/tmp"},
+        )
+    )
+    assert spec.secrets == {"HF_TOKEN": "hf_abc"} and spec.resources.labels["example.com/owner"] == "a_b"
+
+
+def _regex_patterns() -> list[tuple[str, int, str]]:
+    """Every literal pattern given to ``re`` in the package: (file, line, pattern)."""
+    import ast
+
+    import airflow_provider_sky
+
+    root = Path(airflow_provider_sky.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "re"
+                and node.args
+            ):
+                arg = node.args[0]
+                text = None
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    text = arg.value
+                elif isinstance(arg, ast.JoinedStr):  # f-strings: their literal parts
+                    text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in arg.values)
+                if text is not None:
+                    found.append((str(path.relative_to(root)), node.lineno, text))
+    return found
+
+
+def test_no_pattern_in_the_package_ends_in_a_dollar_anchor() -> None:
+    """``$`` matches before a trailing newline: a name check must be ``fullmatch`` (or end in ``\\Z``)."""
+    patterns = _regex_patterns()
+    assert len(patterns) > 10  # the scan finds the package's patterns
+    dollar = [
+        (f, line, p)
+        for f, line, p in patterns
+        if p.endswith("$") and not p.endswith("\\$") and "(?m)" not in p
+    ]
+    assert not dollar, f"use re.fullmatch (or \\Z) instead of a final '$': {dollar}"
+
+
+# ------------------------------------------------------------------ no error message shows a secret's value
+
+#: a secret's value; none of its parts may appear in an error
+SECRET = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANs3cr3tPART\n-----END PRIVATE KEY-----"
+SECRET_PARTS = ("MIIEvQ", "s3cr3tPART")
+
+SECRET_BEARING: list[tuple[str, dict[str, object], str, str]] = [
+    # id, task mapping, expected field, substring of the message
+    (
+        "service-account JSON pasted unquoted (a mapping)",
+        _task(secrets={"SA_JSON": {"type": "service_account", "private_key": SECRET}}),
+        "secrets.SA_JSON",
+        "must be a string, got a mapping (value hidden); quote the value",
+    ),
+    ("a list", _task(secrets={"SA_JSON": [SECRET]}), "secrets.SA_JSON", "got a list (value hidden)"),
+    ("bytes", _task(secrets={"SA_JSON": SECRET.encode()}), "secrets.SA_JSON", "(value hidden)"),
+    ("a NUL byte", _task(secrets={"SA_JSON": SECRET + "\0"}), "secrets.SA_JSON", "NUL byte"),
+    ("null", _task(secrets={"SA_JSON": None}), "secrets.SA_JSON", "null is not allowed"),
+    ("secrets a string", _task(secrets=f"SA_JSON={SECRET}"), "secrets", "got a string (value hidden)"),
+    ("secrets a list", _task(secrets=[f"SA_JSON={SECRET}"]), "secrets", "got a list (value hidden)"),
+    ("a key that is no name", _task(secrets={(SECRET,): "x"}), "secrets.<a list>", "not a valid"),
+    ("a name with a newline", _task(secrets={"SA_JSON\n": SECRET}), "secrets.SA_JSON", "not a valid"),
+    ("also in envs", _task(secrets={"SA": SECRET}, envs={"SA": SECRET}), "secrets.SA", "also set in envs"),
+    ("a secret-like env", _task(envs={"HF_TOKEN": {"t": SECRET}}), "envs.HF_TOKEN", "(value hidden)"),
+    ("a password env", _task(envs={"DB_PASSWORD": [SECRET]}), "envs.DB_PASSWORD", "(value hidden)"),
+    ("another field's error", _task(secrets={"SA": SECRET}, num_nodes=0), "num_nodes", "at least 1"),
+]
+
+
+def _assert_hidden(text: str) -> None:
+    for part in SECRET_PARTS:
+        assert part not in text, text
+
+
+@pytest.mark.parametrize(
+    ("task", "field", "fragment"),
+    [pytest.param(t, f, m, id=i) for i, t, f, m in SECRET_BEARING],
+)
+def test_no_refusal_shows_a_secrets_value(task: dict[str, object], field: str, fragment: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_task(task)
+    assert err.value.field.startswith(field) and fragment in err.value.message
+    for text in (str(err.value), repr(err.value), err.value.field, str(err.value.args)):
+        _assert_hidden(text)
+    # the same values given as arguments over a YAML-shaped base
+    with pytest.raises(SpecError) as err2:
+        parse_task({"run": "echo hi"}, overrides={k: v for k, v in task.items() if k != "run"})
+    _assert_hidden(str(err2.value))
+
+
+def test_a_plain_envs_value_is_still_shown() -> None:
+    with pytest.raises(SpecError, match=r"envs.PORT: must be a string or number, got list \[1, 2\]"):
+        parse_task(_task(envs={"PORT": [1, 2]}))
+
+
+def test_an_unquoted_service_account_json_in_a_yaml_file_is_not_printed(tmp_path: Path) -> None:
+    """The case of the bug report: YAML reads the pasted JSON as a mapping."""
+    path = tmp_path / "task.yaml"
+    key = SECRET.replace("\n", "\\n")
+    path.write_text(
+        f'run: echo hi\nsecrets:\n  SA_JSON: {{"type": "service_account", "private_key": "{key}"}}\n'
+    )
+    with pytest.raises(SpecError) as err:
+        load_task_yaml(path)
+    assert err.value.field == "secrets.SA_JSON" and "(value hidden)" in err.value.message
+    _assert_hidden(str(err.value))
+
+
+def test_the_dag_import_error_shows_no_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What Airflow stores in its import_error table (and ``dags list-import-errors`` prints)."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    key = SECRET.replace("\n", "\\n")
+    (tmp_path / "task.yaml").write_text(
+        f'run: echo hi\nsecrets:\n  SA_JSON: {{"type": "service_account", "private_key": "{key}"}}\n'
+    )
+    (tmp_path / "sa_dag.py").write_text(
+        "import pendulum\n"
+        "from airflow.sdk import DAG\n"
+        "from airflow_provider_sky.taskgroup import sky_gang\n"
+        "with DAG('sa_dag', schedule=None, start_date=pendulum.datetime(2026, 1, 1)):\n"
+        f"    sky_gang(task_yaml={str(tmp_path / 'task.yaml')!r})\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    bag = DagBag(dag_folder=str(tmp_path), safe_mode=False)
+    (error,) = bag.import_errors.values()
+    assert "secrets.SA_JSON: must be a string, got a mapping (value hidden)" in error
+    _assert_hidden(error)
+
+
+# ------------------------------------------------- timing and count arguments: refused when the DAG is parsed
+
+
+def _entry_points() -> dict[str, tuple[Any, tuple[str, ...]]]:
+    """Each entry point as ``build(**timing)`` and the timing arguments it takes."""
+    from airflow_provider_sky.decorators.sky import sky_task
+    from airflow_provider_sky.operators.cluster import SkyClusterOperator
+    from airflow_provider_sky.operators.down import SkyDownOperator
+    from airflow_provider_sky.operators.job import SkyJobOperator
+    from airflow_provider_sky.operators.rank import SkyRankOperator
+    from airflow_provider_sky.sensors.gang import SkyGangSensor
+    from airflow_provider_sky.taskgroup import sky_gang
+    from airflow_provider_sky.triggers.gang import SkyGangTrigger, SkyRankTrigger
+
+    watch = ("poll_interval", "grace", "lost_after", "hang_timeout")
+    ids = {"cluster_task_id": "c", "job_task_id": "j"}
+    return {
+        "SkyClusterOperator": (
+            lambda **kw: SkyClusterOperator(task_id="t", run="true", **kw),
+            ("poll_interval", "grace", "orphan_timeout", "idle_down", "triggerers"),
+        ),
+        "SkyJobOperator": (
+            lambda **kw: SkyJobOperator(task_id="t", cluster={}, run="true", **kw),
+            (*watch, "orphan_timeout", "idle_down", "bridge_timeout"),
+        ),
+        "SkyRankOperator": (
+            lambda **kw: SkyRankOperator(task_id="t", cluster={}, rank=0, job_id="j", **kw),
+            watch,
+        ),
+        "SkyRankOperator.partial": (
+            lambda **kw: SkyRankOperator.partial(task_id="t", cluster={}, **kw),
+            watch,
+        ),
+        "SkyRankOperator.partial_in_triggerer": (
+            lambda **kw: SkyRankOperator.partial_in_triggerer(task_id="t", cluster={}, **ids, **kw),
+            watch,
+        ),
+        "SkyGangSensor": (lambda **kw: SkyGangSensor(task_id="t", cluster={}, job_id="j", **kw), watch),
+        "SkyGangSensor.in_triggerer": (
+            lambda **kw: SkyGangSensor.in_triggerer(task_id="t", cluster={}, **ids, **kw),
+            watch,
+        ),
+        "SkyDownOperator": (lambda **kw: SkyDownOperator(task_id="t", **kw), ("grace",)),
+        "sky_gang": (
+            lambda **kw: sky_gang("g", num_nodes=2, run="true", **kw),
+            (*watch, "orphan_timeout", "idle_down", "triggerers"),
+        ),
+        "@task.sky": (
+            lambda **kw: sky_task(num_nodes=2, **kw)(lambda: "true"),
+            (*watch, "orphan_timeout", "idle_down", "triggerers"),
+        ),
+        "SkyRankTrigger": (lambda **kw: SkyRankTrigger(rank=0, cluster={}, job_id="j", **kw), watch),
+        "SkyGangTrigger": (lambda **kw: SkyGangTrigger(cluster={}, job_id="j", **kw), watch),
+    }
+
+
+#: argument -> values refused, each with a fragment of the message
+BAD_TIMING: dict[str, list[tuple[object, str]]] = {
+    "poll_interval": [
+        (0, "from 0.05 to 300"),
+        (-1, "from 0.05 to 300"),
+        (0.01, "from 0.05 to 300"),
+        (301, "from 0.05 to 300"),
+        (float("nan"), "from 0.05 to 300"),
+        ("0.5", "expected seconds as a number"),
+        (None, "expected seconds as a number"),
+        (True, "expected seconds as a number"),
+    ],
+    "grace": [(-5, "from 0 to 3600"), (float("inf"), "from 0 to 3600"), ("3", "expected seconds")],
+    "lost_after": [(0, "from 1 to 86400"), (-1, "from 1 to 86400"), (None, "expected seconds")],
+    "hang_timeout": [(-1, "(0 or None: off)"), (0.5, "from 1 to"), ("600", "or None for off")],
+    "orphan_timeout": [(-1, "(0 or None: off)"), (0.5, "from 1 to")],
+    "idle_down": [(-1, "(0 or None: off)"), ("600", "expected seconds")],
+    "bridge_timeout": [(0, "from 1 to"), (-1, "from 1 to")],
+    "triggerers": [(0, "whole number from 1 to 1000"), (1.5, "expected a whole number"), (None, "whole")],
+}
+
+TIMING_CASES = [
+    pytest.param(entry, arg, value, fragment, id=f"{entry}-{arg}={value!r}")
+    for entry, args in {
+        "SkyClusterOperator": ("poll_interval", "grace", "orphan_timeout", "idle_down", "triggerers"),
+        "SkyJobOperator": (
+            "poll_interval",
+            "grace",
+            "lost_after",
+            "hang_timeout",
+            "orphan_timeout",
+            "idle_down",
+            "bridge_timeout",
+        ),
+        "SkyRankOperator": ("poll_interval", "grace", "lost_after", "hang_timeout"),
+        "SkyRankOperator.partial": ("poll_interval", "grace", "lost_after", "hang_timeout"),
+        "SkyRankOperator.partial_in_triggerer": ("poll_interval", "grace", "lost_after", "hang_timeout"),
+        "SkyGangSensor": ("poll_interval", "grace", "lost_after", "hang_timeout"),
+        "SkyGangSensor.in_triggerer": ("poll_interval", "grace", "lost_after", "hang_timeout"),
+        "SkyDownOperator": ("grace",),
+        "sky_gang": (
+            "poll_interval",
+            "grace",
+            "lost_after",
+            "hang_timeout",
+            "orphan_timeout",
+            "idle_down",
+            "triggerers",
+        ),
+        "@task.sky": (
+            "poll_interval",
+            "grace",
+            "lost_after",
+            "hang_timeout",
+            "orphan_timeout",
+            "idle_down",
+            "triggerers",
+        ),
+        "SkyRankTrigger": ("poll_interval", "grace", "lost_after", "hang_timeout"),
+        "SkyGangTrigger": ("poll_interval", "grace", "lost_after", "hang_timeout"),
+    }.items()
+    for arg in args
+    for value, fragment in BAD_TIMING[arg]
+]
+
+
+@pytest.mark.parametrize(("entry", "arg", "value", "fragment"), TIMING_CASES)
+def test_a_bad_timing_argument_is_refused_when_the_dag_is_parsed(
+    entry: str, arg: str, value: object, fragment: str
+) -> None:
+    import pendulum
+    from airflow.sdk import DAG
+
+    build, _ = _entry_points()[entry]
+    with DAG(f"bad_{arg}", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC")):
+        with pytest.raises(SpecError) as err:
+            build(**{arg: value})
+    assert err.value.field == arg and fragment in err.value.message, str(err.value)
+
+
+def test_every_entry_point_is_checked_for_every_timing_argument_it_takes() -> None:
+    """The table above covers each entry point's timing arguments, read from its signature."""
+    import inspect
+
+    from airflow_provider_sky.timing import LIMITS
+
+    covered = {(p.values[0], p.values[1]) for p in TIMING_CASES}
+    for entry, (_, args) in _entry_points().items():
+        assert {(entry, a) for a in args} <= covered, entry
+    from airflow_provider_sky.operators.cluster import SkyClusterOperator
+    from airflow_provider_sky.operators.job import SkyJobOperator
+    from airflow_provider_sky.taskgroup import sky_gang
+
+    for name, fn in (
+        ("sky_gang", sky_gang),
+        ("SkyJobOperator", SkyJobOperator.__init__),
+        ("SkyClusterOperator", SkyClusterOperator.__init__),
+    ):
+        taken = set(inspect.signature(fn).parameters) & set(LIMITS)
+        assert {(name, a) for a in taken} <= covered, name
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "fragment"),
+    [
+        ({"poll_interval": 30.0}, "lost_after", "at least poll_interval (30 s), got 10"),
+        ({"poll_interval": 5.0, "lost_after": 4.0}, "lost_after", "one missed poll"),
+        ({"poll_interval": 2.0, "orphan_timeout": 3.0}, "orphan_timeout", "2 x poll_interval = 4 s"),
+        ({"poll_interval": 2.0, "hang_timeout": 3.0}, "hang_timeout", "2 x poll_interval = 4 s"),
+    ],
+)
+def test_timing_arguments_that_disagree_are_refused(
+    kwargs: dict[str, Any], field: str, fragment: str
+) -> None:
+    import pendulum
+    from airflow.sdk import DAG
+
+    from airflow_provider_sky.taskgroup import sky_gang
+
+    with DAG("disagree", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC")):
+        with pytest.raises(SpecError) as err:
+            sky_gang("g", num_nodes=2, run="true", **kwargs)
+    assert err.value.field == field and fragment in err.value.message, str(err.value)
+
+
+def test_good_timing_arguments_at_the_edges_are_accepted() -> None:
+    import pendulum
+    from airflow.sdk import DAG
+
+    from airflow_provider_sky.taskgroup import sky_gang
+
+    with DAG("edges", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC")):
+        for i, kw in enumerate(
+            (
+                {},
+                {"poll_interval": 0.05, "grace": 0, "lost_after": 1, "orphan_timeout": 0, "hang_timeout": 0},
+                {
+                    "poll_interval": 300,
+                    "grace": 3600,
+                    "lost_after": 300,
+                    "orphan_timeout": None,
+                    "idle_down": 1,
+                },
+                {"hang_timeout": 600, "idle_down": None, "triggerers": 4, "orphan_timeout": 2},
+            )
+        ):
+            sky_gang(f"g{i}", num_nodes=2, run="true", **kw)
+
+
+# ---------------------------------------------- everything knowable is checked before the first backend call
+
+
+def test_every_problem_of_a_spec_is_named_in_one_error_before_anything_is_provisioned(
+    sky_home: Path, tmp_path: Path
+) -> None:
+    """Missing sources, the local backend's destination rule, a GPU the machine lacks and too many nodes:
+    one error naming each, from the check the cluster task runs before "Provisioning cluster"."""
+    from airflow_provider_sky.backends.base import choose_resources
+    from airflow_provider_sky.backends.local import LocalBackend
+    from airflow_provider_sky.backends.registry import conn_types
+
+    b = LocalBackend(sky_home)
+    spec = task_from_args(
+        num_nodes=2,
+        run="true",
+        workdir=str(tmp_path / "no-such-dir"),
+        file_mounts={"/data": str(tmp_path / "no-such-file"), "~/ok": str(tmp_path)},
+        resources={"accelerators": "A1000:8"},
+    )
+    with pytest.raises(SpecError) as err:
+        choose_resources(b, spec, "c", conn_types())
+    fields = err.value.field.split(", ")
+    assert {"workdir", "file_mounts./data", "resources.accelerators"} <= set(fields), err.value
+    assert fields.count("file_mounts./data") == 2  # outside the node's home, and its source is missing
+    assert "no-such-dir does not exist" in err.value.message
+    assert "no-such-file does not exist" in err.value.message
+    assert "use a '~/...' destination" in err.value.message
+    assert "A1000:8" in err.value.message
+    assert not list(sky_home.rglob("*.json")) and not (sky_home / "local" / "c").exists()
+
+
+def test_a_workdir_that_is_a_file_is_named_before_provisioning(sky_home: Path, tmp_path: Path) -> None:
+    from airflow_provider_sky.backends.base import choose_resources
+    from airflow_provider_sky.backends.local import LocalBackend
+
+    (tmp_path / "train.py").write_text("print(1)\n")
+    spec = task_from_args(run="true", workdir=str(tmp_path / "train.py"))
+    with pytest.raises(SpecError, match="workdir: .*train.py is not a directory"):
+        choose_resources(LocalBackend(sky_home), spec)
+    # a good spec still passes, sources under ~ included
+    choose_resources(LocalBackend(sky_home), task_from_args(run="true", workdir=str(tmp_path)))
+
+
+def test_every_problem_of_the_task_itself_is_named_in_one_error() -> None:
+    """A DAG author fixes them all in one edit, not one per parse."""
+    with pytest.raises(SpecError) as err:
+        parse_task(
+            {
+                "run": "",
+                "num_nodes": 0,
+                "envs": {"RANK": "1"},
+                "secrets": {"SA_JSON": {"private_key": SECRET}},
+                "resources": {"accelerators": "V100:0"},
+                "file_mounts": {"data": "/tmp"},
+            }
+        )
+    fields = err.value.field.split(", ")
+    assert fields == [
+        "run",
+        "envs.RANK",
+        "secrets.SA_JSON",
+        "resources.accelerators",
+        "num_nodes",
+        "file_mounts.data",
+    ], err.value
+    assert err.value.message.startswith("6 problems in this task: run: required")
+    _assert_hidden(str(err.value))
+    # one problem is reported as it always was
+    with pytest.raises(SpecError) as one:
+        parse_task({"run": "true", "num_nodes": 0})
+    assert one.value.field == "num_nodes" and one.value.message.startswith("must be at least 1")
+
+
+@pytest.mark.parametrize(
+    ("entry", "kwargs", "field"),
+    [
+        ("@task.sky", {"retries": -1}, "retries"),
+        ("@task.sky", {"retry_delay": -5}, "retry_delay"),
+        ("@task.sky", {"retry_on_exit_codes": [0]}, "retry_on_exit_codes"),
+        ("sky_gang", {"retries": 101}, "retries"),
+        ("SkyJobOperator", {"gang_retries": -1}, "gang_retries"),
+        ("SkyRankOperator", {"gang_retry_delay": 3601}, "gang_retry_delay"),
+        ("SkyGangSensor", {"gang_retries": 1.5}, "gang_retries"),
+    ],
+)
+def test_bad_gang_retry_numbers_are_refused_naming_the_field(
+    entry: str, kwargs: dict[str, Any], field: str
+) -> None:
+    """``@task.sky`` checks them when the function is decorated, before it is called in a DAG."""
+    import pendulum
+    from airflow.sdk import DAG
+
+    build, _ = _entry_points()[entry]
+    with DAG("bad_retry", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC")):
+        with pytest.raises(SpecError) as err:
+            build(**kwargs)
+    assert err.value.field == field, err.value

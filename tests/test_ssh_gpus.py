@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from airflow_provider_sky.backends.base import BackendError, choose_resources
+from airflow_provider_sky.backends.headrecord import RECORDS_DIR
 from airflow_provider_sky.backends.ssh import SSHBackend
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners import ssh
@@ -38,8 +39,9 @@ def gpu_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHDCluster]
         yield c
         ssh.close_all()
         for n in c.nodes:
-            left = [p.name for p in Path(n.home, ".sky_airflow").glob("*") if p.name != "clusters"]
-            left += [p.name for p in Path(n.home, ".sky_airflow", "clusters").glob("*.json")]
+            records = Path(n.home, RECORDS_DIR)
+            left = [p.name for p in Path(n.home, ".sky_airflow").glob("*") if p != records]
+            left += [p.name for p in records.glob("*.json")]
             assert left == [], f"{n.user}: clusters left: {left}"
             deadline = time.time() + 10
             while time.time() < deadline and user_processes(n.user):

@@ -178,6 +178,24 @@ def test_calling_twice_and_override_make_distinct_gangs() -> None:
     assert dag.get_task("step__1.cluster").upstream_task_ids == {"step__1.command"}
 
 
+def test_a_mistyped_argument_is_named_with_the_nearest_valid_one() -> None:
+    """Issue 28.5: ``@task.sky(hang_timout=60)`` said ``Invalid arguments were passed to
+    SkyClusterOperator (task_id: cluster)``: neither the decorator nor the nearest valid name."""
+    from airflow.sdk import DAG, task
+
+    def cmd() -> str:
+        return "true"
+
+    with DAG("typo_taskflow", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC")):
+        with pytest.raises(TypeError) as info:
+            task.sky(num_nodes=2, hang_timout=60)(cmd)
+        assert str(info.value) == "@task.sky: unknown argument 'hang_timout'; did you mean 'hang_timeout'?"
+        with pytest.raises(
+            TypeError, match="^@task.sky: unknown argument 'num_node'; did you mean 'num_nodes'"
+        ):
+            task.sky(num_nodes=2)(cmd).override(num_node=3)
+
+
 def test_pipeline_example_hands_the_json_result_downstream(sky_home: Path) -> None:
     """dags_examples/sky_pipeline.py: rank 0's result.json reaches ``evaluate`` as a dict (the XComArg a
     ``@task.sky`` call returns), with the Params form's defaults for nodes, envs and resources."""

@@ -149,7 +149,9 @@ def test_grid_labels_the_rank_tasks(ui: tuple[AirflowStack, str, Page]) -> None:
 
 def test_failed_rank_log(ui: tuple[AirflowStack, str, Page]) -> None:
     _, run_id, page = ui
-    cause = "root cause: rank 2 (127.1.0.3) exited with code 3"
+    cause = (
+        "root cause: rank 2 (127.1.0.3) exited with code 3; its last output: rank 2: loss is NaN, giving up"
+    )
     text = page.open(f"{_run_path(run_id)}/tasks/train.rank/mapped/2", "failed-rank-log.png", [cause])
     lines = _log_lines(text)
     messages = [m for _, _, m in lines]
@@ -177,7 +179,10 @@ def test_failed_rank_log(ui: tuple[AirflowStack, str, Page]) -> None:
 
 def test_cancelled_rank_log_names_the_failing_rank(ui: tuple[AirflowStack, str, Page]) -> None:
     _, run_id, page = ui
-    cause = "rank 0 cancelled; root cause: rank 2 (127.1.0.3) exited with code 3"
+    cause = (
+        "rank 0 cancelled; root cause: rank 2 (127.1.0.3) exited with code 3; "
+        "its last output: rank 2: loss is NaN, giving up"
+    )
     text = page.open(f"{_run_path(run_id)}/tasks/train.rank/mapped/0", "cancelled-rank-log.png", [cause])
     messages = [m for _, _, m in _log_lines(text)]
     assert "rank 0: training" in messages, messages

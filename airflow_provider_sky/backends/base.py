@@ -33,11 +33,12 @@ from airflow_provider_sky.spec import (
     Resources,
     SpecError,
     TaskSpec,
-    check_backend,
     describe_resources,
     parse_task,
     problems_error,
     resource_problems,
+    source_problems,
+    spec_problems,
 )
 
 _T = TypeVar("_T")
@@ -172,6 +173,11 @@ class Backend(ABC):
         """Raise :class:`BackendError` when this process cannot act on ``handle``'s nodes at all (the
         local backend's nodes on another machine), before any call reports its ranks lost."""
 
+    def spec_problems(self, spec: TaskSpec) -> list[tuple[str, str]]:
+        """(field, why) for what of ``spec`` beyond its resources this backend refuses (the local backend:
+        a file mount outside the nodes' homes); checked with everything else before any provision."""
+        return []
+
     def fit(self, resources: Resources, num_nodes: int, name: str | None = None) -> list[tuple[str, str]]:
         """(field, why) for what stops ``num_nodes`` nodes with ``resources`` on this backend beyond its
         capabilities (GPUs a machine lacks, hosts too small); empty: they can be had. ``name``: the cluster,
@@ -249,11 +255,8 @@ class Backend(ABC):
         names the field that asked for the copy."""
         if not spec.workdir and not spec.file_mounts:
             return
-        for field_name, src in [("workdir", spec.workdir or "")] + [
-            (f"file_mounts.{d}", s) for d, s in spec.file_mounts.items()
-        ]:
-            if src and not Path(src).exists():
-                raise SpecError(field_name, f"{src} does not exist; fix the path")
+        if problems := source_problems(spec):  # checked before provisioning too; a source may go since
+            raise problems_error(self.kind, problems)
 
         def one(node: Node) -> None:
             runner = self.runner(node)
@@ -264,10 +267,11 @@ class Backend(ABC):
                 )
             for field_name, src, target in copies:
                 try:
-                    if Path(src).is_dir():
-                        runner.put_tree(src, target)
+                    local = str(Path(src).expanduser())
+                    if Path(local).is_dir():
+                        runner.put_tree(local, target)
                     else:
-                        runner.put_file(src, target)
+                        runner.put_file(local, target)
                 except RunnerError as exc:
                     raise SpecError(field_name, f"copying to {node.ip} failed: {exc}") from None
 
@@ -316,29 +320,45 @@ def choose_resources(
     never sees the alternatives.
     """
     caps = backend.capabilities
-    check_backend(spec, caps, backends)  # what no alternative can change: node count, bucket mounts
+    # what no alternative changes (node count, bucket mounts, the backend's own rules, missing sources):
+    # gathered with the resources' problems, so one error names everything to fix, before any provision
+    problems = spec_problems(spec, caps) + backend.spec_problems(spec) + source_problems(spec)
     choices = spec.resource_choices
     passed: list[str] = []
     last: list[tuple[str, str]] = []
+    chosen: Choice | None = None
     for index, res in enumerate(choices):
-        problems = resource_problems(res, caps, backends) or backend.fit(res, spec.num_nodes, name)
-        if not problems:
-            if res.accelerators is not None and backend.assigns_devices and CUDA_VISIBLE_DEVICES in spec.envs:
-                raise SpecError(
-                    f"envs.{CUDA_VISIBLE_DEVICES}",
-                    f"the {caps.name} backend gives each node its GPUs ({res.accelerators}) in "
-                    f"{CUDA_VISIBLE_DEVICES}; remove it from envs",
-                )
-            return Choice(res, index, len(choices), tuple(passed))
-        passed.append(f"#{index + 1} ({describe_resources(res)}): " + "; ".join(m for _, m in problems))
-        last = problems
-    if len(choices) == 1:
-        raise problems_error(caps.name, last)
-    raise SpecError(
-        "resources",
-        f"none of the {len(choices)} alternatives can be had on the {caps.name} backend: "
-        + " | ".join(passed),
-    )
+        found = resource_problems(res, caps, backends) or backend.fit(res, spec.num_nodes, name)
+        if not found:
+            chosen = Choice(res, index, len(choices), tuple(passed))
+            break
+        passed.append(f"#{index + 1} ({describe_resources(res)}): " + "; ".join(m for _, m in found))
+        last = found
+    if chosen is None and len(choices) == 1:
+        problems += last
+    elif chosen is None:
+        problems.append(
+            (
+                "resources",
+                f"none of the {len(choices)} alternatives can be had on the {caps.name} backend: "
+                + " | ".join(passed),
+            )
+        )
+    elif (
+        chosen.resources.accelerators is not None
+        and backend.assigns_devices
+        and CUDA_VISIBLE_DEVICES in spec.envs
+    ):
+        problems.append(
+            (
+                f"envs.{CUDA_VISIBLE_DEVICES}",
+                f"the {caps.name} backend gives each node its GPUs ({chosen.resources.accelerators}) in "
+                f"{CUDA_VISIBLE_DEVICES}; remove it from envs",
+            )
+        )
+    if problems or chosen is None:
+        raise problems_error(caps.name, problems)
+    return chosen
 
 
 def recorded_resources(handle: ClusterHandle) -> Resources | None:

@@ -2,10 +2,15 @@
 
 Backends whose nodes outlive the Airflow worker and have a home (SSH hosts, Kubernetes pods) keep the
 record (rank order, homes, leases: see ``backends.base``) on the head in
-``~/.sky_airflow/clusters/<name>.json``, so any worker that can reach the head finds it. One remote
+``~/.sky_airflow/.clusters/<name>.json``, so any worker that can reach the head finds it. One remote
 script, under ``flock`` on the head (a ``mkdir`` lock where ``flock`` is missing), writes the new record
 only if the file still holds what was read; otherwise it returns the current one and the change is made
 again on that.
+
+A node's runtime directory is ``~/.sky_airflow/<name>``: the records' directory (and its lock files)
+start with a dot, which no cluster name can (``runtime.check_job_id``), so no cluster's directory is
+ever the records' (a cluster named ``clusters`` once was, and its teardown removed every record).
+A record whose ``name`` is not the one asked for is refused: nothing is done with it under that name.
 """
 
 from __future__ import annotations
@@ -26,21 +31,22 @@ T = TypeVar("T")
 
 _READ_SCRIPT = 'rec="$HOME/$1"; [ -f "$rec" ] && cat "$rec"; exit 0'
 #: compare-and-swap of a cluster record on the head: $1 record path (relative to $HOME), $2 "1" if the
-#: record was there when read, $3 "1" to write the new record ("0" deletes it), $4 lock kind (auto|mkdir).
-#: Prints OK, or CONFLICT and the current record. __OLD__ / __NEW__ are quoted here-documents.
+#: record was there when read, $3 "1" to write the new record ("0" deletes it), $4 lock kind (auto|mkdir),
+#: $5 seconds to wait for the lock. Prints OK, or CONFLICT and the current record. __OLD__ / __NEW__ are quoted here-documents.
 _CAS_SCRIPT = r"""
-rec="$HOME/$1"; had=$2; put=$3; d=$(dirname "$rec")
+rec="$HOME/$1"; had=$2; put=$3; d=$(dirname "$rec"); w=${5:-60}
+case "$w" in ''|*[!0-9]*) w=60;; esac
 mkdir -p "$d" || exit 3
 if [ "$4" != mkdir ] && command -v flock >/dev/null 2>&1; then
-  exec 9>>"$d/.lock"
-  flock -w 60 9 || { echo "the cluster records' lock $d/.lock is held for over 60s" >&2; exit 3; }
+  exec 9>>"$d/.lock" || exit 3
+  flock -w "$w" 9 || { echo "the cluster records' lock $d/.lock is held for over ${w}s" >&2; exit 3; }
 else
   n=0
   while ! mkdir "$d/.lockd" 2>/dev/null; do
     p=; read -r p < "$d/.lockd/pid" 2>/dev/null || true
     if [ -n "$p" ] && ! kill -0 "$p" 2>/dev/null; then rm -rf "$d/.lockd"; continue; fi
     n=$((n + 1))
-    [ "$n" -lt 600 ] || { echo "the cluster records' lock $d/.lockd is held for over 60s" >&2; exit 3; }
+    [ "$n" -lt $((w * 10)) ] || { echo "the cluster records' lock $d/.lockd is held for over ${w}s" >&2; exit 3; }
     sleep 0.1
   done
   trap 'rm -rf "$d/.lockd"' EXIT
@@ -88,20 +94,41 @@ def _cas_script(old: str | None, new: dict[str, Any] | None) -> str:
     return re.sub(r"__(?:OLD|NEW)(?:_EOF)?__", lambda m: parts[m.group(0)], _CAS_SCRIPT)
 
 
+#: the records' directory on a head, relative to its home: dot-prefixed, so no cluster name is it
+RECORDS_DIR = ".sky_airflow/.clusters"
+
+
 def record_path(name: str) -> str:
     """Where the record of cluster ``name`` is, relative to the head's home."""
     runtime.check_job_id(name)
-    return f".sky_airflow/clusters/{name}.json"
+    return f"{RECORDS_DIR}/{name}.json"
 
 
 class HeadRecords:
     """The records of the clusters whose head ``head()`` reaches; ``where`` names it in errors."""
 
-    def __init__(self, head: Callable[[], CommandRunner], where: str, lock: str = "auto") -> None:
+    def __init__(
+        self, head: Callable[[], CommandRunner], where: str, lock: str = "auto", lock_wait: float = 60.0
+    ) -> None:
         self.head = head
         self.where = where
         #: how the head's records are locked: ``auto`` (``flock`` if the head has it) or ``mkdir``
         self.lock = lock
+        #: seconds a change waits for the head's record lock before it fails (changing nothing)
+        self.lock_wait = lock_wait
+
+    def _parse(self, name: str, text: str | None) -> dict[str, Any] | None:
+        """The record in ``text``; one that names another cluster is an error (never acted on)."""
+        if text is None:
+            return None
+        record: dict[str, Any] = json.loads(text)
+        if record.get("name") != name:
+            raise BackendError(
+                f"the record ~/{record_path(name)} on the head {self.where} names cluster "
+                f"{record.get('name')!r}, not {name!r}: nothing is done with it under this name. Move it "
+                "back to the cluster it names, or remove it"
+            )
+        return record
 
     def read(self, name: str) -> str | None:
         """The record's text on the head (trailing newlines dropped, as the swap script compares it)."""
@@ -114,8 +141,7 @@ class HeadRecords:
         return text if text.strip() else None
 
     def load(self, name: str) -> dict[str, Any] | None:
-        text = self.read(name)
-        return json.loads(text) if text is not None else None
+        return self._parse(name, self.read(name))
 
     def update(
         self, name: str, change: Callable[[dict[str, Any] | None], tuple[dict[str, Any] | None, T]]
@@ -127,13 +153,14 @@ class HeadRecords:
         """
         text = self.read(name)
         for _ in range(100):
-            current = json.loads(text) if text is not None else None
+            current = self._parse(name, text)
             new, result = change(current)
             if new == current:
                 return result
             script = _cas_script(text, new)
             args = [record_path(name), "1" if text is not None else "0", "1" if new else "0"]
-            res = self.head().run_script(script, [*args, self.lock], timeout=90)
+            wait = max(1, round(self.lock_wait))
+            res = self.head().run_script(script, [*args, self.lock, str(wait)], timeout=wait + 30)
             out = res.text
             if res.returncode != 0 or not out.startswith(("OK", "CONFLICT")):
                 raise BackendError(

@@ -35,7 +35,8 @@ class BackendInfo:
 
     #: short name (``ssh``), shown in errors and cluster handles
     kind: str
-    #: the Airflow connection type (``sky_ssh``)
+    #: the Airflow connection type (``skyssh``): a URI scheme (RFC 3986: no '_'), or Airflow warns
+    #: "Connection schemes shall not contain '_'" each time it reads the connection
     conn_type: str
     #: shown in the connection form's type list
     hook_name: str
@@ -55,9 +56,15 @@ class BackendInfo:
     #: (extra naming another Airflow connection, ``module:function(config, conn) -> config``): settings
     #: taken from a connection of another provider (``ssh``, ``kubernetes``) instead of asking twice
     linked_conn: tuple[str, str] | None = None
+    #: earlier spellings of ``conn_type`` (``sky_ssh``), still read, listed in the form as old names
+    former_conn_types: tuple[str, ...] = ()
     #: the linked connection used when that extra is empty, if it exists (the Amazon provider's
     #: ``aws_default``, as its hooks default to it); None: only a named one is linked
     linked_default: str | None = None
+
+    @property
+    def all_conn_types(self) -> tuple[str, ...]:
+        return (self.conn_type, *self.former_conn_types)
 
     @property
     def extras(self) -> tuple[str, ...]:
@@ -101,12 +108,28 @@ class BackendInfo:
                 f"connection {conn_id!r} ({self.conn_type}): unknown extra {key!r}; {hint}"
             )
 
-    def provider_entry(self, hook_module: str) -> dict[str, Any]:
-        """This backend's item of ``get_provider_info()["connection-types"]``."""
+    def hook_class_for(self, conn_type: str) -> str:
+        """The hook class name for one of :attr:`all_conn_types` (Airflow maps each type to its own
+        class, whose ``conn_type`` must match): ``SkySSHHook``, and ``SkySSHHook_sky_ssh`` for an old name."""
+        return self.hook_class_name if conn_type == self.conn_type else f"{self.hook_class_name}_{conn_type}"
+
+    def hook_name_for(self, conn_type: str) -> str:
+        if conn_type == self.conn_type:
+            return self.hook_name
+        return f"{self.hook_name} ({conn_type}: old type name, same as {self.conn_type})"
+
+    def provider_entries(self, hook_module: str) -> list[dict[str, Any]]:
+        """This backend's items of ``get_provider_info()["connection-types"]``: its type, then its old names
+        (connections made with them keep their form and Test button)."""
+        return [self.provider_entry(hook_module, t) for t in self.all_conn_types]
+
+    def provider_entry(self, hook_module: str, conn_type: str | None = None) -> dict[str, Any]:
+        """This backend's item of ``get_provider_info()["connection-types"]`` for ``conn_type``."""
+        conn_type = conn_type or self.conn_type
         return {
-            "hook-class-name": f"{hook_module}.{self.hook_class_name}",
-            "connection-type": self.conn_type,
-            "hook-name": self.hook_name,
+            "hook-class-name": f"{hook_module}.{self.hook_class_for(conn_type)}",
+            "connection-type": conn_type,
+            "hook-name": self.hook_name_for(conn_type),
             "ui-field-behaviour": {
                 "hidden-fields": [f for f in STANDARD_FIELDS if f not in self.standard_fields],
                 "relabeling": dict(self.relabeling),
@@ -153,7 +176,7 @@ def by_kind(kind: str) -> BackendInfo:
 
 def by_conn_type(conn_type: str, conn_id: str) -> BackendInfo:
     for info in _discovered():
-        if info.conn_type == conn_type:
+        if conn_type in info.all_conn_types:
             return info
     types = ", ".join(i.conn_type for i in _discovered())
     raise ConnectionConfigError(f"connection {conn_id!r} has type {conn_type!r}; use one of {types}")

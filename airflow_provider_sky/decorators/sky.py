@@ -23,8 +23,10 @@ from airflow.sdk.definitions.context import context_merge
 from airflow.sdk.definitions.xcom_arg import PlainXComArg
 from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_provider_sky.retry import RetryPolicy
 from airflow_provider_sky.spec import SpecError
-from airflow_provider_sky.taskgroup import SkyGangGroup, sky_gang
+from airflow_provider_sky.taskgroup import SkyGangGroup, check_gang_arguments, sky_gang
+from airflow_provider_sky.timing import LIMITS, check_timing
 
 #: task id of the task that calls the decorated function, inside the gang's group
 COMMAND_TASK_ID = "command"
@@ -87,6 +89,15 @@ class SkyTaskDecorator:
             raise TypeError(
                 "@task.sky: run is what the decorated function returns; do not pass run= to the decorator"
             )
+        check_gang_arguments("@task.sky", gang_kwargs, without=("run",))
+        # checked when the DAG file decorates, not only when the function is called in a DAG
+        check_timing(**{k: v for k, v in gang_kwargs.items() if k in LIMITS})
+        RetryPolicy.build(
+            gang_kwargs.get("retries", 0),
+            gang_kwargs.get("retry_delay", 0.0),
+            gang_kwargs.get("retry_exponential_backoff", False),
+            gang_kwargs.get("retry_on_exit_codes"),
+        )
         self.function = function
         self.gang_kwargs = dict(gang_kwargs)
         self.__name__ = getattr(function, "__name__", "sky")

@@ -576,26 +576,37 @@ class AirflowStack:
         return resp.json() if resp.content else None
 
     def dump_api_server(self) -> str:
-        """The api-server's Python stacks (every thread, py-spy) into ``<home>/logs``, when it stops answering:
-        what it waits on is gone once it answers again or the stack stops."""
-        proc = self.procs.get("api-server")
+        """Every service's Python stacks (py-spy, every thread, their children too) when the api-server
+        stops answering: the process that holds what it waits for (with SQLite, the database's one write
+        lock) is then seen at it. Written with the services' logs to ``$SKY_TEST_DUMPS`` (default
+        ``/tmp/sky-stack-dumps``), outside the test's tmp dir, which pytest rotates away."""
         beside = Path(sys.executable).parent / "py-spy"  # the dev environment has it (pyproject's dev group)
         spy = os.environ.get("SKY_TEST_PYSPY") or (
             str(beside) if beside.exists() else shutil.which("py-spy") or ""
         )
-        if proc is None or not spy:
-            return "no api-server stacks (py-spy not found: uv sync the dev group or set SKY_TEST_PYSPY)"
-        out = self.logs / f"api-server-stacks-{time.strftime('%H%M%S')}.txt"
-        pids = [proc.pid] + [int(c) for c in _children(proc.pid)]
-        with out.open("w") as f:
-            for pid in pids:
-                f.write(f"=== pid {pid}\n")
-                f.flush()
-                subprocess.run(
-                    [spy, "dump", "--locals", "--pid", str(pid)], stdout=f, stderr=f, timeout=60, check=False
-                )
+        if not spy:
+            return "no stacks (py-spy not found: uv sync the dev group or set SKY_TEST_PYSPY)"
+        out = Path(os.environ.get("SKY_TEST_DUMPS", "/tmp/sky-stack-dumps")) / (
+            f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        for service, proc in self.procs.items():
+            with (out / f"{service}.stacks.txt").open("w") as f:
+                for pid in [proc.pid] + [int(c) for c in _children(proc.pid)]:
+                    f.write(f"=== pid {pid}\n")
+                    f.flush()
+                    subprocess.run(
+                        [spy, "dump", "--locals", "--pid", str(pid)],
+                        stdout=f,
+                        stderr=f,
+                        timeout=60,
+                        check=False,
+                    )
+        for log_file in self.logs.glob("*.log"):
+            with contextlib.suppress(OSError):
+                shutil.copy(log_file, out / log_file.name)
         log_tail = "\n".join((self.logs / "api-server.log").read_text(errors="replace").splitlines()[-20:])
-        return f"its stacks: {out}; the last lines of its log:\n{log_tail}"
+        return f"every service's stacks and logs: {out}; the last lines of the api-server's log:\n{log_tail}"
 
     @staticmethod
     def _ti_path(dag_id: str, run_id: str, task_id: str = "") -> str:
@@ -662,6 +673,7 @@ class AirflowStack:
             "end_date",
             "duration",
             "try_number",
+            "note",
         )
         tis = [{k: ti.get(k) for k in keys} for ti in data["task_instances"]]
         return sorted(tis, key=lambda t: (t["task_id"], t["map_index"]))

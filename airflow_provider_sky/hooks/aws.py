@@ -50,3 +50,22 @@ def merge_aws_connection(config: Mapping[str, Any], aws_conn: Any) -> dict[str, 
             merged.pop(key, None)  # the session carries them (or a role's, refreshed as they expire)
         merged["session_factory"] = functools.partial(_session, wrapper)
     return merged
+
+
+def for_another_process(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` as plain data, for the job task's launch-side watcher (a process of its own, which gets
+    its config on stdin, never on a command line or in a file): a ``session_factory`` becomes the
+    credentials of the session it makes now. A role's credentials last an hour or more; the watcher
+    calls EC2 only to name why a node was lost or to replace one, and otherwise talks SSH."""
+    factory = config.get("session_factory")
+    if not callable(factory):
+        return dict(config)
+    plain = {k: v for k, v in config.items() if k != "session_factory"}
+    credentials = factory(config.get("region_name")).get_credentials()
+    if credentials is None:  # boto3 found none (the backend's own calls would fail the same way)
+        return plain
+    frozen = credentials.get_frozen_credentials()
+    plain.update(login=frozen.access_key, password=frozen.secret_key)
+    if frozen.token:
+        plain["aws_session_token"] = frozen.token
+    return plain

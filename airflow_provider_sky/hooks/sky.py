@@ -40,18 +40,36 @@ def _unreadable(conn_id: str, exc: BaseException) -> RuntimeError:
     )
 
 
+def _comms_answer_only_synchronously() -> bool:
+    """Whether this trigger runs under ``dag.test()`` / ``airflow dags test``.
+
+    There a trigger runs inline, through Airflow's in-process supervisor, whose comms have ``send`` but
+    no ``asend`` (Airflow 3.3). The Task SDK's async lookup asks the Execution API with ``asend``, fails
+    on the missing method, takes that for "not there" and answers ``isn't defined`` for every connection
+    kept in the metadata DB (``AIRFLOW_CONN_*`` variables are read before, so they worked). The
+    synchronous lookup the tasks use reads the same connection through the same supervisor.
+    """
+    from airflow.sdk.execution_time import task_runner
+
+    comms = getattr(task_runner, "SUPERVISOR_COMMS", None)
+    return comms is not None and not hasattr(comms, "asend")
+
+
+def _unprefixed(key: str, prefixes: tuple[str, ...]) -> str:
+    for prefix in prefixes:
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return key
+
+
 def connection_config(info: BackendInfo, conn: Any, conn_id: str) -> dict[str, Any]:
     """A connection's extras and the standard fields its backend reads, as one plain dict.
 
     Extras are checked against the backend's declared ones ("did you mean"); extras written by older
     forms as ``extra__<type>__<name>`` are read as ``<name>``; empty values count as not given.
     """
-    prefix = f"extra__{info.conn_type}__"
-    extras = {
-        (k[len(prefix) :] if k.startswith(prefix) else k): v
-        for k, v in dict(conn.extra_dejson).items()
-        if v not in (None, "")
-    }
+    prefixes = tuple(f"extra__{t}__" for t in info.all_conn_types)
+    extras = {_unprefixed(k, prefixes): v for k, v in dict(conn.extra_dejson).items() if v not in (None, "")}
     info.check_extras(extras, conn_id)
     fields = {f: getattr(conn, f, None) for f in info.standard_fields}
     return {**extras, **{k: v for k, v in fields.items() if v not in (None, "")}}
@@ -66,7 +84,7 @@ class SkyHook(BaseHook):
 
     conn_name_attr = "sky_conn_id"
     default_conn_name = "sky_default"
-    conn_type = "sky_local"
+    conn_type = "skylocal"
     hook_name = "Sky local cluster"
 
     def __init__(self, sky_conn_id: str | None = default_conn_name, **kwargs: Any) -> None:
@@ -109,7 +127,7 @@ class SkyHook(BaseHook):
         if not self.sky_conn_id:
             return "local", {}
         try:
-            conn = await self.aget_connection(self.sky_conn_id)
+            conn = await self._aconnection(self.sky_conn_id)
         except AirflowNotFoundException as exc:
             return self._missing(exc)
         except Exception as exc:
@@ -118,11 +136,19 @@ class SkyHook(BaseHook):
         linked = info.linked_conn_id(config)
         if linked:
             try:
-                config = info.merge_linked(config, await self.aget_connection(linked))
+                config = info.merge_linked(config, await self._aconnection(linked))
             except AirflowNotFoundException:
                 if not info.linked_by_default(config):
                     raise
         return info.kind, config
+
+    async def _aconnection(self, conn_id: str) -> Any:
+        """The connection, without blocking a triggerer's event loop; under ``dag.test()`` through the
+        synchronous lookup (see :func:`_comms_answer_only_synchronously`). There the trigger runs alone
+        in its own loop, and the in-process lookup is a local DB read: nothing else waits on it."""
+        if _comms_answer_only_synchronously():
+            return self.get_connection(conn_id)
+        return await self.aget_connection(conn_id)
 
     def test_connection(self) -> tuple[bool, str]:
         """The connection form's Test button: reach every node (or the API), check host keys and
@@ -195,22 +221,24 @@ class SkyHook(BaseHook):
         return self.get_backend().terminate(name, grace=grace, holder=None if force else holder or "")
 
 
-def _hook_for(info: BackendInfo) -> type[SkyHook]:
-    """The hook class Airflow maps ``info.conn_type`` to (its ``conn_type`` must match)."""
+def _hook_for(info: BackendInfo, conn_type: str) -> type[SkyHook]:
+    """The hook class Airflow maps ``conn_type`` (one of ``info.all_conn_types``) to (its ``conn_type``
+    must match)."""
     return type(
-        info.hook_class_name,
+        info.hook_class_for(conn_type),
         (SkyHook,),
         {
             "__module__": __name__,
-            "__doc__": f"A {info.hook_name}: a ``{info.conn_type}`` connection (see the README).",
-            "conn_type": info.conn_type,
-            "hook_name": info.hook_name,
+            "__doc__": f"A {info.hook_name}: a ``{conn_type}`` connection (see the README).",
+            "conn_type": conn_type,
+            "hook_name": info.hook_name_for(conn_type),
             "default_conn_name": info.default_conn_id,
         },
     )
 
 
 for _info in all_backends():
-    if _info.hook_class_name != SkyHook.__name__:
-        globals()[_info.hook_class_name] = _hook_for(_info)
-        __all__.append(_info.hook_class_name)
+    for _type in _info.all_conn_types:
+        if _info.hook_class_for(_type) != SkyHook.__name__:
+            globals()[_info.hook_class_for(_type)] = _hook_for(_info, _type)
+            __all__.append(_info.hook_class_for(_type))

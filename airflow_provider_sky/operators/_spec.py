@@ -73,12 +73,12 @@ def run_holder(context: Context) -> str:
     return f"{context['dag'].dag_id}/{context['run_id']}"
 
 
-CLUSTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+CLUSTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
 def check_cluster_name(name: str) -> str:
     """Cluster names become directory names on every node: a safe alphabet only."""
-    if not CLUSTER_NAME_RE.match(name) or ".." in name:
+    if not isinstance(name, str) or not CLUSTER_NAME_RE.fullmatch(name) or ".." in name:
         raise SpecError(
             "cluster_name",
             f"{name!r} is not a valid cluster name: use 1-63 letters, digits, '.', '_' or '-', "

@@ -18,6 +18,7 @@ from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import run_sync
 from airflow_provider_sky.retry import RetryPolicy, operator_args, pop_retry_args, trigger_retry
+from airflow_provider_sky.timing import LIMITS, check_timing
 from airflow_provider_sky.triggers.gang import xcom_ref
 
 
@@ -130,6 +131,7 @@ def triggerer_watch(
     """What a rank task or gang sensor started in the triggerer needs: its trigger's start arguments and
     the watch settings the task and its trigger share. The gang-retry arguments move from
     ``operator_kwargs`` (changed in place) into the operator's own names and the trigger's policy."""
+    check_timing(poll_interval=poll_interval, grace=grace, lost_after=lost_after, hang_timeout=hang_timeout)
     watch: dict[str, Any] = {
         "sky_conn_id": sky_conn_id,
         "poll_interval": poll_interval,
@@ -175,6 +177,9 @@ class GangWatchMixin:
         hang_timeout: float | None = None,
         policy: RetryPolicy | None = None,
     ) -> None:
+        check_timing(
+            poll_interval=poll_interval, grace=grace, lost_after=lost_after, hang_timeout=hang_timeout
+        )
         self.cluster = cluster
         self.sky_conn_id = sky_conn_id
         self.poll_interval = poll_interval
@@ -215,3 +220,8 @@ class GangWatchMixin:
             "hang_timeout": self.hang_timeout,
             "retry": self.retry,
         }
+
+
+def check_watch_kwargs(kwargs: dict[str, Any]) -> None:
+    """The timing arguments among an operator's keyword arguments (``partial()``'s), checked now."""
+    check_timing(**{k: v for k, v in kwargs.items() if k in LIMITS and k != "triggerers"})

@@ -12,8 +12,10 @@ from airflow_provider_sky.backends.base import GPU_DEVICES, GPU_NAME, MACHINE_GP
 from airflow_provider_sky.gang import job_id_for
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT
+from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._capacity import check_airflow_room
 from airflow_provider_sky.operators._spec import (
+    SPEC_FIELDS,
     SkySpecMixin,
     check_cluster_name,
     pop_spec_fields,
@@ -23,7 +25,8 @@ from airflow_provider_sky.operators._spec import (
 )
 from airflow_provider_sky.operators.down import log_teardown, unclean_message
 from airflow_provider_sky.setup_stage import SetupFailed, run_setup
-from airflow_provider_sky.spec import TaskSpec
+from airflow_provider_sky.spec import SpecError, TaskSpec
+from airflow_provider_sky.timing import check_timing
 
 
 class SkyClusterOperator(SkySpecMixin, BaseOperator):
@@ -38,7 +41,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
     :param num_nodes, run, setup, envs, secrets, resources, workdir, file_mounts, name: any field of
         the task given as a keyword argument; it overrides the YAML's (or dict's) value.
     :param cluster_name: defaults to one cluster per DAG run (``sky-<dag>-<hash of dag id and run id>``).
-    :param sky_conn_id: a ``sky_local`` / ``sky_ssh`` connection; the default falls back to the local backend.
+    :param sky_conn_id: a ``skylocal`` / ``skyssh`` / ``skykubernetes`` / ``skyaws`` connection; the default falls back to the local backend.
     :param down_on_failure: tear the cluster down when this task fails or is killed. Airflow skips a
         teardown task whose setup task failed, so without this a failed setup would leak the nodes.
     :param lease: hold a lease on the cluster for this DAG run (``<dag_id>/<run_id>``), released by the
@@ -75,6 +78,14 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         **kwargs: Any,
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
+        check_operator_arguments(self, kwargs, *SPEC_FIELDS, task_id=kwargs.get("task_id"))
+        check_timing(
+            poll_interval=poll_interval,
+            grace=grace,
+            orphan_timeout=orphan_timeout,
+            idle_down=idle_down,
+            triggerers=triggerers,
+        )
         super().__init__(**kwargs)
         refuse_outlets(self)
         self._init_spec(task_yaml, task_config, overrides)
@@ -112,13 +123,16 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
             self._down_after_failure(self._provisioning)
 
     def execute(self, context: Context) -> dict[str, Any]:
-        spec = self.rendered_spec()
-        name = resolve_cluster_name(self.cluster_name, context)
-        self._holder = run_holder(context)
         hook = SkyHook(self.sky_conn_id)
-        if self.rank_tasks:
-            check_airflow_room(spec.num_nodes, self.triggerers)
-        choice = hook.check(spec, name)
+        try:
+            spec = self.rendered_spec()
+            name = resolve_cluster_name(self.cluster_name, context)
+            if self.rank_tasks:
+                check_airflow_room(spec.num_nodes, self.triggerers)
+            choice = hook.check(spec, name)
+        except SpecError as exc:  # the task as written cannot run: no retry would change that
+            raise AirflowFailException(str(exc)) from None
+        self._holder = run_holder(context)
         self.log.info(
             "Provisioning cluster %s: %s node(s) on the %s backend; %s",
             name,

@@ -10,7 +10,9 @@ from airflow.sdk.exceptions import AirflowException
 
 from airflow_provider_sky.backends import Teardown
 from airflow_provider_sky.hooks.sky import SkyHook
+from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._spec import resolve_cluster_name, run_holder
+from airflow_provider_sky.timing import check_timing
 
 
 def log_teardown(log: Any, name: str, result: Teardown) -> None:
@@ -56,6 +58,8 @@ class SkyDownOperator(BaseOperator):
         grace: float = 3.0,
         **kwargs: Any,
     ) -> None:
+        check_operator_arguments(self, kwargs, task_id=kwargs.get("task_id"))
+        check_timing(grace=grace)
         super().__init__(**kwargs)
         self.cluster_name = cluster_name
         self.sky_conn_id = sky_conn_id

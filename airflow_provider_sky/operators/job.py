@@ -14,13 +14,11 @@ from airflow_provider_sky.gang import job_id_for
 from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, LaunchError
-from airflow_provider_sky.operators._spec import (
-    SkySpecMixin,
-    pop_spec_fields,
-    refuse_outlets,
-)
+from airflow_provider_sky.operators._args import check_operator_arguments
+from airflow_provider_sky.operators._spec import SPEC_FIELDS, SkySpecMixin, pop_spec_fields, refuse_outlets
 from airflow_provider_sky.retry import OPERATOR_ARGS, RetryPolicy, trigger_retry
 from airflow_provider_sky.spec import TaskSpec
+from airflow_provider_sky.timing import check_timing
 
 
 class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
@@ -81,6 +79,16 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         **kwargs: Any,
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
+        check_operator_arguments(self, kwargs, *SPEC_FIELDS, task_id=kwargs.get("task_id"))
+        check_timing(
+            poll_interval=poll_interval,
+            grace=grace,
+            lost_after=lost_after,
+            orphan_timeout=orphan_timeout,
+            idle_down=idle_down,
+            bridge_timeout=bridge_timeout,
+            hang_timeout=hang_timeout,
+        )
         policy = RetryPolicy.build(
             gang_retries,
             gang_retry_delay,
@@ -172,6 +180,10 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
 
             state_dir = str(config.get("state_dir") or default_state_dir())
             config = {**config, "state_dir": state_dir}
+        elif kind == "aws":
+            from airflow_provider_sky.hooks.aws import for_another_process
+
+            config = for_another_process(config)  # a linked aws connection's session cannot travel as JSON
         orphan = float(self.orphan_timeout or 0)
         timeout = self.bridge_timeout if self.bridge_timeout is not None else orphan or DEFAULT_ORPHAN_TIMEOUT
         req = BridgeRequest(

@@ -10,7 +10,8 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow.triggers.base import StartTriggerArgs
 
 from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.operators._watch import GangWatchMixin, triggerer_watch
+from airflow_provider_sky.operators._args import check_operator_arguments
+from airflow_provider_sky.operators._watch import GangWatchMixin, check_watch_kwargs, triggerer_watch
 from airflow_provider_sky.policy import RANK_LABEL
 from airflow_provider_sky.retry import (
     OPERATOR_ARGS,
@@ -51,6 +52,8 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
         if kwargs.get("retries"):
             raise ValueError(_NO_RETRIES)
         kwargs["retries"] = 0  # also over default_args: a failed rank must not come back on its own
+        check_operator_arguments(cls, kwargs, task_id=kwargs.get("task_id"))  # __init__ runs only at run time
+        check_watch_kwargs(kwargs)  # a mapped task's __init__ runs only when it runs: check now
         return super().partial(**kwargs)
 
     @classmethod
@@ -118,6 +121,7 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
             retry_on_exit_codes,
             names=OPERATOR_ARGS,
         )
+        check_operator_arguments(self, kwargs, task_id=kwargs.get("task_id"))
         super().__init__(**kwargs)
         self._init_watch(cluster, sky_conn_id, poll_interval, grace, lost_after, hang_timeout, policy)
         self.rank = rank

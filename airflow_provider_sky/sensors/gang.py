@@ -10,6 +10,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow.triggers.base import StartTriggerArgs
 
 from airflow_provider_sky.hooks.sky import SkyHook
+from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._watch import GangWatchMixin, triggerer_watch
 from airflow_provider_sky.result import DEFAULT_MAX_BYTES, check_result_args, result_config, small
 from airflow_provider_sky.retry import (
@@ -67,6 +68,7 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
             retry_on_exit_codes,
             names=OPERATOR_ARGS,
         )
+        check_operator_arguments(self, kwargs, task_id=kwargs.get("task_id"))
         super().__init__(**kwargs)
         self._init_watch(cluster, sky_conn_id, poll_interval, grace, lost_after, hang_timeout, policy)
         self.ranks = ranks

@@ -13,10 +13,17 @@ from airflow_provider_sky.spec.capabilities import (
     describe_resources,
     problems_error,
     resource_problems,
+    spec_problems,
 )
 from airflow_provider_sky.spec.common import RANK_VARIABLES, SpecError
 from airflow_provider_sky.spec.resources import Accelerator, Resources
-from airflow_provider_sky.spec.task import TaskSpec, is_bucket_source, parse_task, task_from_args
+from airflow_provider_sky.spec.task import (
+    TaskSpec,
+    is_bucket_source,
+    parse_task,
+    source_problems,
+    task_from_args,
+)
 from airflow_provider_sky.spec.yamlfile import load_task_yaml
 
 __all__ = [
@@ -33,5 +40,7 @@ __all__ = [
     "parse_task",
     "problems_error",
     "resource_problems",
+    "source_problems",
+    "spec_problems",
     "task_from_args",
 ]

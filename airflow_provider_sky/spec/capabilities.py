@@ -39,7 +39,7 @@ _WHY_NOT = {
     "region": "it does not choose where machines are",
     "zone": "it does not choose where machines are",
     "image_id": "it runs commands on the machines as they are; images are run by the kubernetes backend "
-    "(a sky_kubernetes connection)",
+    "(a skykubernetes connection)",
 }
 
 
@@ -85,14 +85,17 @@ def resource_problems(
             continue  # parts of the refused cloud's infra: removing cloud/infra removes them too
         if key not in caps.supported_resources:
             why = _WHY_NOT.get(key)
-            reason = f"{why}; remove it" if why else "remove it"
+            drop = f"remove it (or pass resources={{{key!r}: None}} to keep the YAML as is)"
+            reason = f"{why}; {drop}" if why else drop
             problems.append(
                 (f"resources.{key}", f"the {caps.name} backend cannot honour {key} ({value}); {reason}")
             )
     return problems
 
 
-def _spec_problems(spec: TaskSpec, caps: BackendCapabilities) -> list[tuple[str, str]]:
+def spec_problems(spec: TaskSpec, caps: BackendCapabilities) -> list[tuple[str, str]]:
+    """(field, why) for what of ``spec`` beyond its resources ``caps`` cannot honour (node count, bucket
+    mounts): what no resources alternative changes."""
     problems: list[tuple[str, str]] = []
     if spec.num_nodes > caps.max_nodes:
         problems.append(
@@ -122,7 +125,7 @@ def problems_error(backend: str, problems: Sequence[tuple[str, str]]) -> SpecErr
     fields_text = ", ".join(f for f, _ in problems)
     listed = "; ".join(f"{f}: {m}" for f, m in problems)
     return SpecError(
-        fields_text, f"the {backend} backend cannot honour {len(problems)} fields of this task: {listed}"
+        fields_text, f"the {backend} backend cannot run this task, {len(problems)} problems: {listed}"
     )
 
 
@@ -135,7 +138,7 @@ def check_backend(
     resources field must be in ``supported_resources``. With alternatives (``any_of``, ``ordered``, several
     accelerators) one that the backend can honour is enough; none is an error listing each one's problems.
     """
-    problems = _spec_problems(spec, caps)
+    problems = spec_problems(spec, caps)
     choices = spec.resource_choices
     per_choice = [resource_problems(r, caps, backends) for r in choices]
     if len(choices) == 1:

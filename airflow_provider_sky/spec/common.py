@@ -89,14 +89,25 @@ _SKYPILOT_ONLY_RESOURCES = frozenset(
     }
 )
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-_CLOUD_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
-_ACCEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# Every name pattern is used with ``fullmatch``: ``^...$`` with ``match`` also accepts a name ending in a
+# newline ("HF_TOKEN\n"), which then breaks the line of the env file that sets it and the value is lost.
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_CLOUD_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
+_ACCEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+#: a label name: 1-128 printable characters (an EC2 tag key's limit), no space at either end; a backend
+#: with stricter rules (Kubernetes' qualified names) checks its own
+_LABEL_NAME = re.compile(r"[^\s\x00-\x1f\x7f](?:[^\x00-\x1f\x7f]{0,126}[^\s\x00-\x1f\x7f])?")
+#: a Kubernetes label key: a qualified name, with an optional DNS-subdomain ``prefix/``
+K8S_LABEL_KEY = re.compile(
+    r"(?:[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?"
+)
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _NUMBER = r"(\d+(?:\.\d+)?|\.\d+)"
-_CPUS = re.compile(rf"^{_NUMBER}(?P<plus>\+?)$")
-_MEMORY = re.compile(rf"^{_NUMBER}\s*(?:(?P<unit>[KMGTP])(?:IB|I|B)?)?(?P<plus>\+?)$", re.IGNORECASE)
+_CPUS = re.compile(rf"{_NUMBER}(?P<plus>\+?)")
+_MEMORY = re.compile(rf"{_NUMBER}\s*(?:(?P<unit>[KMGTP])(?:IB|I|B)?)?(?P<plus>\+?)", re.IGNORECASE)
+#: control characters (newline, carriage return, NUL, ...): never part of a name, a path or a label value
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _MEMORY_UNIT_GIB = {"K": 2.0**-20, "M": 2.0**-10, "G": 1.0, "T": 2.0**10, "P": 2.0**20}
 _CLOUD_ALIASES = {"k8s": "kubernetes"}
 # For these the part after the first '/' is one name (a kube context may itself contain '/').
@@ -112,11 +123,57 @@ def _type_name(value: object) -> str:
     return "null" if value is None else type(value).__name__
 
 
+#: parts of a variable name whose value is hidden in errors like a secret's (Airflow's sensitive names)
+_SENSITIVE_PARTS = (
+    "access_token",
+    "api_key",
+    "apikey",
+    "authorization",
+    "passphrase",
+    "passwd",
+    "password",
+    "private_key",
+    "secret",
+    "token",
+    "keyfile_dict",
+    "service_account",
+    "credential",
+)
+
+
+def looks_secret(name: object) -> bool:
+    """An env name Airflow would mask (``*_TOKEN``, ``*PASSWORD*`` ...): its value is shown nowhere."""
+    return isinstance(name, str) and any(part in name.lower() for part in _SENSITIVE_PARTS)
+
+
+def _kind(value: object) -> str:
+    """What a value is, without the value: "a mapping", "a list", "null"."""
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return "a list"
+    if isinstance(value, str):
+        return "a string"
+    return f"a {type(value).__name__}"
+
+
+def _shown(value: object, hidden: bool) -> str:
+    """``value`` for an error message: its type and repr, or (a secret) its kind alone."""
+    return f"{_kind(value)} (value hidden)" if hidden else f"{_type_name(value)} {value!r}"
+
+
 def _unknown_key(prefix: str, key: str, valid: tuple[str, ...], unsupported: frozenset[str]) -> SpecError:
     where = f"{prefix}.{key}" if prefix else key
     scope = f"{prefix}:" if prefix else "the task"
     if key in unsupported:
-        return SpecError(where, f"is a SkyPilot key this provider does not support; remove it from {scope}")
+        drop = (
+            f" (or keep the YAML as is and pass resources={{{key!r}: None}})" if prefix == "resources" else ""
+        )
+        return SpecError(
+            where, f"is a SkyPilot key this provider does not support; remove it from {scope}{drop}"
+        )
     if not prefix and key in RESOURCE_KEYS:
         return SpecError(where, f"belongs under resources:, e.g. 'resources: {{{key}: ...}}'")
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
@@ -141,17 +198,28 @@ def _opt_str(value: object, where: str, what: str) -> str | None:
         return None
     if not isinstance(value, str) or not value.strip():
         raise SpecError(where, f"must be a non-empty string ({what}), got {value!r}")
+    if _CONTROL.search(value.strip()):
+        raise SpecError(where, f"{value!r} contains a control character (newline, NUL, ...); remove it")
     return value.strip()
 
 
-def _coerce_value(raw: object, where: str, fix_none: str) -> str:
-    """YAML turns ``PORT: 29500`` into an int and ``DEBUG: true`` into a bool; the shell needs strings."""
+def _coerce_value(raw: object, where: str, fix_none: str, hidden: bool = False) -> str:
+    """YAML turns ``PORT: 29500`` into an int and ``DEBUG: true`` into a bool; the shell needs strings.
+
+    ``hidden``: a secret's value, never shown in the error (it would land in Airflow's import errors).
+    """
     if raw is None:
         raise SpecError(where, f"a value must be given (null is not allowed); {fix_none}")
     if isinstance(raw, bool):
         text = "true" if raw else "false"
     elif isinstance(raw, (int, float, str)):
         text = str(raw)
+    elif hidden:
+        raise SpecError(
+            where,
+            f"must be a string, got {_shown(raw, True)}; quote the value (YAML reads unquoted JSON as a "
+            "mapping) or load it from a file",
+        )
     else:
         raise SpecError(
             where, f"must be a string or number, got {_type_name(raw)} {raw!r}; quote it as a string"

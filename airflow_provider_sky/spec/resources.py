@@ -13,8 +13,10 @@ from airflow_provider_sky.spec.common import (
     _CLOUD_ALIASES,
     _CLOUD_NAME,
     _CONTEXT_CLOUDS,
+    _CONTROL,
     _CPUS,
     _ENTRY_KEYS,
+    _LABEL_NAME,
     _MEMORY,
     _MEMORY_UNIT_GIB,
     _NUMBER,
@@ -42,7 +44,7 @@ class Accelerator:
 
     def __post_init__(self) -> None:
         # Validated here too, so a directly built Accelerator cannot carry a zero or negative count.
-        if not isinstance(self.name, str) or not _ACCEL_NAME.match(self.name):
+        if not isinstance(self.name, str) or not _ACCEL_NAME.fullmatch(self.name):
             raise SpecError("resources.accelerators", f"bad accelerator name {self.name!r}; {_ACCEL_FORMAT}")
         count = self.count
         if isinstance(count, bool) or not isinstance(count, (int, float)):
@@ -109,7 +111,7 @@ def _parse_one_accelerator(value: object, original: object) -> Accelerator:
         count = 1.0 if raw is None else _parse_count(raw, original)
     else:
         raise SpecError(where, f"expected a string, got {_type_name(value)} {value!r}; {_ACCEL_FORMAT}")
-    if not _ACCEL_NAME.match(name):
+    if not _ACCEL_NAME.fullmatch(name):
         raise SpecError(where, f"bad accelerator name {name!r} in {original!r}; {_ACCEL_FORMAT}")
     return Accelerator(name, count)
 
@@ -188,7 +190,7 @@ def _parse_quantity(value: object, where: str, pattern: re.Pattern[str], what: s
         raise SpecError(where, f"{fix}; got {_type_name(value)} {value!r}")
     plus = ""
     if isinstance(value, str):
-        m = pattern.match(value.strip())
+        m = pattern.fullmatch(value.strip())
         if not m:
             raise SpecError(where, f"{fix}; got {value!r}")
         number = float(m.group(1))
@@ -206,7 +208,7 @@ def _parse_quantity(value: object, where: str, pattern: re.Pattern[str], what: s
 def _normalise_cloud(value: str, where: str) -> str:
     cloud = value.strip().lower()
     cloud = _CLOUD_ALIASES.get(cloud, cloud)
-    if not _CLOUD_NAME.match(cloud):
+    if not _CLOUD_NAME.fullmatch(cloud):
         raise SpecError(
             where, f"bad cloud name {value!r}; use a name such as aws, gcp, kubernetes (or k8s), local"
         )
@@ -220,6 +222,8 @@ def _parse_infra(value: object) -> tuple[str | None, str | None, str | None]:
     if not isinstance(value, str) or not value.strip():
         raise SpecError(where, f"must be a non-empty string; {fix}; got {value!r}")
     text = value.strip()
+    if _CONTROL.search(text):
+        raise SpecError(where, f"{value!r} contains a control character (newline, NUL, ...); {fix}")
     head, _, rest = (p.strip() for p in text.partition("/"))
     if not head:
         raise SpecError(where, f"missing cloud in {value!r}; {fix}")
@@ -256,9 +260,18 @@ def _parse_labels(value: object) -> dict[str, str]:
         )
     out: dict[str, str] = {}
     for key, raw in value.items():
-        if not isinstance(key, str) or not key.strip():
-            raise SpecError(where, f"label names must be non-empty strings, got {key!r}")
-        out[key] = _coerce_value(raw, f"{where}.{key}", "give the label a value, e.g. team: ml")
+        if not isinstance(key, str) or not _LABEL_NAME.fullmatch(key):
+            raise SpecError(
+                where,
+                "label names must be non-empty strings of at most 128 characters, without control "
+                f"characters (newline, NUL, ...) or spaces at either end, e.g. team; got {key!r}",
+            )
+        text = _coerce_value(raw, f"{where}.{key}", "give the label a value, e.g. team: ml")
+        if _CONTROL.search(text):
+            raise SpecError(
+                f"{where}.{key}", f"{text!r} contains a control character (newline, ...); remove it"
+            )
+        out[key] = text
     return out
 
 
@@ -268,7 +281,7 @@ def _resources_as_mapping(value: Resources) -> dict[str, object]:
     return out
 
 
-_DISK = re.compile(r"^(\d+)\s*(?:(?P<unit>[GT])(?:IB|I|B)?)?$", re.IGNORECASE)
+_DISK = re.compile(r"(\d+)\s*(?:(?P<unit>[GT])(?:IB|I|B)?)?", re.IGNORECASE)
 
 
 def _parse_disk_size(value: object) -> int | None:
@@ -282,7 +295,7 @@ def _parse_disk_size(value: object) -> int | None:
         raise SpecError("resources.disk_size", fix)
     if isinstance(value, int):
         size = value
-    elif isinstance(value, str) and (m := _DISK.match(value.strip())):
+    elif isinstance(value, str) and (m := _DISK.fullmatch(value.strip())):
         size = int(m.group(1)) * (1024 if (m.group("unit") or "G").upper() == "T" else 1)
     else:
         raise SpecError("resources.disk_size", fix)

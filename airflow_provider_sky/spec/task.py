@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from airflow_provider_sky.spec.common import (
+    _CONTROL,
     _ENV_NAME,
     _SKYPILOT_ONLY_TOP,
     _TASK_NAME,
@@ -18,8 +20,11 @@ from airflow_provider_sky.spec.common import (
     SpecError,
     _check_keys,
     _coerce_value,
+    _kind,
     _opt_str,
+    _shown,
     _type_name,
+    looks_secret,
 )
 from airflow_provider_sky.spec.resources import (
     Resources,
@@ -28,19 +33,36 @@ from airflow_provider_sky.spec.resources import (
     _resources_to_dict,
 )
 
+_T = TypeVar("_T")
+
 # ---------------------------------------------------------------------------------------------------------
 # envs, secrets, file mounts
+
+
+#: how to give a value a SkyPilot YAML leaves null (SkyPilot asks for it at launch: ``--env`` / ``--secret``)
+_FIX_NULL = {
+    "envs": "SkyPilot takes it from --env at launch; here set it in the YAML or pass "
+    "envs={{'{key}': ...}} to sky_gang / @task.sky / the operator; a secret belongs in the YAML's "
+    "secrets: instead (null there too), passed as secrets={{'{key}': ...}} (redacted from logs)",
+    "secrets": "SkyPilot takes it from --secret at launch; here pass secrets={{'{key}': ...}} to "
+    "sky_gang / @task.sky / the operator (redacted from logs)",
+}
 
 
 def _parse_env_mapping(value: object, section: str) -> dict[str, str]:
     if value is None:
         return {}
+    secret = section == "secrets"
     if not isinstance(value, Mapping):
-        raise SpecError(section, f"must be a mapping of NAME: value, got {_type_name(value)} {value!r}")
+        raise SpecError(
+            section,
+            f"must be a mapping of NAME: value, got {_shown(value, secret)}; e.g. {section}: {{MY_VAR: ...}}",
+        )
     out: dict[str, str] = {}
     for key, raw in value.items():
-        where = f"{section}.{key}"
-        if not isinstance(key, str) or not _ENV_NAME.match(key):
+        # a key that is no string may be a secret pasted one level too high: only its type is named
+        where = f"{section}.{key}" if isinstance(key, str) or not secret else f"{section}.<{_kind(key)}>"
+        if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
             raise SpecError(
                 where,
                 "is not a valid environment variable name; use letters, digits and '_', "
@@ -52,7 +74,12 @@ def _parse_env_mapping(value: object, section: str) -> dict[str, str]:
                 "is set by the provider for each rank (node rank, IPs, world size) and cannot be overridden; "
                 "rename your variable",
             )
-        out[key] = _coerce_value(raw, where, f"set it here or pass it in {section}= when creating the task")
+        out[key] = _coerce_value(
+            raw,
+            where,
+            _FIX_NULL[section].format(key=key),
+            hidden=secret or looks_secret(key),
+        )
     return out
 
 
@@ -72,6 +99,12 @@ def _parse_file_mounts(value: object) -> dict[str, str]:
     out: dict[str, str] = {}
     for dest, src in value.items():
         where = f"{section}.{dest}"
+        if isinstance(dest, str) and (_CONTROL.search(dest) or dest != dest.strip()):
+            raise SpecError(
+                where,
+                f"the destination {dest!r} has a control character (newline, NUL, ...) or spaces at an "
+                "end; write the path alone, e.g. /data or ~/data",
+            )
         if not isinstance(dest, str) or not (dest.startswith("/") or dest.startswith("~/")):
             raise SpecError(
                 where,
@@ -90,8 +123,28 @@ def _parse_file_mounts(value: object) -> dict[str, str]:
                 f"source must be a local path or a URL string such as s3://bucket/path, got {src!r} "
                 "(storage-object mounts are not supported)",
             )
+        if _CONTROL.search(src.strip()):
+            raise SpecError(
+                where, f"source {src!r} contains a control character (newline, NUL, ...); remove it"
+            )
         out[dest] = src.strip()
     return out
+
+
+def source_problems(spec: TaskSpec) -> list[tuple[str, str]]:
+    """(field, why) for each local ``workdir`` / ``file_mounts`` source that is not there (a workdir must
+    be a directory): found before provisioning, not when the files are copied to provisioned nodes."""
+    problems: list[tuple[str, str]] = []
+    if spec.workdir and not is_bucket_source(spec.workdir):
+        path = os.path.expanduser(spec.workdir)
+        if not os.path.exists(path):
+            problems.append(("workdir", f"{spec.workdir} does not exist; fix the path"))
+        elif not os.path.isdir(path):
+            problems.append(("workdir", f"{spec.workdir} is not a directory; give the directory to sync"))
+    for dest, src in spec.file_mounts.items():
+        if not is_bucket_source(src) and not os.path.exists(os.path.expanduser(src)):
+            problems.append((f"file_mounts.{dest}", f"{src} does not exist; fix the path"))
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -267,35 +320,60 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         _check_keys("", overrides, TOP_LEVEL_KEYS, _SKYPILOT_ONLY_TOP)
     data = _merge(obj, overrides)
 
-    run = _parse_script(data.get("run"), "run", required=True)
-    assert run is not None  # required=True raised otherwise
+    # Each field is parsed even when another failed: one error names every problem of the task.
+    problems: list[SpecError] = []
+
+    def attempt(parse: Callable[[], _T], default: _T) -> _T:
+        try:
+            return parse()
+        except SpecError as err:
+            problems.append(err)
+            return default
+
+    run = attempt(lambda: _parse_script(data.get("run"), "run", required=True), None) or ""
     name = data.get("name")
-    if name is not None and (not isinstance(name, str) or not _TASK_NAME.match(name)):
-        raise SpecError(
-            "name",
-            f"{name!r} is not a valid task name; use 1-63 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit (e.g. train-llm)",
+    if name is not None and (not isinstance(name, str) or not _TASK_NAME.fullmatch(name)):
+        problems.append(
+            SpecError(
+                "name",
+                f"{name!r} is not a valid task name; use 1-63 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit (e.g. train-llm)",
+            )
         )
-    envs = _parse_env_mapping(data.get("envs"), "envs")
-    secrets = _parse_env_mapping(data.get("secrets"), "secrets")
+    envs: dict[str, str] = attempt(lambda: _parse_env_mapping(data.get("envs"), "envs"), {})
+    secrets: dict[str, str] = attempt(lambda: _parse_env_mapping(data.get("secrets"), "secrets"), {})
     clash = sorted(envs.keys() & secrets.keys())
     if clash:
-        raise SpecError(
-            f"secrets.{clash[0]}", "is also set in envs; keep it in secrets only (values there are redacted)"
+        problems.append(
+            SpecError(
+                f"secrets.{clash[0]}",
+                "is also set in envs; keep it in secrets only (values there are redacted)",
+            )
         )
-    options = _parse_resource_options(data.get("resources"))
+    options: tuple[Resources, ...] = attempt(
+        lambda: _parse_resource_options(data.get("resources")), (Resources(),)
+    )
+    num_nodes = attempt(lambda: _parse_num_nodes(data.get("num_nodes", 1)), 1)
+    setup = attempt(lambda: _parse_script(data.get("setup"), "setup", required=False), None)
+    workdir = attempt(
+        lambda: _opt_str(data.get("workdir"), "workdir", "a local directory synced to every node"), None
+    )
+    file_mounts: dict[str, str] = attempt(lambda: _parse_file_mounts(data.get("file_mounts")), {})
+    result_file = attempt(lambda: _parse_result_file(data.get("result_file")), None)
+    if problems:
+        raise _all_of(problems)
     return TaskSpec(
         run=run,
-        num_nodes=_parse_num_nodes(data.get("num_nodes", 1)),
-        name=name,
+        num_nodes=num_nodes,
+        name=name if isinstance(name, str) else None,
         resources=options[0],
         alternatives=options if len(options) > 1 else (),
-        setup=_parse_script(data.get("setup"), "setup", required=False),
+        setup=setup,
         envs=envs,
         secrets=secrets,
-        workdir=_opt_str(data.get("workdir"), "workdir", "a local directory synced to every node"),
-        file_mounts=_parse_file_mounts(data.get("file_mounts")),
-        result_file=_parse_result_file(data.get("result_file")),
+        workdir=workdir,
+        file_mounts=file_mounts,
+        result_file=result_file,
     )
 
 
@@ -305,6 +383,14 @@ def _parse_result_file(value: object) -> str | None:
     if path is not None and ("\n" in path or "\r" in path or "\0" in path):
         raise SpecError("result_file", f"must be one line with no NUL character, got {path!r}")
     return path
+
+
+def _all_of(problems: list[SpecError]) -> SpecError:
+    """One error for the task's problems: a single one as it is, several listed with their fields."""
+    if len(problems) == 1:
+        return problems[0]
+    listed = "; ".join(str(p) for p in problems)
+    return SpecError(", ".join(p.field for p in problems), f"{len(problems)} problems in this task: {listed}")
 
 
 def task_from_args(**kwargs: object) -> TaskSpec:

@@ -33,6 +33,7 @@ from airflow_provider_sky.logtext import LineClock, LineSplitter, iso_time
 from airflow_provider_sky.result import ResultError, read_result
 from airflow_provider_sky.retry import GangPoll, RetryPolicy, rank_attempts, stop_gang, watch_attempts
 from airflow_provider_sky.runners.base import RunnerError
+from airflow_provider_sky.timing import check_timing
 from airflow_provider_sky.triggers.log_room import log_room
 from airflow_provider_sky.triggers.outcome import (
     attempt_boundary,
@@ -195,6 +196,9 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         hang_timeout: float = 0.0,
         retry: dict[str, Any] | None = None,
     ) -> None:
+        check_timing(
+            poll_interval=poll_interval, grace=grace, lost_after=lost_after, hang_timeout=hang_timeout
+        )
         super().__init__()
         #: a handle, or (a task started in the triggerer) an ``xcom_ref`` to the cluster task's handle
         self.cluster: Any = cluster
@@ -541,9 +545,12 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 "log_offset": expected,
                 "message": message,
                 "root_cause": cause.to_dict() if cause else None,
+                "cause_tail": list(poll.cause_tail),
                 "attempt": poll.attempt,
                 "attempts": rank_attempts(poll, self.rank),
-                "headline": root_cause_line(poll.status, st, cause) if st.state != SUCCEEDED else "",
+                "headline": root_cause_line(poll.status, st, cause, (poll.cause_tail or ("",))[-1])
+                if st.state != SUCCEEDED
+                else "",
             }
             yield self._end_event(payload) if self.end_from_trigger else ShortEvent(payload)
             return

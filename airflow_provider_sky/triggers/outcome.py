@@ -26,9 +26,11 @@ def cause_text(cause: RankStatus) -> str:
     return text + (f": {cause.reason}" if cause.reason != f"exited with code {cause.exit_code}" else "")
 
 
-def root_cause_line(status: GangStatus, st: RankStatus, cause: RankStatus | None = None) -> str:
+def root_cause_line(
+    status: GangStatus, st: RankStatus, cause: RankStatus | None = None, last_line: str = ""
+) -> str:
     """The one short line a failed or cancelled rank's log leads its outcome with: the root cause
-    (``cause``: ``status.root_cause()``, when the caller has it already)."""
+    (``cause``: ``status.root_cause()``, when the caller has it already) and its last line of output."""
     if st.state == SUCCEEDED:
         return ""
     cause = cause or status.root_cause()
@@ -36,7 +38,8 @@ def root_cause_line(status: GangStatus, st: RankStatus, cause: RankStatus | None
         reason = status.cancel_reason or st.reason
         return f"rank {st.rank} {st.state}: {reason}"[:300]
     mine = "" if cause.rank == st.rank else f"rank {st.rank} {st.state}; "
-    return f"{mine}root cause: {cause_text(cause)}"[:300]
+    said = f"; its last output: {last_line}" if last_line else ""
+    return f"{mine}root cause: {cause_text(cause)}{said}"[:300]
 
 
 def rank_outcome(event: dict[str, Any]) -> str:
@@ -64,6 +67,9 @@ def rank_summary(event: dict[str, Any]) -> dict[str, Any]:
     """What a rank task returns and pushes as ``sky_rank``: its outcome, readable back from Airflow (with
     every attempt's when the gang was retried)."""
     out = {k: event.get(k) for k in ("rank", "ip", "state", "exit_code", "reason", "start", "end")}
+    cause = event.get("root_cause") or {}
+    if event.get("cause_tail") and cause.get("rank") == event.get("rank"):
+        out["last_output"] = list(event["cause_tail"])  # the failing rank's own last lines (masked)
     if len(event.get("attempts") or ()) > 1:
         out["attempt"], out["attempts"] = event.get("attempt"), event["attempts"]
     return out

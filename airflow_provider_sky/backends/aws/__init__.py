@@ -13,7 +13,8 @@ _SECRET = {"type": ["string", "null"], "format": "password"}
 
 BACKEND = BackendInfo(
     kind="aws",
-    conn_type="sky_aws",
+    conn_type="skyaws",
+    former_conn_types=("sky_aws",),
     hook_name="Sky AWS EC2 cluster",
     hook_class_name="SkyAWSHook",
     factory="airflow_provider_sky.backends.aws.backend:AWSBackend",

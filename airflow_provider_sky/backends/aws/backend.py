@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from airflow_provider_sky.backends.aws import catalog
 from airflow_provider_sky.backends.aws import ec2 as api
 from airflow_provider_sky.backends.aws.catalog import NoInstanceType, choose
 from airflow_provider_sky.backends.aws.config import AWSSettings, parse_aws_config
+from airflow_provider_sky.backends.aws.launch import Launch
 from airflow_provider_sky.backends.base import (
     Backend,
     BackendError,
@@ -56,6 +57,15 @@ PROBE_PARALLEL = 16
 TERMINATE_WAIT = 600.0
 
 
+@dataclass
+class _Made:
+    """What a provision made, noted as it is made (undone if it fails)."""
+
+    launch: Launch
+    groups: list[str] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+
+
 class AWSBackend(Backend):
     """EC2 instances of one region, one rank per instance."""
 
@@ -63,6 +73,9 @@ class AWSBackend(Backend):
 
     #: a security group / key pair of ours with no instance, made over this many seconds ago, is left over
     leftover_age = 900.0
+    #: after a launch whose reply was lost found nothing, look for its instances again after these many
+    #: seconds (EC2's listings are eventually consistent)
+    lookup_delays: tuple[float, ...] = (2.0, 5.0)
 
     def __init__(self, settings: AWSSettings) -> None:
         self.settings = settings
@@ -248,7 +261,7 @@ class AWSBackend(Backend):
                 (
                     "resources.region",
                     f"the connection works in {self.settings.region}, the task asks for {resources.region}; "
-                    "use a sky_aws connection of that region (region_name)",
+                    "use a skyaws connection of that region (region_name)",
                 )
             )
         try:
@@ -270,7 +283,7 @@ class AWSBackend(Backend):
         instances = api.describe_instances(self.ec2, name, self.owner)
         if instances:
             return self._reuse(name, spec, holder, instances)
-        made: dict[str, list[str]] = {"instances": [], "groups": [], "keys": []}
+        made = _Made(Launch(name, self.owner))
         try:
             instances = self._create(name, spec, made)
             nodes = self._reach(name, self._ordered(name, instances), {})
@@ -278,14 +291,19 @@ class AWSBackend(Backend):
             # a new instance's disk is new: a record there is not this cluster's, so it is replaced
             return self.records(nodes[0]).update(name, lambda rec: (new_record(handle, holder), handle))
         except BaseException as exc:
-            left = self._undo(name, made)
+            done, gone, left = self._undo(name, made)
             if isinstance(exc, BackendError) and not isinstance(exc, ClusterBusy):
-                what = f"{len(made['instances'])} instance(s)" if made["instances"] else "nothing"
-                state = f"; also left: {', '.join(left)}" if left else f"; {what} made, nothing of it is left"
-                raise BackendError(f"cluster {name!r} not provisioned: {exc}{state}") from None
+                said = [done or "nothing launched"]
+                if left:
+                    said.append(f"also left: {', '.join(left)}")
+                elif gone:
+                    said.append("nothing of it is left")
+                raise BackendError(f"cluster {name!r} not provisioned: {exc}; {'; '.join(said)}") from None
+            if done:
+                log.warning("cluster %s: after a failed provision: %s", name, done)
             raise
 
-    def _create(self, name: str, spec: TaskSpec, made: dict[str, list[str]]) -> list[dict[str, Any]]:
+    def _create(self, name: str, spec: TaskSpec, made: _Made) -> list[dict[str, Any]]:
         """One RunInstances for all N (MinCount = N: EC2 gives every instance or none), then the head
         tag on the first; what was made is noted in ``made`` as it is made."""
         s, res, ec2 = self.settings, spec.resources, self.ec2
@@ -303,15 +321,13 @@ class AWSBackend(Backend):
         for attempt in (1, 2):
             try:
                 if not groups:
-                    groups = made["groups"] = [
-                        api.create_security_group(ec2, name, self.owner, vpc, s.ssh_cidr)
-                    ]
+                    groups = made.groups = [api.create_security_group(ec2, name, self.owner, vpc, s.ssh_cidr)]
                 if not key_name:
                     key_name = api.import_key_pair(ec2, name, self.owner, self.public_key())
-                    made["keys"] = [key_name]
+                    made.keys = [key_name]
                 break
             except api.Duplicate as dup:
-                mine = made["groups"] + made["keys"]
+                mine = made.groups + made.keys
                 if attempt == 1 and api.remove_leftovers(ec2, name, self.owner, self.leftover_age, mine):
                     continue  # left over (idle_down, a killed provision): gone, made afresh
                 raise ClusterBusy(
@@ -341,11 +357,7 @@ class AWSBackend(Backend):
             ", spot" if res.use_spot else "",
             zone or self.region,
         )
-        try:
-            launched = ec2.run_instances(**request)["Instances"]
-        except Exception as exc:
-            raise api.client_error(f"launching {spec.num_nodes} x {itype.name}", exc) from None
-        made["instances"] = [str(i["InstanceId"]) for i in launched]
+        launched = made.launch.run(ec2, request, f"launching {spec.num_nodes} x {itype.name}")
         head = launched[0]["InstanceId"]
         try:
             ec2.create_tags(
@@ -354,7 +366,7 @@ class AWSBackend(Backend):
             )
         except Exception as exc:
             raise api.client_error(f"tagging the head {head}", exc) from None
-        return self._wait_running(name, made["instances"])
+        return self._wait_running(name, made.launch.ids)
 
     def _wait_running(self, name: str, ids: list[str]) -> list[dict[str, Any]]:
         """Until every instance runs (a waiter: one DescribeInstances per poll for all of them); an
@@ -493,23 +505,17 @@ class AWSBackend(Backend):
         handle = self._handle(name, nodes)
         return self.records(nodes[0]).update(name, lambda rec: self._lease(rec, handle, name, spec, holder))
 
-    def _undo(self, name: str, made: Mapping[str, list[str]]) -> list[str]:
-        """Remove what a failed provision made; returns what could not be removed."""
-        left: list[str] = []
-        try:
-            # by tags as well when this provision holds the cluster's group or key pair (no other one
-            # can be making instances of it): an instance whose id a failed call never returned is ours
-            held = bool(made["groups"] or made["keys"])
-            tagged = (
-                [i["InstanceId"] for i in api.describe_instances(self.ec2, name, self.owner)] if held else []
-            )
-            api.terminate_and_wait(self.ec2, sorted(set(made["instances"]) | set(tagged)), TERMINATE_WAIT)
-        except BackendError as exc:
-            log.warning("cluster %s: instances left after a failed provision: %s", name, exc)
-            left.extend(made["instances"])
-        left += api.delete_security_groups(self.ec2, made["groups"])
-        left += api.delete_key_pairs(self.ec2, made["keys"])
-        return left
+    def _undo(self, name: str, made: _Made) -> tuple[str, bool, list[str]]:
+        """Remove what a failed provision made: every instance of its launch (also those of a launch
+        whose reply was lost: looked up by its client token), then its group and key pair. Returns what
+        was found and done, in words, whether no instance of it is left, and the group / key pair that
+        could not be removed."""
+        done, gone = made.launch.undo(self.ec2, TERMINATE_WAIT, self.lookup_delays)
+        if not gone:
+            log.warning("cluster %s: after a failed provision: %s", name, done)
+        left = api.delete_security_groups(self.ec2, made.groups)
+        left += api.delete_key_pairs(self.ec2, made.keys)
+        return done, gone, left
 
     # -- replacing a lost instance -----------------------------------------------------------------------
 
@@ -523,25 +529,54 @@ class AWSBackend(Backend):
 
     def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
         """Release ``holder``'s lease on the head; when none remains, terminate every instance tagged for
-        this cluster and owner and remove the cluster's own security group and key pair. Idempotent."""
+        this cluster and owner and remove the cluster's own security group and key pair. Idempotent.
+
+        A record that was read but could not be written back (the head's lock held, its disk full) keeps
+        the cluster: nothing is terminated and the error says so, since the leases it holds cannot be
+        released or honoured (``holder=None``, forced, terminates anyway). A head that does not answer
+        at all (stopped, broken) is terminated without reading the record."""
+        return self._teardown(name, holder)
+
+    def _teardown(self, name: str, holder: str | None, idle_only: bool = False) -> Teardown:
+        """``terminate``; with ``idle_only`` (the reaper) only a cluster whose head holds no record. A
+        head with no record gets one marked down, under the record's lock, before anything is
+        terminated: a run that adopted the cluster since it was looked at keeps it, and a provision that
+        comes after sees it and waits."""
         instances = api.describe_instances(self.ec2, name, self.owner)
         running = [i for i in instances if i["State"]["Name"] == "running"]
         if running and len(running) == len(instances):
-            try:
+            read: list[dict[str, Any] | None] = []
+
+            def begin(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
+                read[:] = [record]
+                if record is None:  # nobody holds it: marked down, so a run adopting it meanwhile waits
+                    return begin_teardown({"name": name, "nodes": [], "leases": {}}, holder)
+                if idle_only:  # adopted again, or being torn down: not idle
+                    return record, tuple(record.get("leases") or {}) or ("its record",)
+                return begin_teardown(record, holder)
+
+            try:  # no head (a provision killed before it tagged one): no record to honour
                 head = self._node(name, self._ordered(name, instances)[0], None)
-
-                def begin(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
-                    if record is None:
-                        return None, ()
-                    return begin_teardown(record, holder)
-
                 kept_for = self.records(head).update(name, begin)
-            except (BackendError, RunnerError) as exc:  # a broken head: the instances go anyway
+            except (BackendError, RunnerError) as exc:
+                if idle_only or (read and holder is not None):
+                    held = ", ".join(((read or [None])[0] or {}).get("leases") or {})
+                    log.warning("cluster %s kept: its record could not be updated (%s)", name, exc)
+                    how = f"was read{f' (held by {held})' if held else ''} but could not be updated"
+                    raise BackendError(
+                        f"cluster {name!r} kept, nothing terminated: its record on the head "
+                        f"{how if read else 'could not be read'}: {exc}; tear it down again once the "
+                        "head's record can be written (clear the down task), or reap() removes it once "
+                        "no run holds it"
+                    ) from None
+                # the head does not answer (or forced): the instances go anyway
                 log.warning("cluster %s: the record on its head could not be read (%s)", name, exc)
                 kept_for = ()
             if kept_for:
                 log.info("cluster %s kept: still held by %s", name, ", ".join(kept_for))
                 return Teardown(removed=False, kept_for=kept_for)
+        elif idle_only:
+            return Teardown(removed=False)
         ids = [str(i["InstanceId"]) for i in instances if api.ours(i, name, self.owner)]
         if ids:
             log.info("cluster %s: terminating %s instance(s)", name, len(ids))

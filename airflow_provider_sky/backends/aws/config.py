@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from airflow_provider_sky.backends.base import BackendError
-from airflow_provider_sky.backends.ssh.config import number, one_of
+from airflow_provider_sky.backends.ssh.config import name_value, number, one_of
 
 DEFAULT_OWNER = "airflow-provider-sky"
 DEFAULT_USER = "ubuntu"
@@ -72,6 +72,7 @@ def _ids(raw: Any, key: str, prefix: str) -> tuple[str, ...]:
     items = raw.split(",") if isinstance(raw, str) else list(raw or ())
     out = tuple(str(i).strip() for i in items if str(i).strip())
     for item in out:
+        name_value(item, key)
         if not item.startswith(prefix):
             raise BackendError(f"{key}: {item!r} is not an id ({prefix}...); give ids, comma-separated")
     return out
@@ -113,29 +114,29 @@ def parse_aws_config(config: Mapping[str, Any]) -> AWSSettings:
         ipaddress.ip_network(cidr)
     except ValueError:
         raise BackendError(f"ssh_cidr: {cidr!r} is not a CIDR block (e.g. 203.0.113.0/24)") from None
-    owner = str(config.get("owner") or DEFAULT_OWNER)
+    owner = name_value(config.get("owner"), "owner") or DEFAULT_OWNER
     if len(owner) > 256:
         raise BackendError("owner: at most 256 characters (an EC2 tag value)")
-    subnet = config.get("subnet_id") or None
+    subnet = name_value(config.get("subnet_id"), "subnet_id")
     if subnet and not str(subnet).startswith("subnet-"):
         raise BackendError(f"subnet_id: {subnet!r} is not a subnet id (subnet-...)")
     return AWSSettings(
-        region=config.get("region_name") or None,
-        endpoint_url=config.get("endpoint_url") or None,
+        region=name_value(config.get("region_name"), "region_name"),
+        endpoint_url=name_value(config.get("endpoint_url"), "endpoint_url"),
         access_key_id=key_id or None,
         secret_access_key=secret or None,
         session_token=config.get("aws_session_token") or None,
-        zone=config.get("zone") or None,
+        zone=name_value(config.get("zone"), "zone"),
         subnet_id=subnet,
         security_group_ids=_ids(config.get("security_group_ids"), "security_group_ids", "sg-"),
         ssh_cidr=cidr,
-        key_name=config.get("key_name") or None,
+        key_name=name_value(config.get("key_name"), "key_name"),
         private_key=private_key,
         key_file=key_file,
         passphrase=config.get("private_key_passphrase") or None,
-        ssh_user=str(config.get("ssh_user") or DEFAULT_USER),
+        ssh_user=name_value(config.get("ssh_user"), "ssh_user") or DEFAULT_USER,
         ssh_port=number(config, "ssh_port", 22, int),
-        image_id=config.get("image_id") or None,
+        image_id=name_value(config.get("image_id"), "image_id"),
         use_private_ips=_flag(config, "use_private_ips"),
         owner=owner,
         provision_timeout=number(config, "provision_timeout", DEFAULT_PROVISION_TIMEOUT, float),

@@ -7,6 +7,7 @@ removed by ``sky-airflow:cluster`` = name and ``sky-airflow:owner`` = owner, nev
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -255,18 +256,29 @@ def run_request(
     return request
 
 
+def resource_name(name: str) -> str:
+    """The name of cluster ``name``'s own security group and key pair: ``sky-airflow-<name>-<digest>``.
+
+    The digest is of the exact name: EC2 compares security group names without case (``Train`` and
+    ``train`` would share one), so the name alone would make two clusters one mutex; with the digest two
+    names never map to one group or key pair. (Instances are found by the cluster tag, compared
+    exactly.)"""
+    return f"sky-airflow-{name}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
 def create_security_group(ec2: Any, name: str, owner: str, vpc: str, ssh_cidr: str) -> str:
     """The cluster's own group: SSH from ``ssh_cidr``, everything between the cluster's nodes."""
+    group_name = resource_name(name)
     try:
         group = ec2.create_security_group(
-            GroupName=f"sky-airflow-{name}",
+            GroupName=group_name,
             Description=f"airflow-provider-sky cluster {name}",
             VpcId=vpc,
             TagSpecifications=[tag_spec("security-group", name, owner, **_created())],
         )["GroupId"]
     except Exception as exc:
         if error_code(exc)[0] == "InvalidGroup.Duplicate":
-            raise Duplicate(f"security group sky-airflow-{name}") from None
+            raise Duplicate(f"security group {group_name}") from None
         raise client_error(f"creating the security group of cluster {name!r}", exc) from None
     try:
         ec2.authorize_security_group_ingress(
@@ -283,7 +295,7 @@ def create_security_group(ec2: Any, name: str, owner: str, vpc: str, ssh_cidr: s
 
 
 def import_key_pair(ec2: Any, name: str, owner: str, public_key: str) -> str:
-    key_name = f"sky-airflow-{name}"
+    key_name = resource_name(name)
     try:
         ec2.import_key_pair(
             KeyName=key_name,

@@ -62,8 +62,11 @@ def reap(backend: AWSBackend, min_age: float = 900.0) -> list[str]:
             log.info("cluster %s: head not reachable, not reaped (%s)", name, exc)
             continue
         log.warning("cluster %s: no record on its head (idle or orphaned): terminating it", name)
-        backend.terminate(name, holder=None)
-        reaped.append(name)
+        try:  # only if still no record, made sure of under the head's lock (a run may adopt it meanwhile)
+            if backend._teardown(name, None, idle_only=True).removed:
+                reaped.append(name)
+        except BackendError as exc:
+            log.warning("cluster %s: not reaped: %s", name, exc)
     for name in sorted(_named_leftovers(backend) - set(clusters)):
         api.remove_leftovers(backend.ec2, name, backend.owner, min_age)
     return reaped

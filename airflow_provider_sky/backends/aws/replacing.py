@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow_provider_sky.backends.aws import ec2 as api
+from airflow_provider_sky.backends.aws.launch import Launch
 from airflow_provider_sky.backends.base import (
     BackendError,
     ClusterHandle,
@@ -45,27 +46,31 @@ def replace_nodes(self: AWSBackend, handle: ClusterHandle, ranks: Sequence[int])
     model = self._by_ids([str(kept[-1].extra.get("instance_id") or kept[-1].node_id)])
     if not model:
         raise BackendError(f"instance {kept[-1].node_id} of cluster {name!r} is not found in EC2")
+    request = _relaunch_request(self, name, model[0], len(todo))  # before anything is ended
     lost_ids = [str(handle.nodes[r].extra.get("instance_id") or handle.nodes[r].node_id) for r in todo]
     try:
         self.ec2.terminate_instances(InstanceIds=lost_ids)
     except Exception as exc:
-        log.warning("cluster %s: terminating lost instance(s) %s failed: %s", name, lost_ids, exc)
-    request = _relaunch_request(self, name, model[0], len(todo))
+        if api.error_code(exc)[0] != "InvalidInstanceID.NotFound":  # gone already: fine
+            raise api.client_error(f"terminating the lost instance(s) {', '.join(lost_ids)}", exc) from None
+    launch = Launch(name, self.owner)
     try:
-        launched = self.ec2.run_instances(**request)["Instances"]
-    except Exception as exc:
-        raise api.client_error(f"launching {len(todo)} x {request['InstanceType']}", exc) from None
-    ids = [str(i["InstanceId"]) for i in launched]
-    try:
-        nodes = self._reach(name, self._wait_running(name, ids), {})
-    except BaseException:
-        api.terminate_and_wait(self.ec2, ids, TERMINATE_WAIT)
+        launched = launch.run(self.ec2, request, f"launching {len(todo)} x {request['InstanceType']}")
+        nodes = self._reach(name, self._wait_running(name, [str(i["InstanceId"]) for i in launched]), {})
+        by_rank = dict(zip(todo, nodes, strict=True))
+        spare = self.records(head).update(name, replacements_recorder(name, handle, by_rank))
+    except BaseException as exc:
+        done, gone = launch.undo(self.ec2, TERMINATE_WAIT, self.lookup_delays)
+        if isinstance(exc, BackendError):
+            state = f"{done or 'nothing launched'}{'; nothing of it is left' if gone else ''}"
+            raise BackendError(f"cluster {name!r}: replacing rank(s) {todo} failed: {exc}; {state}") from None
+        log.warning("cluster %s: after a failed replacement: %s", name, done)
         raise
-    by_rank = dict(zip(todo, nodes, strict=True))
-
-    spare = self.records(head).update(name, replacements_recorder(name, handle, by_rank))
     if spare:
-        self.ec2.terminate_instances(InstanceIds=spare)
+        try:
+            self.ec2.terminate_instances(InstanceIds=spare)
+        except Exception as exc:
+            raise api.client_error(f"terminating the spare instance(s) {', '.join(spare)}", exc) from None
     found = self.records(head).load(name)
     assert found is not None
     return ClusterHandle.from_dict(found)
@@ -75,12 +80,23 @@ def _relaunch_request(self: AWSBackend, name: str, model: Mapping[str, Any], n: 
     """A RunInstances of ``n`` workers like ``model`` (a running instance of the cluster)."""
     root_device, disk = model.get("RootDeviceName"), None
     for bdm in model.get("BlockDeviceMappings") or ():
-        if bdm.get("DeviceName") == root_device and (bdm.get("Ebs") or {}).get("VolumeId"):
+        volume = (bdm.get("Ebs") or {}).get("VolumeId")
+        if bdm.get("DeviceName") == root_device and volume:
+            # the new instance gets the same disk, or nothing is launched (never a quieter default disk)
             try:
-                vols = self.ec2.describe_volumes(VolumeIds=[bdm["Ebs"]["VolumeId"]])["Volumes"]
-                disk = int(vols[0]["Size"]) if vols else None
-            except Exception as exc:  # the image's default size then
-                log.info("cluster %s: reading the root volume's size failed: %s", name, exc)
+                vols = self.ec2.describe_volumes(VolumeIds=[volume])["Volumes"]
+            except Exception as exc:
+                raise api.client_error(
+                    f"reading the size of {model.get('InstanceId')}'s root volume {volume} (the new "
+                    "instance gets the same disk)",
+                    exc,
+                ) from None
+            if not vols:
+                raise BackendError(
+                    f"the root volume {volume} of {model.get('InstanceId')} is not found: its size is not "
+                    "known, so no instance is launched in place of the lost one"
+                )
+            disk = int(vols[0]["Size"])
     return api.run_request(
         name,
         self.owner,

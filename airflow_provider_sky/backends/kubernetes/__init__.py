@@ -11,7 +11,8 @@ _STR = {"type": ["string", "null"]}
 
 BACKEND = BackendInfo(
     kind="kubernetes",
-    conn_type="sky_kubernetes",
+    conn_type="skykubernetes",
+    former_conn_types=("sky_kubernetes",),
     hook_name="Sky Kubernetes cluster",
     hook_class_name="SkyKubernetesHook",
     factory="airflow_provider_sky.backends.kubernetes.backend:KubernetesBackend",

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
 from airflow_provider_sky import runtime
+from airflow_provider_sky.accelerators import close_names, known_name
 from airflow_provider_sky.backends.base import (
     Backend,
     BackendError,
@@ -51,7 +53,8 @@ from airflow_provider_sky.backends.kubernetes.pods import ROLES, UNSCHEDULABLE_G
 from airflow_provider_sky.gang import rank_order
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.kubernetes import KubernetesRunner
-from airflow_provider_sky.spec import BackendCapabilities, TaskSpec
+from airflow_provider_sky.spec import BackendCapabilities, Resources, TaskSpec
+from airflow_provider_sky.spec.common import K8S_LABEL_KEY
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,8 @@ NEEDED_PERMISSIONS = (
 #: a pod create answered 429 or 5xx is tried this often in all
 CREATE_TRIES = 4
 _POLL = 0.5
+#: a Kubernetes label value (empty, or 1-63 characters)
+_LABEL_VALUE = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?")
 
 
 def role_rules() -> list[dict[str, Any]]:
@@ -258,6 +263,62 @@ class KubernetesBackend(Backend):
         except (BackendError, RunnerError):
             return None
         return ClusterHandle.from_dict(record) if record is not None else None
+
+    # -- choosing ------------------------------------------------------------------------------------------
+
+    def spec_problems(self, spec: TaskSpec) -> list[tuple[str, str]]:
+        """Labels become pod labels: a value Kubernetes refuses is named here, not by the API server after
+        'Provisioning cluster'."""
+        problems: dict[str, str] = {}
+        for res in spec.resource_choices:
+            for key, value in res.labels.items():
+                if not K8S_LABEL_KEY.fullmatch(key):
+                    problems[f"resources.labels.{key}"] = (
+                        "the kubernetes backend makes it a pod label, whose name is at most 63 letters, "
+                        "digits, '.', '_' or '-', starting and ending with a letter or digit, optionally "
+                        "after a 'domain/' prefix (e.g. team or example.com/team)"
+                    )
+                elif not _LABEL_VALUE.fullmatch(value):
+                    problems[f"resources.labels.{key}"] = (
+                        f"the kubernetes backend makes it a pod label, whose value is at most 63 letters, "
+                        f"digits, '.', '_' or '-', starting and ending with a letter or digit; got {value!r}"
+                    )
+        return list(problems.items())
+
+    def _gpu_labels(self) -> set[str] | None:
+        """The values of the accelerator label over the cluster's nodes (lowercase); None when the
+        connection may not list nodes (a namespace-only role) or the API did not answer."""
+        label = self.settings.pods.accelerator_label
+        try:
+            nodes = self.core.list_node(label_selector=label, _request_timeout=10)
+        except Exception as exc:  # forbidden (RBAC), unreachable: provisioning says what is wrong
+            log.debug("cannot list nodes to check GPU names: %s", exc)
+            return None
+        return {str((n.metadata.labels or {}).get(label, "")).lower() for n in nodes.items} - {""}
+
+    def fit(self, resources: Resources, num_nodes: int, name: str | None = None) -> list[tuple[str, str]]:
+        """A GPU name no node carries would leave the pods unschedulable: refused before any pod exists.
+        Checked against the nodes' accelerator labels when the connection may list nodes, else only a
+        likely typo of a known name (``A1000`` for ``A100``) is refused."""
+        acc = resources.accelerators
+        if acc is None:
+            return []
+        label = self.settings.pods.accelerator_label
+        have = self._gpu_labels()
+        if have is not None and acc.name.lower() in have:
+            return []
+        close = close_names(acc.name, have or ())
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        if have is not None:
+            listed = ", ".join(sorted(have)) or "none"
+            why = f"no node of the cluster has {acc.name} GPUs (nodes labelled {label}: {listed})"
+        elif not known_name(acc.name) and close:
+            why = f"{acc.name} is not a GPU name SkyPilot knows"
+        else:
+            return []  # nothing to check it against
+        return [
+            ("resources.accelerators", f"the kubernetes backend: {why}; {hint}ask for a GPU the nodes have")
+        ]
 
     # -- provisioning ------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import yaml
 
 from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.backends.kubernetes.manifest import ANTI_AFFINITY, PodOptions, dns_name
+from airflow_provider_sky.backends.ssh.config import name_value
 
 DEFAULT_IMAGE = "busybox:latest"
 DEFAULT_PROVISION_TIMEOUT = 300.0
@@ -97,17 +98,18 @@ def parse_kube_config(config: Mapping[str, Any]) -> KubeSettings:
         source=source,
         kube_config=_kube_config_content(config["kube_config"]) if source == "content" else None,
         kube_config_path=str(config["kube_config_path"]) if source == "path" else None,
-        context=config.get("context") or None,
+        context=name_value(config.get("context"), "context"),
         namespace=namespace,
         provision_timeout=provision_timeout,
         verify_ssl=not _flag(config, "disable_verify_ssl"),
         pods=PodOptions(
-            image=str(config.get("image") or DEFAULT_IMAGE),
+            image=name_value(config.get("image"), "image") or DEFAULT_IMAGE,
             image_pull_policy=pull,
             anti_affinity=anti,
-            gpu_resource=str(config.get("gpu_resource") or "nvidia.com/gpu"),
-            accelerator_label=str(config.get("accelerator_label") or "skypilot.co/accelerator"),
-            service_account=config.get("service_account") or None,
+            gpu_resource=name_value(config.get("gpu_resource"), "gpu_resource") or "nvidia.com/gpu",
+            accelerator_label=name_value(config.get("accelerator_label"), "accelerator_label")
+            or "skypilot.co/accelerator",
+            service_account=name_value(config.get("service_account"), "service_account"),
             affinity=affinity,
         ),
     )

@@ -15,7 +15,8 @@ __all__ = ["BACKEND", "LOCAL_MAX_NODES", "TEARDOWN_CHUNK", "LocalBackend", "defa
 
 BACKEND = BackendInfo(
     kind="local",
-    conn_type="sky_local",
+    conn_type="skylocal",
+    former_conn_types=("sky_local",),
     hook_name="Sky local cluster",
     hook_class_name="SkyHook",
     factory="airflow_provider_sky.backends.local.backend:LocalBackend",

@@ -4,7 +4,9 @@ Node i of a cluster gets ``127.<block>.<i // 254>.<i % 254 + 1>`` (Linux routes 
 so a rank can bind its own address; 254 clusters of up to 4,096 nodes, clear of the ``127.0.x.x`` the
 SSH test hosts use) and the directory ``<state>/local/<cluster>/node-<i>`` as its home. Cluster
 records (with the rank order and the leases, see ``backends.base``) live in
-``<state>/local/clusters/<name>.json`` and change only under an ``fcntl`` lock.
+``<state>/local/.clusters/<name>.json`` and change only under an ``fcntl`` lock (``<state>/local/.lock``).
+Every path of the backend's own under ``<state>/local`` starts with a dot (``.clusters``, ``.lock``,
+``.trash``) and no cluster name can (``runtime.check_job_id``), so a cluster's tree never is one of them.
 
 GPUs: the machine's (``nvidia-smi`` / ``rocm-smi``, or the connection's ``accelerators`` extra) are split
 among the nodes of a cluster that asks for them, each node its own devices (``CUDA_VISIBLE_DEVICES``), and
@@ -54,11 +56,21 @@ from airflow_provider_sky.backends.local.topdir import mark_topdir
 from airflow_provider_sky.backends.local.trash import discard
 from airflow_provider_sky.gang import rank_order
 from airflow_provider_sky.runners.local import LocalRunner
-from airflow_provider_sky.spec import Accelerator, BackendCapabilities, Resources, SpecError, TaskSpec
+from airflow_provider_sky.spec import (
+    Accelerator,
+    BackendCapabilities,
+    Resources,
+    SpecError,
+    TaskSpec,
+    problems_error,
+)
 
 log = logging.getLogger(__name__)
 
 LOCAL_MAX_NODES = 4096
+#: the records' directory under ``<state>/local`` (``clusters`` was a cluster name too: its teardown
+#: took every other cluster's record with it)
+RECORDS_DIR = ".clusters"
 #: node roots per teardown call (argv stays far below Linux's limits)
 TEARDOWN_CHUNK = 1024
 
@@ -94,7 +106,7 @@ def check_machine(node: Node, action: str) -> None:
             f"the local backend runs every node on the machine that provisioned the cluster ({home}); "
             f"this task runs on {this_machine()} and cannot {action} there. Run all of the gang's tasks "
             "on one machine (e.g. a Celery queue served by one worker: the operators' queue argument), "
-            "or use a sky_ssh, sky_kubernetes or sky_aws connection"
+            "or use a skyssh, skykubernetes or skyaws connection"
         )
 
 
@@ -125,7 +137,8 @@ class LocalBackend(Backend):
     ) -> None:
         self.state_dir = Path(state_dir) if state_dir else default_state_dir()
         self.base = self.state_dir / "local"
-        self.records = self.base / "clusters"
+        #: dot-prefixed: no cluster name starts with a dot, so no cluster's tree can be the records
+        self.records = self.base / RECORDS_DIR
         self._inventory: Inventory | None = None
         if accelerators is not None:
             try:
@@ -178,11 +191,19 @@ class LocalBackend(Backend):
         return self.records / f"{name}.json"
 
     def _load(self, name: str) -> dict[str, Any] | None:
-        """The raw record (handle, leases, unclean nodes); callers that change it hold the lock."""
+        """The raw record (handle, leases, unclean nodes); callers that change it hold the lock.
+
+        A record that names another cluster is refused: nothing is ever done with its nodes under
+        this name."""
         path = self._record(name)
         if not path.exists():
             return None
         data: dict[str, Any] = json.loads(path.read_text())
+        if data.get("name") != name:
+            raise BackendError(
+                f"the record {path} names cluster {data.get('name')!r}, not {name!r}: nothing is done "
+                "with it under this name. Move it back to the cluster it names, or remove it"
+            )
         return data
 
     def _store(self, name: str, record: dict[str, Any]) -> None:
@@ -216,7 +237,7 @@ class LocalBackend(Backend):
             raise SpecError(
                 where,
                 f"the local backend: this machine has {inv.describe()}; the task asks for {acc} per node. "
-                "Ask for a GPU it has, or declare the machine's GPUs in the sky_local connection's extra "
+                "Ask for a GPU it has, or declare the machine's GPUs in the skylocal connection's extra "
                 '"accelerators" (e.g. "H100:8")',
             )
         used = self._gpus_in_use(exclude)
@@ -272,13 +293,21 @@ class LocalBackend(Backend):
                 return block
         raise BackendError("local backend: all 254 address blocks (127.1-254.x.x) are in use; down a cluster")
 
+    def spec_problems(self, spec: TaskSpec) -> list[tuple[str, str]]:
+        """Every node of this machine shares one filesystem: a mount outside the node's home would be one
+        path for all of them."""
+        return [
+            (
+                f"file_mounts.{key}",
+                "the local backend puts file mounts in each node's own home; use a '~/...' destination",
+            )
+            for key in spec.file_mounts
+            if not key.startswith("~/")
+        ]
+
     def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
-        for key, _path in spec.file_mounts.items():
-            if not key.startswith("~/"):
-                raise SpecError(
-                    f"file_mounts.{key}",
-                    "the local backend puts file mounts in each node's own home; use a '~/...' destination",
-                )
+        if problems := self.spec_problems(spec):  # checked before provisioning too (hook.check)
+            raise problems_error(self.kind, problems)
 
         def attempt() -> ClusterHandle:
             with self._lock():
@@ -414,6 +443,9 @@ class LocalBackend(Backend):
         return {n.node_id: unclean_reason(n, why) for n in nodes if n.root not in done or res.returncode != 0}
 
     def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
+        """See :meth:`Backend.terminate`. The lease is released (or the teardown marked) in the record
+        before anything is killed; a record that cannot be written deletes nothing (another run's lease
+        may be in it) and the error says so: the cluster stays for the next teardown."""
         with self._lock():
             record = self._load(name)
             if record is None:
@@ -421,7 +453,14 @@ class LocalBackend(Backend):
             for node in ClusterHandle.from_dict(record).nodes:  # before the record changes
                 check_machine(node, f"tear down cluster {name!r}")
             record, kept_for = begin_teardown(record, holder)
-            self._store(name, record)
+            try:
+                self._store(name, record)
+            except OSError as exc:
+                raise BackendError(
+                    f"cluster {name!r}: the teardown could not update the record {self._record(name)} "
+                    f"({exc.strerror or exc}), so nothing was deleted: the cluster is kept as it was. "
+                    "Tear it down again once the state directory is writable"
+                ) from None
         if kept_for:
             log.info("cluster %s kept: still held by %s", name, ", ".join(kept_for))
             return Teardown(removed=False, kept_for=kept_for)

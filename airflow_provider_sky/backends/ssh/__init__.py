@@ -11,7 +11,8 @@ _STR = {"type": ["string", "null"]}
 
 BACKEND = BackendInfo(
     kind="ssh",
-    conn_type="sky_ssh",
+    conn_type="skyssh",
+    former_conn_types=("sky_ssh",),
     hook_name="Sky SSH cluster",
     hook_class_name="SkySSHHook",
     factory="airflow_provider_sky.backends.ssh.backend:SSHBackend",

@@ -1,7 +1,8 @@
 """Gangs on existing machines over SSH: the hosts are given, "provisioning" checks and reserves them.
 
 A cluster is a named set of hosts. Its record (rank order, resolved homes, leases) is kept on the head
-node (``backends.headrecord``). Each node's runtime directory is ``~/.sky_airflow/<cluster>``; teardown
+node (``backends.headrecord``: ``~/.sky_airflow/.clusters/<cluster>.json``). Each node's runtime
+directory is ``~/.sky_airflow/<cluster>``, claimed by the cluster when it is made (``claim``); teardown
 kills everything under it and removes it.
 
 Provisioning probes each host (home, CPUs, memory, GPUs with nvidia-smi / rocm-smi unless the connection
@@ -52,8 +53,10 @@ from airflow_provider_sky.backends.base import (
     with_resources_recorded,
 )
 from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
+from airflow_provider_sky.backends.ssh.claim import CLAIM_SCRIPT, RELEASE_SCRIPT, TEARDOWN_GUARD, owner_of
 from airflow_provider_sky.backends.ssh.config import DEFAULT_MAX_PARALLEL, parse_ssh_config
 from airflow_provider_sky.gang import rank_order
+from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.ssh import SSHNodeConfig, SSHRunner, wait_for_ssh
 from airflow_provider_sky.runners.ssh.config import is_policy
 from airflow_provider_sky.spec import BackendCapabilities, Resources, TaskSpec
@@ -155,6 +158,8 @@ class SSHBackend(Backend):
     assigns_devices = True
     #: how the head's cluster records are locked: ``auto`` (``flock`` if the head has it) or ``mkdir``
     record_lock = "auto"
+    #: seconds a change of a record waits for the head's record lock before it fails, changing nothing
+    record_lock_wait = 60.0
 
     def __init__(
         self,
@@ -365,7 +370,53 @@ class SSHBackend(Backend):
     @property
     def records(self) -> HeadRecords:
         """The cluster records, on the head host."""
-        return HeadRecords(self._head_runner, self.head[0], self.record_lock)
+        return HeadRecords(self._head_runner, self.head[0], self.record_lock, self.record_lock_wait)
+
+    def _owner(self, name: str) -> str:
+        """What the node directories of cluster ``name`` made through this head carry (``claim``)."""
+        host, port = self.head
+        return owner_of(f"{self.users[self.head]}@{_resolve_ip(host)}:{port}", name)
+
+    def _claim(self, name: str, probes: Sequence[HostProbe]) -> list[HostProbe]:
+        """Claim ``~/.sky_airflow/<name>`` on every host of a new cluster; the hosts newly claimed. A host
+        where another cluster of that name holds it (its record on another head) is an error naming it,
+        and the claims made here are given back: nothing is recorded, nothing is left."""
+        owner = self._owner(name)
+
+        def one(p: HostProbe) -> str:
+            res = self._runner_for(p.host, p.port).run_script(CLAIM_SCRIPT, [name, owner], timeout=30)
+            if res.returncode != 0 or not res.text.startswith(("CLAIMED", "OURS", "TAKEN")):
+                raise BackendError(f"claiming ~/.sky_airflow/{name} failed: {res.error_text or res.text}")
+            return res.text.strip()
+
+        answers = self._map(one, probes)
+        claimed = [p for p, a in zip(probes, answers, strict=True) if a == "CLAIMED"]
+        problems = []
+        for p, a in zip(probes, answers, strict=True):
+            if isinstance(a, Exception):
+                problems.append(f"{self._name((p.host, p.port))}: {a}")
+            elif a.startswith("TAKEN"):
+                other = a[len("TAKEN") :].strip().split(" ")[0] or "an unknown head"
+                problems.append(
+                    f"{self._name((p.host, p.port))} runs cluster {name!r} whose record is on {other}"
+                )
+        if problems:
+            self._release(name, claimed)
+            raise BackendError(
+                f"cluster {name!r} cannot be made here: " + "; ".join(problems) + ". Its directory "
+                f"~/.sky_airflow/{name} on that host belongs to that cluster (another connection lists the "
+                "host with another head). Use another cluster name, or tear that cluster down through its "
+                "own connection first"
+            )
+        return claimed
+
+    def _release(self, name: str, probes: Sequence[HostProbe]) -> None:
+        """Give back claims of ``_claim`` that no cluster uses (best effort: an empty directory is left)."""
+        owner = self._owner(name)
+        self._map(
+            lambda p: self._runner_for(p.host, p.port).run_script(RELEASE_SCRIPT, [name, owner], timeout=30),
+            probes,
+        )
 
     def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
         """The cluster record, kept on the head (rank 0's node unless the head lacked what the task asked
@@ -553,6 +604,8 @@ class SSHBackend(Backend):
                 probes = self._select(res, spec.num_nodes)
         except _NoFit as err:
             raise BackendError(str(err)) from None
+        # a new cluster's directories are claimed first: a host where the name is another head's is refused
+        claimed = self._claim(name, probes) if text is None else []
         # ``probes`` are in rank order: the stored order on reuse, else head first, then by IP
         nodes = [self._node(i, name, p, res) for i, p in enumerate(probes)]
         fresh = with_resources_recorded(
@@ -579,7 +632,16 @@ class SSHBackend(Backend):
             handle = with_resources_recorded(replace(stored, nodes=merged), res)
             return add_lease(record, holder), handle
 
-        return self.records.update(name, join)
+        try:
+            handle = self.records.update(name, join)
+        except Exception:
+            self._release(name, claimed)
+            raise
+        used = {(n.extra.get("host"), int(n.extra.get("port", 0))) for n in handle.nodes}
+        spare = [p for p in claimed if (p.host, p.port) not in used]  # joined a cluster made meanwhile
+        if spare:
+            self._release(name, spare)
+        return handle
 
     def replace_nodes(self, handle: ClusterHandle, ranks: Sequence[int]) -> ClusterHandle:
         """A lost host's rank goes to the first spare host (``spare_hosts``) that answers, has what the
@@ -621,6 +683,11 @@ class SSHBackend(Backend):
                     if misfit:
                         why.append(f"{self._name(spare)}: {misfit[1]}")
                         continue
+                    try:
+                        self._claim(name, [probe])
+                    except BackendError as exc:
+                        why.append(f"{self._name(spare)}: {exc}")
+                        continue
                     count = len((record.get("extra") or {}).get("replaced", [])) + 1
                     node = replace(self._node(rank, name, probe, res), node_id=f"node-{rank}-spare{count}")
                     record = record_replacement(record, rank, node)
@@ -637,13 +704,29 @@ class SSHBackend(Backend):
         return self.records.update(name, change)
 
     def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
+        """See :meth:`Backend.terminate`. The record on the head is updated first (the lease released,
+        or the teardown marked) and only then is anything killed: a teardown that cannot update it
+        (the head's record lock held, the head unreachable, the record unreadable) deletes nothing on
+        any node and raises saying so, since another run's lease may be in the record and the nodes are
+        known only from it. The cluster is kept for the next teardown, or its ``idle_down``. A node
+        directory that another cluster of this name owns (``claim``) is left alone, and the node is
+        kept in the record as not cleaned."""
+
         def begin(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, Any]:
             if record is None:
                 return None, None
             new, kept_for = begin_teardown(record, holder)
             return new, (new, kept_for)
 
-        begun = self.records.update(name, begin)
+        try:
+            begun = self.records.update(name, begin)
+        except (BackendError, RunnerError, ValueError) as exc:  # ValueError: a record that is not JSON
+            raise BackendError(
+                f"cluster {name!r}: the teardown could not update its record on the head "
+                f"{self.head[0]}:{self.head[1]} ({exc}), so nothing was deleted on any node: another run "
+                "may still hold the cluster. It is kept as it was; tear it down again once the head "
+                "answers and its record can be written (or let its idle_down end it)"
+            ) from None
         if begun is None:
             return Teardown(removed=False)
         record, kept_for = begun
@@ -651,14 +734,22 @@ class SSHBackend(Backend):
             log.info("cluster %s kept: still held by %s", name, ", ".join(kept_for))
             return Teardown(removed=False, kept_for=kept_for)
         nodes = nodes_to_clean(record)
-        script = runtime.teardown_script()
+        script = TEARDOWN_GUARD + runtime.teardown_script()
+        owner = self._owner(name)
 
         def one(node: Node) -> None:
             # a hung node must not hang the teardown: it has to greet within the connect timeout
             wait_for_ssh(node.extra["host"], int(node.extra["port"]), self.connect_timeout, max_delay=0.5)
-            res = self.runner(node).run_script(script, [f"{grace:.3f}", node.root], timeout=grace + 60)
+            args = [owner, f"{grace:.3f}", node.root]
+            res = self.runner(node).run_script(script, args, timeout=grace + 60)
             if res.returncode != 0:
                 raise BackendError(f"teardown failed: {res.error_text or f'exit code {res.returncode}'}")
+            if res.text.startswith("NOT_OURS"):  # kept as unclean: whatever of ours is there stays named
+                other = res.text[len("NOT_OURS") :].strip().split(" ")[0] or "an unknown head"
+                raise BackendError(
+                    f"{node.root} belongs to another cluster of this name, whose record is on {other}: "
+                    "left alone"
+                )
 
         unclean = {
             n.node_id: unclean_reason(n, e)

@@ -6,6 +6,7 @@ with different values is an error naming both, never a silent choice.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,24 @@ def one_of(config: Mapping[str, Any], *keys: str, what: str) -> Any:
     return found[0][1] if found else None
 
 
+#: a control character (newline, carriage return, NUL, ...): never part of a name
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def name_value(value: Any, key: str) -> str | None:
+    """A name-like connection field (a user, host, region, context ...) as given, or an error naming it:
+    a name pasted with a newline, a carriage return or spaces at an end would fail later, on a node."""
+    if value in (None, ""):
+        return None
+    text = str(value)
+    if text != text.strip() or _CONTROL.search(text):
+        raise BackendError(
+            f"{key}: {text!r} has spaces at an end or a control character (newline, carriage return, "
+            "NUL, ...); remove them from the connection field"
+        )
+    return text
+
+
 def number(config: Mapping[str, Any], key: str, default: Any, kind: Any) -> Any:
     """A numeric connection field, or an error naming it (``port: 'ssh' is not a number``)."""
     raw = config.get(key)
@@ -85,11 +104,14 @@ def parse_ssh_config(config: Mapping[str, Any]) -> SSHSettings:
     """Settings from a ``sky_ssh`` connection: host = hosts (comma-separated, head first), login, port,
     password = private key text; the rest are extras (``hooks`` merged a reused ``ssh`` connection in)."""
     private_key = one_of(config, "password", "private_key", what="private key text")
+    hosts = _hosts(one_of(config, "host", "hosts", what="hosts"))
+    for host in hosts:
+        name_value(host, "host")
     return SSHSettings(
-        hosts=_hosts(one_of(config, "host", "hosts", what="hosts")),
-        user=one_of(config, "login", "user", what="user") or "",
+        hosts=hosts,
+        user=name_value(one_of(config, "login", "user", what="user"), "login") or "",
         port=number(config, "port", 22, int),
-        head=config.get("head") or None,
+        head=name_value(config.get("head"), "head"),
         private_key=private_key,
         key_file=config.get("key_file") or None,
         passphrase=config.get("private_key_passphrase") or None,
@@ -113,7 +135,10 @@ def _spares(raw: Any) -> tuple[str, ...]:
             f'spare_hosts: expected hosts as a comma-separated text or a list (e.g. "10.0.0.9,10.0.0.10"), '
             f"got {raw!r}"
         )
-    return _hosts(raw)
+    spares = _hosts(raw)
+    for host in spares:
+        name_value(host, "spare_hosts")
+    return spares
 
 
 #: the settings that together say how to authenticate: taken from one place only
