@@ -10,10 +10,22 @@ from typing import Any
 from airflow.sdk import Context
 from airflow.sdk.log import mask_secret
 
+from airflow_provider_sky.operators import _params
 from airflow_provider_sky.spec import SpecError, TaskSpec, load_task_yaml, parse_task
 
 #: Python keyword arguments that override the YAML's top-level fields
-SPEC_FIELDS = ("name", "num_nodes", "resources", "setup", "run", "envs", "secrets", "workdir", "file_mounts")
+SPEC_FIELDS = (
+    "name",
+    "num_nodes",
+    "resources",
+    "setup",
+    "run",
+    "envs",
+    "secrets",
+    "workdir",
+    "file_mounts",
+    "result_file",
+)
 
 
 def pop_spec_fields(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +99,7 @@ class SkySpecMixin:
     task_yaml: str | None
     task_config: Mapping[str, Any] | None
     spec_overrides: dict[str, Any]
+    _spec_templates: dict[str, str]
 
     def _init_spec(
         self, task_yaml: str | None, task_config: Mapping[str, Any] | None, overrides: dict[str, Any]
@@ -94,9 +107,27 @@ class SkySpecMixin:
         self.task_yaml = task_yaml
         self.task_config = task_config
         self.spec_overrides = overrides
-        build_spec(task_yaml, task_config, overrides)  # bad input fails at DAG parse time
+        # bad input fails at DAG parse time; a templated field (a Params form's value) once rendered
+        build_spec(task_yaml, task_config, _params.parse_time(overrides))
+        self._spec_templates = _params.templated(overrides)
 
     def rendered_spec(self) -> TaskSpec:
-        spec = build_spec(self.task_yaml, self.task_config, self.spec_overrides)
+        templates = getattr(self, "_spec_templates", {})
+        overrides = _params.coerce_rendered(self.spec_overrides, templates)
+        try:
+            spec = build_spec(self.task_yaml, self.task_config, overrides)
+        except SpecError as exc:
+            raise _params.name_param(exc, templates) from None
         mask_spec_secrets(spec)
         return spec
+
+
+def refuse_outlets(task: Any) -> None:
+    """A cluster or job task ends before any rank ran: asset events from it would claim data no rank
+    wrote. The gang sensor emits them, and only when every rank succeeded."""
+    if task.outlets:
+        raise ValueError(
+            f"outlets: task {task.task_id} ends before the gang has run, so its asset events would not mean "
+            "the training succeeded; give outlets to the gang sensor (SkyGangSensor(outlets=...), or "
+            "sky_gang(outlets=...) / @task.sky(outlets=...)): it emits them only when every rank succeeded"
+        )

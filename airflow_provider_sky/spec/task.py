@@ -167,6 +167,9 @@ class TaskSpec:
     #: SkyPilot's alternatives (``any_of`` / ``ordered`` / several accelerators), in the order written, when
     #: there are two or more; ``resources`` is then the first. Empty: ``resources`` is the only choice.
     alternatives: tuple[Resources, ...] = ()
+    #: the file each rank's node keeps as its result once the rank succeeded (masked like the log);
+    #: ``~/`` is the rank's home, a relative path is under its working directory. None: the last line
+    result_file: str | None = None
 
     @property
     def resource_choices(self) -> tuple[Resources, ...]:
@@ -183,7 +186,8 @@ class TaskSpec:
         return (
             f"TaskSpec(run={self.run!r}, num_nodes={self.num_nodes!r}, name={self.name!r}, "
             f"resources={self.resources!r}, setup={self.setup!r}, envs={self.envs!r}, secrets={secrets!r}, "
-            f"workdir={self.workdir!r}, file_mounts={self.file_mounts!r}, alternatives={self.alternatives!r})"
+            f"workdir={self.workdir!r}, file_mounts={self.file_mounts!r}, alternatives={self.alternatives!r}"
+            + (f", result_file={self.result_file!r})" if self.result_file else ")")
         )
 
     __str__ = __repr__
@@ -209,6 +213,8 @@ class TaskSpec:
             out["envs"] = dict(self.envs)
         if self.secrets:
             out["secrets"] = {k: (v if include_secrets else "<redacted>") for k, v in self.secrets.items()}
+        if self.result_file is not None:
+            out["result_file"] = self.result_file
         return out
 
     def redacted(self, text: str) -> str:
@@ -353,6 +359,7 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         lambda: _opt_str(data.get("workdir"), "workdir", "a local directory synced to every node"), None
     )
     file_mounts: dict[str, str] = attempt(lambda: _parse_file_mounts(data.get("file_mounts")), {})
+    result_file = attempt(lambda: _parse_result_file(data.get("result_file")), None)
     if problems:
         raise _all_of(problems)
     return TaskSpec(
@@ -366,7 +373,16 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         secrets=secrets,
         workdir=workdir,
         file_mounts=file_mounts,
+        result_file=result_file,
     )
+
+
+def _parse_result_file(value: object) -> str | None:
+    """A path on the node: one line, no NUL (the node reads it from a file, never from a command line)."""
+    path = _opt_str(value, "result_file", "a path on the node, e.g. ~/out/result.json")
+    if path is not None and ("\n" in path or "\r" in path or "\0" in path):
+        raise SpecError("result_file", f"must be one line with no NUL character, got {path!r}")
+    return path
 
 
 def _all_of(problems: list[SpecError]) -> SpecError:
