@@ -57,6 +57,8 @@ try:
 except Exception:
     pass
 pat = None  # compiled at the first secret seen: importing re is a third of the start
+fast = None  # bytearray.find is ~450 MB/s here; a compiled literal search ~3 GB/s, once worth the import
+seen = 0
 keep = max([len(v) for v in vals] + [1]) - 1
 limit = max(65536, keep)
 cr = not any(b"\r" in v for v in vals)
@@ -78,22 +80,25 @@ while True:
     # a match starting before the cut ends by cut + keep: leftmost, longest first, in one pass
     end = min(n, cut + keep)
     out = mv[:cut]
-    for v in vals:
-        if buf.find(v, 0, end) >= 0:
-            if pat is None:
-                import re
+    seen += got
+    if fast is None and seen > 4 << 20:  # a rank that prints a lot: compiled searches, 3-4x the speed of find
+        import re
 
-                pat = re.compile(b"|".join(re.escape(v) for v in vals))
-            parts, pos = [], 0
-            for m in pat.finditer(buf, 0, end):
-                if m.start() >= cut:
-                    break
-                parts += [buf[pos : m.start()], b"***"]
-                pos = m.end()
-            cut = max(cut, pos)
-            parts.append(buf[pos:cut])
-            out = memoryview(b"".join(parts))
-            break
+        fast = [re.compile(re.escape(v)).search for v in vals]
+    if any(f(buf, 0, end) for f in fast) if fast else any(buf.find(v, 0, end) >= 0 for v in vals):
+        if pat is None:
+            import re
+
+            pat = re.compile(b"|".join(re.escape(v) for v in vals))
+        parts, pos = [], 0
+        for m in pat.finditer(buf, 0, end):
+            if m.start() >= cut:
+                break
+            parts += [buf[pos : m.start()], b"***"]
+            pos = m.end()
+        cut = max(cut, pos)
+        parts.append(buf[pos:cut])
+        out = memoryview(b"".join(parts))
     while out:
         out = out[os.write(1, out) :]
     held = n - cut
