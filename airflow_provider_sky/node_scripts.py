@@ -277,7 +277,7 @@ if [ "$rc" = 0 ] && [ -f "$d/result_file" ]; then
   esac
   if [ -n "$rf" ] && [ -f "$rf" ] && [ -r "$rf" ]; then
     if [ -n "${rmask:-}" ]; then
-      head -c 1048577 -- "$rf" 2>/dev/null | LC_ALL=C sed -f /dev/fd/4 > "$d/result" 2>/dev/null
+      head -c 1048577 -- "$rf" 2>/dev/null | maskfilter 3<&4 > "$d/result" 2>/dev/null
     else
       head -c 1048577 -- "$rf" > "$d/result" 2>/dev/null
     fi

@@ -62,8 +62,8 @@ CONTROL_IDLE = 600.0
 MAX_JOBS = 256
 #: a cancel reason as the node runtime writes it for a rank failing first (see ``runtime.node_cancel_reason``)
 RANK_FAILED = re.compile(r"@rank-failed (\d+) (-?\d+|-)( oom)?")
-JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,180}$")
-NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,120}$")
+JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,180}")
+NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,120}")
 
 TERMINAL = ("exited", "badexit", "lost")
 
@@ -695,7 +695,7 @@ class Head:
     async def start(self, msg: dict[str, Any]) -> dict[str, Any]:
         job = str(msg.get("job", ""))
         plan = msg.get("nodes")
-        if not JOB_RE.match(job) or not isinstance(plan, dict) or not plan:
+        if not JOB_RE.fullmatch(job) or not isinstance(plan, dict) or not plan:
             return {"ok": False, "error": "start needs a job id and a plan per node"}
         if not isinstance(msg.get("cancel_script"), str):
             return {"ok": False, "error": "start needs the node runtime's cancel script"}
@@ -886,7 +886,7 @@ class Server:
             raise ProtocolError("the first message must be a hello")
         if role == "agent":
             node = str(hello.get("node", ""))
-            if not NODE_RE.match(node) or node == self.head.node:
+            if not NODE_RE.fullmatch(node) or node == self.head.node:
                 await chan.send({"op": "refused", "error": f"bad node id {node!r}"})
                 return
             await chan.send({"op": "welcome", "node": self.head.node})
@@ -1122,7 +1122,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scan", type=float, default=0.05, help="seconds between reads of the rank directories")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
-    if not NODE_RE.match(args.node):
+    if not NODE_RE.fullmatch(args.node):
         p.error(f"--node {args.node!r} must match {NODE_RE.pattern}")
     if args.beat <= 0 or args.lost_after <= args.beat or args.scan <= 0:
         p.error("--beat and --scan must be positive and --lost-after longer than --beat")
