@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -10,7 +11,9 @@ from typing import Any
 from airflow.sdk import Context
 from airflow.sdk.log import mask_secret
 
-from airflow_provider_sky.spec import SpecError, TaskSpec, load_task_yaml, parse_task
+from airflow_provider_sky.spec import SpecError, TaskSpec, fill_at_launch, load_task_yaml, parse_task
+
+log = logging.getLogger(__name__)
 
 #: Python keyword arguments that override the YAML's top-level fields
 SPEC_FIELDS = ("name", "num_nodes", "resources", "setup", "run", "envs", "secrets", "workdir", "file_mounts")
@@ -29,6 +32,27 @@ def build_spec(
     if task_yaml:
         return load_task_yaml(task_yaml, overrides=given)
     return parse_task(dict(task_config or {}), overrides=given)
+
+
+def _variable(name: str) -> object:
+    """An Airflow Variable named like a secret (the metadata database, ``AIRFLOW_VAR_<NAME>`` or the
+    configured secrets backend); None when there is none."""
+    from airflow.sdk import Variable
+
+    return Variable.get(name, default=None)
+
+
+def fill_from_context(spec: TaskSpec, context: Context) -> TaskSpec:
+    """The values the YAML left null (SkyPilot's "given at launch"), from the DAG's params and, for
+    secrets, Airflow Variables; one SpecError names every one still missing. Logs names, never values."""
+    if not spec.unset:
+        return spec
+    params = context.get("params") or {}
+    filled, found = fill_at_launch(spec, params=params, variable=_variable)
+    mask_spec_secrets(filled)
+    if found:
+        log.info("Values given at launch: %s", ", ".join(found))
+    return filled
 
 
 def mask_spec_secrets(spec: TaskSpec) -> None:
@@ -96,7 +120,8 @@ class SkySpecMixin:
         self.spec_overrides = overrides
         build_spec(task_yaml, task_config, overrides)  # bad input fails at DAG parse time
 
-    def rendered_spec(self) -> TaskSpec:
+    def rendered_spec(self, context: Context) -> TaskSpec:
+        """The spec after templates were rendered, with the values left to launch time filled in."""
         spec = build_spec(self.task_yaml, self.task_config, self.spec_overrides)
         mask_spec_secrets(spec)
-        return spec
+        return fill_from_context(spec, context)
