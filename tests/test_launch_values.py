@@ -61,6 +61,9 @@ def test_null_values_given_at_launch_run(
     assert token not in text  # and no log shows it
     if source:
         assert f"secrets.API_TOKEN from {source}" in text
+    # what the local backend cannot give is named once, with why
+    assert text.count("Ignored: service: SkyServe") == 1, text[-3000:]
+    assert text.count("Ignored: resources.disk_tier: the local backend ignores disk_tier (best)") == 1
 
 
 def test_a_value_never_given_fails_before_provisioning(

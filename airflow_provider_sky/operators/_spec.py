@@ -120,8 +120,9 @@ class SkySpecMixin:
         self.spec_overrides = overrides
         build_spec(task_yaml, task_config, overrides)  # bad input fails at DAG parse time
 
-    def rendered_spec(self, context: Context) -> TaskSpec:
-        """The spec after templates were rendered, with the values left to launch time filled in."""
+    def rendered_spec(self, context: Context | None = None) -> TaskSpec:
+        """The spec after templates were rendered; with the task's ``context``, the values the YAML left
+        to launch time filled in (without it they stay unset, and provisioning refuses them)."""
         spec = build_spec(self.task_yaml, self.task_config, self.spec_overrides)
         mask_spec_secrets(spec)
-        return fill_from_context(spec, context)
+        return spec if context is None else fill_from_context(spec, context)
