@@ -177,7 +177,12 @@ class GangClient:
                 env = {"HOME": node.home, **env}
             cwd = self.backend.workdir(node, spec)
             keep = self.keep_secrets and stage == "run"
-            out.append(runtime.RankLaunch(rank, command, env, dict(spec.secrets), cwd, keep_secrets=keep))
+            result_file = spec.result_file if stage == "run" else None
+            out.append(
+                runtime.RankLaunch(
+                    rank, command, env, dict(spec.secrets), cwd, keep_secrets=keep, result_file=result_file
+                )
+            )
         return out
 
     def guard(self, rank: int, orphan_timeout: float, idle_down: float) -> runtime.Guard:

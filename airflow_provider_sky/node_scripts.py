@@ -194,6 +194,8 @@ if [ -f "$d/mask" ]; then
   rm -f "$d/out" "$d/filter.done"
   if mkfifo -m 600 "$d/out" 2>/dev/null; then
     exec 3<"$d/mask"
+    # the result file is masked like the log once the command ended (RESULT below): keep the mask open
+    rmask=''; [ ! -f "$d/result_file" ] || { exec 4<"$d/mask"; rmask=1; }
     rm -f "$d/mask"
     (maskfilter <"$d/out" >>"$d/log" 2>&1; : > "$d/filter.done") &
     exec 3<&-
@@ -220,9 +222,9 @@ oomk() {
 }
 oomk; oom0=$ok
 if command -v setsid >/dev/null 2>&1; then
-  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" setsid "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null &
+  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" setsid "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null 4<&- &
 else
-  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null &
+  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null 4<&- &
 fi
 child=$!
 # written in place (no `mv`): the readers take an empty or partial file as not written yet
@@ -260,6 +262,24 @@ if [ "$out" != "$d/log" ]; then
   rm -f "$d/out"
 fi
 if [ "$rc" = 137 ]; then oomk; [ "$ok" -gt "$oom0" ] 2>/dev/null && : > "$d/oom"; fi
+# RESULT: a rank that succeeded keeps (up to 1 MiB + 1 byte of) its result file as "$d/result",
+# through the secrets' mask when the job has one, before its exit is written (a reader that saw the
+# exit finds it); "~/" is the rank's HOME, a relative path is under its working directory
+if [ "$rc" = 0 ] && [ -f "$d/result_file" ]; then
+  rf=''; { IFS= read -r rf < "$d/result_file"; } 2>/dev/null || :
+  case "$rf" in
+    "~/"*) rh=$( . "$d/env" >/dev/null 2>&1; printf '%s' "$HOME"); rf="${rh:-$HOME}/${rf#"~/"}";;
+  esac
+  if [ -n "$rf" ] && [ -f "$rf" ] && [ -r "$rf" ]; then
+    if [ -n "${rmask:-}" ]; then
+      head -c 1048577 -- "$rf" 2>/dev/null | LC_ALL=C sed -f /dev/fd/4 > "$d/result" 2>/dev/null
+    else
+      head -c 1048577 -- "$rf" > "$d/result" 2>/dev/null
+    fi
+  else
+    : > "$d/result.missing"
+  fi
+fi
 # code, end and a fail-fast reason in one new file, one write (STATUS_SCRIPT reads all three from it):
 # 1,000 ranks cancelled at once each create it together, and on ext4 a new inode costs a scan of the
 # inodes deleted in the last minutes (the last teardown's); three files a rank took most of a second

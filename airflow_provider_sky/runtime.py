@@ -107,6 +107,8 @@ class RankLaunch:
     cwd: str
     #: keep the secrets (0600) for a later attempt of the gang (``runtime_retry``) until the job is torn down
     keep_secrets: bool = False
+    #: the file the wrapper keeps as the rank's ``result`` once the command exited 0 (None: none)
+    result_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -354,6 +356,8 @@ def launch_many_script(
                 parts.append('cp "$d/secrets" "$d/secrets.keep"')
                 if mask:
                     parts.append('cp "$d/mask" "$d/mask.keep"')
+        if rl.result_file:
+            parts.append(_write('"$d/result_file"', rl.result_file))
         parts.append(_write('"$d/rank.sh"', WRAPPER))
         parts.append(f'echo {int(guard.orphan_timeout)} > "$d/orphan_timeout"')
         parts.append(f'printf "%s\\n" {q(repr(float(guard.now)))} > "$d/polled"')

@@ -50,6 +50,7 @@ while [ $# -ge 2 ]; do
   [ -f "$s/secrets.keep" ] && cp "$s/secrets.keep" "$d/secrets"
   [ -f "$s/mask.keep" ] && cp "$s/mask.keep" "$d/mask"
   [ -f "$s/orphan_timeout" ] && cp "$s/orphan_timeout" "$d/"
+  [ ! -f "$s/result_file" ] || cp "$s/result_file" "$d/"
   printf '%s\n' "$now" > "$d/polled"
   cwd=''; [ -f "$s/cwd" ] && read -r cwd < "$s/cwd"
   cp "$s/cwd" "$d/" 2>/dev/null

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from airflow.sdk import TaskGroup
+from airflow.sdk import TaskGroup, XComArg
 
 from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
@@ -16,6 +16,7 @@ from airflow_provider_sky.operators.cluster import SkyClusterOperator
 from airflow_provider_sky.operators.down import SkyDownOperator
 from airflow_provider_sky.operators.job import SkyJobOperator
 from airflow_provider_sky.operators.rank import SkyRankOperator
+from airflow_provider_sky.result import DEFAULT_MAX_BYTES, check_result_args
 from airflow_provider_sky.retry import RetryPolicy, operator_args
 from airflow_provider_sky.sensors.gang import SkyGangSensor
 from airflow_provider_sky.timing import check_timing
@@ -26,6 +27,10 @@ def check_gang_arguments(where: str, given: Mapping[str, Any], *, without: tuple
     job tasks) are valid; anything else is named here, not by the operator it would have reached."""
     own = [p for p in (*parameters(sky_gang), *SPEC_FIELDS) if p not in without]
     check_arguments(where, given, own, operator_parameters(SkyClusterOperator)[1])
+
+
+#: task id of the gang sensor in a ``sky_gang`` group: it ends last on success, and pushes the result
+GANG_TASK_ID = "gang"
 
 
 def sky_gang(
@@ -47,8 +52,12 @@ def sky_gang(
     retry_delay: float | Any = 0.0,
     retry_exponential_backoff: bool = False,
     retry_on_exit_codes: Sequence[int] | str | None = None,
+    result_ranks: int | str = 0,
+    result_max_bytes: int = DEFAULT_MAX_BYTES,
+    outlets: Any = None,
+    inlets: Any = None,
     **spec_fields: Any,
-) -> TaskGroup:
+) -> SkyGangGroup:
     """Build the whole gang pattern in a TaskGroup from a SkyPilot YAML, a dict, or the fields.
 
     ``spec_fields`` are the YAML's fields as arguments (``num_nodes=4, run="..."``) and override the
@@ -67,7 +76,14 @@ def sky_gang(
     process of the failed attempt gone first; ``retry_delay`` seconds (or a timedelta) before each,
     doubled per attempt with ``retry_exponential_backoff``. The rank tasks stay the same through the
     attempts (these are not Airflow's task retries).
+    ``.result`` of the group is the gang's result as an XComArg (``evaluate(gang.result)``), pushed once
+    every rank succeeded: rank ``result_ranks``' last output line, or the content of ``result_file`` (a
+    task field: ``~/out/result.json``, JSON decoded when it parses), a list with ``result_ranks="all"``;
+    at most ``result_max_bytes`` bytes. ``outlets``: assets updated only when every rank succeeded (the
+    gang sensor emits them, with the run id, nodes, duration and a small result in ``extra``);
+    ``inlets`` are shown on the job task.
     """
+    result_ranks, result_max_bytes = check_result_args(result_ranks, result_max_bytes)
     check_gang_arguments("sky_gang", spec_fields)
     check_timing(
         poll_interval=poll_interval,
@@ -84,7 +100,8 @@ def sky_gang(
     policy = RetryPolicy.build(retries, retry_delay, retry_exponential_backoff, retry_on_exit_codes)
     if policy.retries:
         hang.update(operator_args(policy))
-    with TaskGroup(group_id=group_id) as group:
+    group = SkyGangGroup(group_id=group_id)
+    with group:
         cluster = SkyClusterOperator(
             task_id="cluster",
             cluster_name=cluster_name,
@@ -106,6 +123,7 @@ def sky_gang(
             **hang,
             **spec_args,
             **watch,
+            **({"inlets": inlets} if inlets else {}),
         )
         ranks = SkyRankOperator.partial_in_triggerer(
             task_id="rank",
@@ -117,11 +135,15 @@ def sky_gang(
             **watch,
         ).expand_kwargs(job.output)
         gang = SkyGangSensor.in_triggerer(
-            task_id="gang",
+            task_id=GANG_TASK_ID,
             cluster=cluster.output,
             cluster_task_id=cluster.task_id,
             job_task_id=job.task_id,
             lost_after=lost_after,
+            result_file=spec_fields.get("result_file"),
+            result_ranks=result_ranks,
+            result_max_bytes=result_max_bytes,
+            **({"outlets": outlets} if outlets else {}),
             **hang,
             **watch,
         )
@@ -132,3 +154,19 @@ def sky_gang(
             )
             [ranks, gang] >> teardown.as_teardown(setups=cluster)
     return group
+
+
+class SkyGangGroup(TaskGroup):
+    """The TaskGroup ``sky_gang`` builds, with the gang's result as ``.result``."""
+
+    @property
+    def result(self) -> XComArg:
+        """The gang sensor's return value: the gang's result, pushed once every rank succeeded."""
+        return XComArg(self.sensor)
+
+    @property
+    def sensor(self) -> SkyGangSensor:
+        """The gang sensor: it ends last when every rank succeeded, and pushes the result."""
+        task = self.children[self.child_id(GANG_TASK_ID)]
+        assert isinstance(task, SkyGangSensor)
+        return task

@@ -38,6 +38,8 @@ def test_sky_retry_fails_once_then_succeeds_on_attempt_2(
     # attempt 2 started after every process of attempt 1 was gone: each rank of attempt 2 looked
     assert out.count("processes of attempt 1 still alive: 0") >= 4, out[-5000:]
     assert "==== attempt 2/3: rank 2 exited 1, retryable by retry_on_exit_codes ====" in out
+    # the gang's result is rank 0's last line of the attempt that succeeded (attempt 1's was its first)
+    assert _xcom(dr, "train.gang", "return_value") == "processes of attempt 1 still alive: 0"
     for r in range(4):
         summary = _xcom(dr, "train.rank", "sky_rank", r)
         assert summary["state"] == "succeeded" and summary["attempt"] == 2, summary
@@ -174,3 +176,12 @@ def test_a_hang_is_retried_and_the_next_attempt_succeeds(sky_home: Path) -> None
     ), final.history[0]["why"]
     assert not job_processes(sky_home)
     backend.terminate(client.handle.name)
+
+
+def test_a_retried_gang_pushes_the_successful_attempts_result(sky_home: Path) -> None:
+    """Attempt 1 wrote a result file before rank 1 failed; the result is attempt 2's file, every rank's."""
+    dag = _load("sky_test_retry_result", folder="tests/dags").dag
+    dr = dag.test()
+    assert str(dr.state) == "success"
+    assert _xcom(dr, "train.gang", "return_value") == [{"attempt": 2}, {"attempt": 2}]
+    assert not job_processes(sky_home) and not bridges(sky_home)

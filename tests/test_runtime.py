@@ -160,10 +160,23 @@ def test_concurrent_jobs_on_the_same_nodes_are_isolated(backend: LocalBackend) -
 def test_vanished_rank_is_reported_lost(backend: LocalBackend) -> None:
     client, spec = _gang(backend, "c", 2, "sleep 10000")
     client.launch(spec, "job")
-    pid = int((Path(client.handle.nodes[1].root) / "jobs" / "job" / "1" / "pid").read_text())
-    pgid = int((Path(client.handle.nodes[1].root) / "jobs" / "job" / "1" / "pgid").read_text())
+    rank_dir = Path(client.handle.nodes[1].root) / "jobs" / "job" / "1"
+    pid = int((rank_dir / "pid").read_text())
+    # the wrapper writes pgid as it forks the command's shell, which makes the group with setsid a moment
+    # later (seconds on a loaded machine): kill once the group exists, or its command would live on
+    deadline = time.monotonic() + 30
+    while True:
+        text = (rank_dir / "pgid").read_text() if (rank_dir / "pgid").exists() else ""
+        try:
+            if text.strip():
+                os.killpg(int(text), 0)
+                break
+        except ProcessLookupError:
+            pass
+        assert time.monotonic() < deadline, "rank 1's process group never appeared"
+        time.sleep(0.02)
     os.kill(pid, 9)
-    os.killpg(pgid, 9)
+    os.killpg(int(text), 9)
     poll = wait_done(client, "job")
     assert poll.status.by_rank(1).state == "lost"
     assert poll.status.by_rank(0).state == "cancelled"

@@ -281,3 +281,29 @@ def test_every_example_dag_on_the_ssh_cluster(
     for n in hosts4.nodes:  # every cluster was torn down
         assert not list(Path(n.home, ".sky_airflow").glob("sky-*"))
     ssh.close_all()
+
+
+def test_each_hosts_result_file_is_read_from_its_own_home_masked(hosts4: SSHDCluster) -> None:
+    """A gang's result on SSH hosts: ``~/`` is each host user's home, the file is masked like the log,
+    and the default is rank 0's last line (``airflow_provider_sky.result``)."""
+    from airflow_provider_sky.jobs import run_sync
+    from airflow_provider_sky.result import read_result, result_config
+
+    b = _backend(hosts4)
+    run = 'mkdir -p ~/out; printf "%s %s" "$(cat ~/node)" "$TOKEN" > ~/out/r.txt; echo "last $SKYPILOT_NODE_RANK"'
+    spec = task_from_args(num_nodes=2, run=run, secrets={"TOKEN": "s3cr3t-value"}, result_file="~/out/r.txt")
+    c = GangClient(b, b.provision("res", spec))
+    try:
+        c.launch(spec, "job")
+        status = _wait(c, "job").status
+        assert status.succeeded
+        nodes = [str(n.index) for n in hosts4.nodes[:2]]
+        got = run_sync(read_result(c, status, result_config("all", None, 1000)))
+        assert got == [f"{nodes[0]} ***", f"{nodes[1]} ***"]
+        plain = task_from_args(num_nodes=2, run=run)  # no result_file: the last output line
+        c.launch(plain, "job2")
+        status2 = _wait(c, "job2").status
+        assert run_sync(read_result(c, status2, result_config(0, None, 1000))) == "last 0"
+    finally:
+        c.close()
+        assert b.terminate("res").removed is True

@@ -194,3 +194,49 @@ def test_a_mistyped_argument_is_named_with_the_nearest_valid_one() -> None:
             TypeError, match="^@task.sky: unknown argument 'num_node'; did you mean 'num_nodes'"
         ):
             task.sky(num_nodes=2)(cmd).override(num_node=3)
+
+
+def test_pipeline_example_hands_the_json_result_downstream(sky_home: Path) -> None:
+    """dags_examples/sky_pipeline.py: rank 0's result.json reaches ``evaluate`` as a dict (the XComArg a
+    ``@task.sky`` call returns), with the Params form's defaults for nodes, envs and resources."""
+    dr, tis = _run("sky_pipeline")
+    assert str(dr.state) == "success", {k: ti.state for k, ti in tis.items()}
+    result = _xcom(dr, "train.gang")
+    assert result == {"loss": 0.25, "nodes": 2, "checkpoint": f"ckpt/{dr.run_id}"}
+    assert _xcom(dr, "evaluate") == 0.25
+    assert {k for k in tis if k.startswith("train.rank")} == {"train.rank[0]", "train.rank[1]"}
+
+
+def test_the_last_output_line_is_the_default_result_and_all_ranks_give_a_list(sky_home: Path) -> None:
+    dr, tis = _run("sky_test_result_line", "tests/dags")
+    assert str(dr.state) == "success", {k: ti.state for k, ti in tis.items()}
+    # masked like the log: the nodes replaced the secret before the line reached the log
+    assert _xcom(dr, "train.gang") == "rank 0 done, token ***"
+    assert _xcom(dr, "every.gang") == ["r0", "r1"]
+    assert _xcom(dr, "evaluate") == {"line": "rank 0 done, token ***", "lines": ["r0", "r1"]}
+
+
+def test_a_result_file_is_masked_bounded_and_required(
+    sky_home: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    dr, tis = _run("sky_test_result_file", "tests/dags")
+    out = "".join(capfd.readouterr())
+    assert str(tis["masked.gang"].state) == "success"
+    assert _xcom(dr, "masked.gang") == "token=***"
+    assert str(tis["big.gang"].state) == "failed"
+    assert "more than result_max_bytes=1000 bytes" in out and "result_file (r.txt)" in out, out[-3000:]
+    assert str(tis["missing.gang"].state) == "failed"
+    assert "result_file ~/nowhere.json was not there" in out
+    for group in ("big", "missing"):
+        assert str(tis[f"{group}.rank[0]"].state) == "success"  # the gang ran: only its result is refused
+        assert _xcoms(dr, f"{group}.gang") == []
+    assert not list((sky_home / "local").glob("sky-*")), "the teardowns removed the clusters"
+
+
+def _xcoms(dr: Any, task_id: str) -> list[Any]:
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        query = XComModel.get_many(run_id=dr.run_id, key="return_value", task_ids=task_id, dag_ids=dr.dag_id)
+        return list(session.scalars(query))

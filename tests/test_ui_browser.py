@@ -190,3 +190,17 @@ def test_cancelled_rank_log_names_the_failing_rank(ui: tuple[AirflowStack, str, 
     assert errors == [cause], messages
     assert all(m for m in messages), messages
     assert "TriggerEvent<{" not in text, text
+
+
+def test_the_run_page_shows_which_rank_failed_first_and_why(ui: tuple[AirflowStack, str, Page]) -> None:
+    """The cause on the surface: the run's note (written by the provider's listener) is on the run's page,
+    and the failing rank's own page shows its note, without opening a log."""
+    stack, run_id, page = ui
+    note = stack.dag_run(DAG_ID, run_id).get("note") or ""
+    first = "rank 2 (127.1.0.3) exited with code 3, failed first"
+    assert note.startswith(first), note
+    assert "rank 2: loss is NaN, giving up" in note, note
+    # the run's header shows the note's first line (the UI shortens the rest behind "...")
+    page.open(_run_path(run_id), "run-note.png", [first])
+    text = page.open(f"{_run_path(run_id)}/tasks/train.rank/mapped/2", "failed-rank-note.png", [first])
+    assert first in text, text

@@ -15,16 +15,17 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
-from airflow.sdk import Context, TaskGroup
+from airflow.sdk import Context
 from airflow.sdk.bases.decorator import DecoratedOperator, determine_kwargs
 from airflow.sdk.definitions._internal.contextmanager import DagContext, TaskGroupContext
 from airflow.sdk.definitions._internal.types import SET_DURING_EXECUTION
 from airflow.sdk.definitions.context import context_merge
+from airflow.sdk.definitions.xcom_arg import PlainXComArg
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_sky.retry import RetryPolicy
 from airflow_provider_sky.spec import SpecError
-from airflow_provider_sky.taskgroup import check_gang_arguments, sky_gang
+from airflow_provider_sky.taskgroup import SkyGangGroup, check_gang_arguments, sky_gang
 from airflow_provider_sky.timing import LIMITS, check_timing
 
 #: task id of the task that calls the decorated function, inside the gang's group
@@ -107,7 +108,7 @@ class SkyTaskDecorator:
         """The same function with some ``@task.sky`` arguments changed (``group_id`` too)."""
         return SkyTaskDecorator(self.function, {**self.gang_kwargs, **kwargs})
 
-    def __call__(self, *args: Any, **kwargs: Any) -> TaskGroup:
+    def __call__(self, *args: Any, **kwargs: Any) -> SkyGangResult:
         gang = dict(self.gang_kwargs)
         group_id = _unique_group_id(str(gang.pop("group_id", None) or self.__name__))
         parent = TaskGroupContext.get_current(DagContext.get_current())
@@ -122,7 +123,38 @@ class SkyTaskDecorator:
         if command.task_id != command_id:
             raise RuntimeError(f"@task.sky: expected task id {command_id}, got {command.task_id}")
         command >> group.children[group.child_id("cluster")]
-        return group
+        return SkyGangResult(group)
+
+
+class SkyGangResult(PlainXComArg):
+    """What calling a ``@task.sky`` function returns: the gang's result (its gang sensor's return value,
+    as a ``@task.bash`` call's XComArg is its last line), so ``evaluate(train())`` gets it.
+
+    Dependencies set with it act on the whole gang (``a >> train() >> b``: ``a`` before the command
+    task, ``b`` after the ranks and the gang sensor), not on the sensor alone. ``.group`` is the TaskGroup.
+    """
+
+    def __init__(self, group: SkyGangGroup) -> None:
+        super().__init__(operator=group.sensor)
+        self.group = group
+
+    @property
+    def group_id(self) -> str | None:
+        return self.group.group_id
+
+    @property
+    def roots(self) -> list[Any]:
+        return list(self.group.roots)
+
+    @property
+    def leaves(self) -> list[Any]:
+        return list(self.group.leaves)
+
+    def set_upstream(self, task_or_task_list: Any, edge_modifier: Any = None) -> None:
+        self.group.set_upstream(task_or_task_list, edge_modifier)
+
+    def set_downstream(self, task_or_task_list: Any, edge_modifier: Any = None) -> None:
+        self.group.set_downstream(task_or_task_list, edge_modifier)
 
 
 def _unique_group_id(group_id: str) -> str:
@@ -148,7 +180,8 @@ def sky_task(python_callable: Callable[..., Any] | None = None, **kwargs: Any) -
     """``@task.sky`` / ``@task.sky(num_nodes=4, ...)``: every argument of ``sky_gang`` but ``run``.
 
     The decorated function returns the command every node runs (templated, like ``@task.bash``);
-    calling it in a DAG returns the gang's TaskGroup, so ``a >> train() >> b`` works.
+    calling it in a DAG returns the gang's result as an XComArg (``evaluate(train())``) whose ``>>``
+    and ``<<`` act on the whole gang, so ``a >> train() >> b`` works.
     """
     if python_callable is not None:
         if not callable(python_callable):

@@ -6,17 +6,29 @@ import hashlib
 import logging
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from airflow.sdk import Context
 from airflow.sdk.log import mask_secret
 
+from airflow_provider_sky.operators import _params
 from airflow_provider_sky.spec import SpecError, TaskSpec, fill_at_launch, load_task_yaml, parse_task
 
 log = logging.getLogger(__name__)
 
 #: Python keyword arguments that override the YAML's top-level fields
-SPEC_FIELDS = ("name", "num_nodes", "resources", "setup", "run", "envs", "secrets", "workdir", "file_mounts")
+SPEC_FIELDS = (
+    "name",
+    "num_nodes",
+    "resources",
+    "setup",
+    "run",
+    "envs",
+    "secrets",
+    "workdir",
+    "file_mounts",
+    "result_file",
+)
 
 
 def pop_spec_fields(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -42,7 +54,7 @@ def _variable(name: str) -> object:
     return Variable.get(name, default=None)
 
 
-def fill_from_context(spec: TaskSpec, context: Context) -> TaskSpec:
+def fill_from_context(spec: TaskSpec, context: Context, logger: logging.Logger = log) -> TaskSpec:
     """The values the YAML left null (SkyPilot's "given at launch"), from the DAG's params and, for
     secrets, Airflow Variables; one SpecError names every one still missing. Logs names, never values."""
     if not spec.unset:
@@ -51,7 +63,7 @@ def fill_from_context(spec: TaskSpec, context: Context) -> TaskSpec:
     filled, found = fill_at_launch(spec, params=params, variable=_variable)
     mask_spec_secrets(filled)
     if found:
-        log.info("Values given at launch: %s", ", ".join(found))
+        logger.info("Values given at launch: %s", ", ".join(found))
     return filled
 
 
@@ -111,6 +123,7 @@ class SkySpecMixin:
     task_yaml: str | None
     task_config: Mapping[str, Any] | None
     spec_overrides: dict[str, Any]
+    _spec_templates: dict[str, str]
 
     def _init_spec(
         self, task_yaml: str | None, task_config: Mapping[str, Any] | None, overrides: dict[str, Any]
@@ -118,11 +131,31 @@ class SkySpecMixin:
         self.task_yaml = task_yaml
         self.task_config = task_config
         self.spec_overrides = overrides
-        build_spec(task_yaml, task_config, overrides)  # bad input fails at DAG parse time
+        # bad input fails at DAG parse time; a templated field (a Params form's value) once rendered
+        build_spec(task_yaml, task_config, _params.parse_time(overrides))
+        self._spec_templates = _params.templated(overrides)
 
     def rendered_spec(self, context: Context | None = None) -> TaskSpec:
         """The spec after templates were rendered; with the task's ``context``, the values the YAML left
         to launch time filled in (without it they stay unset, and provisioning refuses them)."""
-        spec = build_spec(self.task_yaml, self.task_config, self.spec_overrides)
+        templates = getattr(self, "_spec_templates", {})
+        overrides = _params.coerce_rendered(self.spec_overrides, templates)
+        try:
+            spec = build_spec(self.task_yaml, self.task_config, overrides)
+        except SpecError as exc:
+            raise _params.name_param(exc, templates) from None
         mask_spec_secrets(spec)
-        return spec if context is None else fill_from_context(spec, context)
+        if context is None:
+            return spec
+        return fill_from_context(spec, context, cast(logging.Logger, getattr(self, "log", log)))
+
+
+def refuse_outlets(task: Any) -> None:
+    """A cluster or job task ends before any rank ran: asset events from it would claim data no rank
+    wrote. The gang sensor emits them, and only when every rank succeeded."""
+    if task.outlets:
+        raise ValueError(
+            f"outlets: task {task.task_id} ends before the gang has run, so its asset events would not mean "
+            "the training succeeded; give outlets to the gang sensor (SkyGangSensor(outlets=...), or "
+            "sky_gang(outlets=...) / @task.sky(outlets=...)): it emits them only when every rank succeeded"
+        )

@@ -19,6 +19,7 @@ from airflow_provider_sky.operators._spec import (
     SkySpecMixin,
     check_cluster_name,
     pop_spec_fields,
+    refuse_outlets,
     resolve_cluster_name,
     run_holder,
 )
@@ -86,6 +87,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
             triggerers=triggerers,
         )
         super().__init__(**kwargs)
+        refuse_outlets(self)
         self._init_spec(task_yaml, task_config, overrides)
         if cluster_name and "{" not in cluster_name:
             check_cluster_name(cluster_name)  # bad input fails at DAG parse time

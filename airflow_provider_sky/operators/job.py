@@ -15,7 +15,7 @@ from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, LaunchError
 from airflow_provider_sky.operators._args import check_operator_arguments
-from airflow_provider_sky.operators._spec import SPEC_FIELDS, SkySpecMixin, pop_spec_fields
+from airflow_provider_sky.operators._spec import SPEC_FIELDS, SkySpecMixin, pop_spec_fields, refuse_outlets
 from airflow_provider_sky.retry import OPERATOR_ARGS, RetryPolicy, trigger_retry
 from airflow_provider_sky.spec import SpecError, TaskSpec
 from airflow_provider_sky.timing import check_timing
@@ -97,6 +97,7 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
             names=OPERATOR_ARGS,
         )
         super().__init__(**kwargs)
+        refuse_outlets(self)
         #: the whole-gang retry policy (bridge kwargs), None: no retries
         self.retry = trigger_retry(policy)
         self._init_spec(task_yaml, task_config, overrides)

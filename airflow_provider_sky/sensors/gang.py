@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from airflow.sdk import BaseSensorOperator, Context
+from airflow.sdk import Asset, BaseSensorOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.triggers.base import StartTriggerArgs
 
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._watch import GangWatchMixin, triggerer_watch
+from airflow_provider_sky.result import DEFAULT_MAX_BYTES, check_result_args, result_config, small
 from airflow_provider_sky.retry import (
     OPERATOR_ARGS,
     RetryPolicy,
@@ -25,6 +26,12 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
 
     :param ranks: the job task's output (one entry per rank, each with the ``job_id``).
     :param job_id: rendered in the triggerer when the sensor starts there (see :meth:`in_triggerer`).
+    :param result_file, result_ranks, result_max_bytes: the gang's result, this task's return value
+        once every rank succeeded (see :mod:`airflow_provider_sky.result`): rank ``result_ranks``' last
+        output line, or its ``result_file`` (give the job task the same ``result_file``), or with
+        ``"all"`` a list, one per rank; at most ``result_max_bytes`` bytes. ``do_xcom_push=False``: none.
+    :param outlets: assets this task updates once every rank succeeded, with the run id, the nodes, the
+        duration and a small result in each event's ``extra``; a failed gang emits none.
     """
 
     template_fields: Sequence[str] = ("cluster", "ranks", "job_id")
@@ -47,9 +54,13 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
         retry_on_exit_codes: Any = None,
         start_from_trigger: bool = False,
         start_trigger_args: StartTriggerArgs | None = None,
+        result_file: str | None = None,
+        result_ranks: int | str = 0,
+        result_max_bytes: int = DEFAULT_MAX_BYTES,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("retries", 0)
+        result_ranks, result_max_bytes = check_result_args(result_ranks, result_max_bytes)
         policy = RetryPolicy.build(
             gang_retries,
             gang_retry_delay,
@@ -62,6 +73,9 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
         self._init_watch(cluster, sky_conn_id, poll_interval, grace, lost_after, hang_timeout, policy)
         self.ranks = ranks
         self.job_id = job_id
+        self.result_file = result_file
+        self.result_ranks = result_ranks
+        self.result_max_bytes = result_max_bytes
         self.start_from_trigger = start_from_trigger
         if start_trigger_args is not None:
             self.start_trigger_args = start_trigger_args
@@ -78,6 +92,9 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
         grace: float = 3.0,
         lost_after: float = 10.0,
         hang_timeout: float | None = None,
+        result_file: str | None = None,
+        result_ranks: int | str = 0,
+        result_max_bytes: int = DEFAULT_MAX_BYTES,
         **kwargs: Any,
     ) -> SkyGangSensor:
         """A gang sensor that starts and ends in the triggerer (no worker, no resume hold): the run
@@ -93,6 +110,7 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
             grace=grace,
             lost_after=lost_after,
             hang_timeout=hang_timeout,
+            **_result_kwargs(kwargs, result_file, result_ranks, result_max_bytes),
         )
         job_id = "{{ ti.xcom_pull(task_ids=" + repr(job_task_id) + ", key='sky_job_id', map_indexes=-1) }}"
         return cls(
@@ -101,6 +119,9 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
             start_from_trigger=True,
             start_trigger_args=start,
             lost_after=lost_after,
+            result_file=result_file,
+            result_ranks=result_ranks,
+            result_max_bytes=result_max_bytes,
             **watch,
             **kwargs,
         )
@@ -114,7 +135,15 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
         return str(self.ranks[0]["job_id"])
 
     def _trigger(self, *, deferring: bool = True) -> SkyGangTrigger:
-        return SkyGangTrigger(**self._watch_kwargs(self._job, deferring=deferring))
+        return SkyGangTrigger(
+            **self._watch_kwargs(self._job, deferring=deferring),
+            **_result_kwargs(
+                {"do_xcom_push": self.do_xcom_push},
+                self.result_file,
+                self.result_ranks,
+                self.result_max_bytes,
+            ),
+        )
 
     def execute(self, context: Context) -> None:
         if self._already_over():
@@ -138,9 +167,50 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
             raise AirflowFailException(status.failure_message())
         return status.succeeded
 
-    def execute_complete(self, context: Context, event: dict[str, Any]) -> None:
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
         for line in gang_outcome(event):
             self.log.info("%s", line)
         if event["state"] != "succeeded":
             raise AirflowFailException(event["message"])
         self.log.info("%s", event["message"])
+        outlet_extras(self.outlets, context, event)
+        return event.get("result")
+
+
+def _result_kwargs(
+    operator_kwargs: dict[str, Any], result_file: str | None, result_ranks: int | str, max_bytes: int
+) -> dict[str, Any]:
+    """The gang trigger's result arguments: what to read once every rank succeeded (nothing when the
+    task pushes no XCom) and whether a success resumes on a worker (a task with outlets)."""
+    ranks, max_bytes = check_result_args(result_ranks, max_bytes)
+    out: dict[str, Any] = {}
+    if operator_kwargs.get("do_xcom_push", True):
+        out["result"] = result_config(ranks, result_file, max_bytes)
+    if operator_kwargs.get("outlets"):
+        out["resume_on_success"] = True
+    return out
+
+
+def outlet_extras(outlets: Sequence[Any], context: Context, event: dict[str, Any]) -> None:
+    """Fill the ``extra`` of each outlet asset's event: run id, job id, nodes, duration, a small result.
+
+    Airflow emits an event per outlet when the task succeeds; only a gang that succeeded gets here.
+    """
+    if not outlets:
+        return
+    gang = event.get("gang") or {}
+    ranks = gang.get("ranks") or []
+    starts = [r["start"] for r in ranks if r.get("start")]
+    ends = [r["end"] for r in ranks if r.get("end")]
+    extra: dict[str, Any] = {
+        "run_id": context["run_id"],
+        "job_id": gang.get("job_id"),
+        "nodes": len(ranks),
+        "duration": round(max(ends) - min(starts), 3) if starts and ends else None,
+    }
+    if "result" in event and small(event["result"]):
+        extra["result"] = event["result"]
+    events = context["outlet_events"]
+    for outlet in outlets:
+        if isinstance(outlet, Asset):
+            events[outlet].extra.update(extra)

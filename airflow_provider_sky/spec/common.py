@@ -53,6 +53,8 @@ TOP_LEVEL_KEYS: tuple[str, ...] = (
     "secrets",
     "workdir",
     "file_mounts",
+    # not SkyPilot's: the file on each node whose content is the gang's result (``airflow_provider_sky.result``)
+    "result_file",
 )
 RESOURCE_KEYS: tuple[str, ...] = (
     "infra",

@@ -179,6 +179,9 @@ class TaskSpec:
     #: SkyPilot's alternatives (``any_of`` / ``ordered`` / several accelerators), in the order written, when
     #: there are two or more; ``resources`` is then the first. Empty: ``resources`` is the only choice.
     alternatives: tuple[Resources, ...] = ()
+    #: the file each rank's node keeps as its result once the rank succeeded (masked like the log);
+    #: ``~/`` is the rank's home, a relative path is under its working directory. None: the last line
+    result_file: str | None = None
     #: names the YAML leaves null (SkyPilot's "given at launch"): in neither ``envs`` nor ``secrets`` yet;
     #: :func:`fill_at_launch` gives them their values, and nothing is provisioned while one is left
     unset_envs: tuple[str, ...] = ()
@@ -207,7 +210,8 @@ class TaskSpec:
             f"TaskSpec(run={self.run!r}, num_nodes={self.num_nodes!r}, name={self.name!r}, "
             f"resources={self.resources!r}, setup={self.setup!r}, envs={self.envs!r}, secrets={secrets!r}, "
             f"workdir={self.workdir!r}, file_mounts={self.file_mounts!r}, alternatives={self.alternatives!r}, "
-            f"unset_envs={self.unset_envs!r}, unset_secrets={self.unset_secrets!r})"
+            f"unset_envs={self.unset_envs!r}, unset_secrets={self.unset_secrets!r}"
+            + (f", result_file={self.result_file!r})" if self.result_file else ")")
         )
 
     __str__ = __repr__
@@ -238,6 +242,8 @@ class TaskSpec:
         secrets.update(dict.fromkeys(self.unset_secrets))
         if secrets:
             out["secrets"] = secrets
+        if self.result_file is not None:
+            out["result_file"] = self.result_file
         return out
 
     def redacted(self, text: str) -> str:
@@ -388,6 +394,7 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         lambda: _opt_str(data.get("workdir"), "workdir", "a local directory synced to every node"), None
     )
     file_mounts: dict[str, str] = attempt(lambda: _parse_file_mounts(data.get("file_mounts")), {})
+    result_file = attempt(lambda: _parse_result_file(data.get("result_file")), None)
     if problems:
         raise _all_of(problems)
     return TaskSpec(
@@ -404,6 +411,7 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         unset_envs=unset_envs,
         unset_secrets=unset_secrets,
         ignored=ignored,
+        result_file=result_file,
     )
 
 
@@ -459,6 +467,14 @@ def fill_at_launch(
     if err is not None:
         raise err
     return filled, found
+
+
+def _parse_result_file(value: object) -> str | None:
+    """A path on the node: one line, no NUL (the node reads it from a file, never from a command line)."""
+    path = _opt_str(value, "result_file", "a path on the node, e.g. ~/out/result.json")
+    if path is not None and ("\n" in path or "\r" in path or "\0" in path):
+        raise SpecError("result_file", f"must be one line with no NUL character, got {path!r}")
+    return path
 
 
 def _all_of(problems: list[SpecError]) -> SpecError:

@@ -30,6 +30,7 @@ from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import GangClient, Poll
 from airflow_provider_sky.linetimes import aread_times
 from airflow_provider_sky.logtext import LineClock, LineSplitter, iso_time
+from airflow_provider_sky.result import ResultError, read_result
 from airflow_provider_sky.retry import GangPoll, RetryPolicy, rank_attempts, stop_gang, watch_attempts
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.timing import check_timing
@@ -582,14 +583,29 @@ class ShortEvent(TriggerEvent):
 class SkyGangTrigger(_SkyGangWatchTrigger):
     """Fires on the gang's first failure (after siblings were cancelled) or when every rank succeeded."""
 
+    def __init__(
+        self, *, result: dict[str, Any] | None = None, resume_on_success: bool = False, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        #: how to read the gang's result once every rank succeeded (``result.result_config``), None: no result
+        self.result = dict(result) if result else None
+        #: a success resumes the task on a worker (it has outlets: only a worker can emit asset events)
+        self.resume_on_success = bool(resume_on_success)
+
     def _task_label(self, ti: Any) -> str:
         return f"gang sensor task {ti.task_id}" if ti is not None else "the gang sensor task"
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return f"{type(self).__module__}.{type(self).__qualname__}", self._common_kwargs()
+        kwargs = self._common_kwargs()
+        if self.result is not None:
+            kwargs["result"] = self.result
+        if self.resume_on_success:
+            kwargs["resume_on_success"] = True
+        return f"{type(self).__module__}.{type(self).__qualname__}", kwargs
 
     async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
         failed_before = False
+        extra: dict[str, Any] = {}  # the result, once every rank succeeded
         async for poll, _client in shared_stream:
             if not poll.final and poll.max_attempts > 1:
                 continue  # the gang may still be retried: only its final outcome counts
@@ -606,13 +622,21 @@ class SkyGangTrigger(_SkyGangWatchTrigger):
                     f"Job {status.job_id}: all {len(status.ranks)} ranks succeeded"
                     + (f" on attempt {poll.attempt}/{poll.max_attempts}" if poll.attempt > 1 else ""),
                 )
+                if self.result is not None:
+                    try:
+                        extra["result"] = await read_result(_client, status, self.result)
+                    except ResultError as exc:
+                        state, message = FAILED.value, f"Job {status.job_id}: {exc}"
             elif status.done and any(r.state == CANCELLED for r in status.ranks):
                 state, message = CANCELLED.value, cancel_text(poll)
             else:
                 continue
             await self._hold()
             payload = {"kind": "gang", "state": state, "message": message, "gang": status.to_dict()}
-            yield self._end_event(payload) if self.end_from_trigger else ShortEvent(payload)
+            if state == SUCCEEDED.value:
+                payload.update(extra)
+            ending = self.end_from_trigger and not (state == SUCCEEDED.value and self.resume_on_success)
+            yield self._end_event(payload) if ending else ShortEvent(payload)
             return
 
     def _end_event(self, event: dict[str, Any]) -> TriggerEvent:
@@ -620,6 +644,7 @@ class SkyGangTrigger(_SkyGangWatchTrigger):
         for line in gang_outcome(event):
             self.log.info("%s", line)
         if event["state"] == SUCCEEDED:
-            return TaskSuccessEvent()
+            # the result is the task's return value: what its XComArg (``sky_gang(...).result``) resolves to
+            return TaskSuccessEvent(xcoms={"return_value": event["result"]} if "result" in event else None)
         self.log.error("%s", event["message"])
         return TaskFailedEvent()
