@@ -1559,17 +1559,17 @@ def test_provisioning_refuses_a_value_never_given(tmp_path: Path) -> None:
             "name: pipe\n---\nname: a\nrun: echo a\n---\nname: b\nrun: echo b\n",
             [
                 "has 3 YAML documents",
-                "a SkyPilot pipeline (2 tasks run one after another: a, b)",
+                "a SkyPilot pipeline (2 tasks, run one after another: a, b)",
                 "not supported yet",
             ],
         ),
         (
             "name: a\nrun: echo a\n---\nname: b\nrun: echo b\n",
-            ["has 2 YAML documents", "a SkyPilot pipeline (2 tasks run one after another: a, b)"],
+            ["has 2 YAML documents", "a SkyPilot pipeline (2 tasks, run one after another: a, b)"],
         ),
         (
             "name: g\nexecution: parallel\n---\nname: server\nrun: x\n---\nname: client\nrun: y\n",
-            ["a SkyPilot job group (2 tasks run at the same time: server, client)", "not supported yet"],
+            ["a SkyPilot job group (2 tasks, run at the same time: server, client)", "not supported yet"],
         ),
     ],
 )

@@ -69,13 +69,13 @@ def _one_document(where: str, text: str, err: yaml.YAMLError) -> object:
     count = f"{len(tasks)} task" + ("" if len(tasks) == 1 else "s")
     if "execution" in head:
         what = (
-            f"a SkyPilot job group ({count} run at the same time: {names}); job groups are not "
+            f"a SkyPilot job group ({count}, run at the same time: {names}); job groups are not "
             "supported yet: give each task its own file and run them side by side in the DAG (a sky_gang "
             "per task, no dependency between them)"
         )
     else:
         what = (
-            f"a SkyPilot pipeline ({count} run one after another: {names}); pipelines are not "
+            f"a SkyPilot pipeline ({count}, run one after another: {names}); pipelines are not "
             "supported yet: give each task its own file and chain them in the DAG (a sky_gang per task, "
             "first >> second)"
         )
