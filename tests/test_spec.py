@@ -1588,3 +1588,27 @@ def test_a_file_with_one_task_and_empty_documents_loads(tmp_path: Path) -> None:
     path = tmp_path / "one.yaml"
     path.write_text("---\nrun: echo a\n---\n")
     assert load_task_yaml(path).run == "echo a"
+
+
+def test_each_backend_does_with_ports_and_tiers_what_the_readme_says() -> None:
+    """The README's table: ports run on local and SSH (nothing to open), are refused for now on Kubernetes
+    and EC2, naming the field; disk_tier / network_tier are accepted everywhere, each named as ignored."""
+    from benchmarks.compat import capabilities
+
+    spec = parse_task(_res(ports=8080, disk_tier="best", network_tier="best"))
+    caps = capabilities()
+    assert set(caps) == {"local", "ssh", "kubernetes", "aws"}
+    for kind in ("local", "ssh"):
+        check_backend(spec, caps[kind])
+    for kind in ("kubernetes", "aws"):
+        with pytest.raises(SpecError) as info:
+            check_backend(spec, caps[kind])
+        assert info.value.field == "resources.ports"
+        assert "not yet supported on this backend" in info.value.message
+    from airflow_provider_sky.spec import ignored_resources
+
+    for c in caps.values():
+        assert [f for f, _ in ignored_resources(spec.resources, c)] == [
+            "resources.disk_tier",
+            "resources.network_tier",
+        ]
