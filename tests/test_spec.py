@@ -1612,3 +1612,22 @@ def test_each_backend_does_with_ports_and_tiers_what_the_readme_says() -> None:
             "resources.disk_tier",
             "resources.network_tier",
         ]
+
+
+def test_a_storage_mount_in_copy_mode_is_its_source(tmp_path: Path) -> None:
+    """SkyPilot's ``{source: ..., mode: COPY}`` puts the same files on the node as the source as a string."""
+    (tmp_path / "code").mkdir()
+    path = tmp_path / "task.yaml"
+    path.write_text(
+        "run: ls /code /data\nfile_mounts:\n"
+        "  /code: {name: my-bucket, source: ./code, mode: COPY, persistent: false}\n"
+        "  /data: {source: s3://bkt/shard, mode: copy}\n"
+    )
+    spec = load_task_yaml(path)
+    assert spec.file_mounts == {"/code": str(tmp_path / "code"), "/data": "s3://bkt/shard"}
+    # a bucket source is then what it is as a string: refused by a backend without bucket mounts
+    with pytest.raises(SpecError, match="cannot mount bucket 's3://bkt/shard'"):
+        check_backend(spec, LOCAL)
+    for mount in ({"source": "s3://b", "mode": "MOUNT"}, {"name": "b", "mode": "COPY"}, {"source": "s3://b"}):
+        with pytest.raises(SpecError, match="storage mounts are not supported yet"):
+            parse_task(_task(file_mounts={"/d": mount}))

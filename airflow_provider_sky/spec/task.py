@@ -93,6 +93,18 @@ def is_bucket_source(source: str) -> bool:
 _STORAGE_KEYS = frozenset({"name", "source", "store", "mode", "persistent", "config"})
 
 
+def storage_copy_source(src: object) -> str | None:
+    """A SkyPilot storage mount in COPY mode with one source (``{source: s3://b/x, mode: COPY}``, any
+    ``name`` / ``store`` / ``persistent`` only say where SkyPilot keeps its copy): the node gets the same
+    files as with the source written as a string, so it is that. None: any other mapping."""
+    if not isinstance(src, Mapping) or not src or not set(src) <= _STORAGE_KEYS:
+        return None
+    mode, source = src.get("mode"), src.get("source")
+    if not (isinstance(mode, str) and mode.strip().upper() == "COPY"):
+        return None
+    return source.strip() if isinstance(source, str) and source.strip() else None
+
+
 def _parse_file_mounts(value: object) -> dict[str, str]:
     section = "file_mounts"
     if value is None:
@@ -123,12 +135,16 @@ def _parse_file_mounts(value: object) -> dict[str, str]:
                 "directory named); write the path without '..', e.g. ~/data or /data",
             )
         if isinstance(src, Mapping) and src and set(src) <= _STORAGE_KEYS:
-            raise SpecError(
-                where,
-                "is a SkyPilot storage mount ({name, source, store, mode}); storage mounts are not "
-                "supported yet: give the source as a string instead, a local path or a bucket URL such as "
-                "s3://bucket/path (copied to the node), or copy the data in setup",
-            )
+            copied = storage_copy_source(src)
+            if copied is None:
+                raise SpecError(
+                    where,
+                    "is a SkyPilot storage mount ({name, source, store, mode}); storage mounts are not "
+                    "supported yet (mode: COPY with one source is): give the source as a string instead, a "
+                    "local path or a bucket URL such as s3://bucket/path (copied to the node), or copy the "
+                    "data in setup",
+                )
+            src = copied
         if not isinstance(src, str) or not src.strip():
             raise SpecError(
                 where,

@@ -16,6 +16,7 @@ from airflow_provider_sky.spec.task import (
     TaskSpec,
     is_bucket_source,
     parse_task,
+    storage_copy_source,
 )
 
 # ---------------------------------------------------------------------------------------------------------
@@ -44,6 +45,13 @@ class _StrictLoader(yaml.SafeLoader):
                 )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+def _mount_source(src: object) -> str | None:
+    """The path a mount copies from: a string, or a SkyPilot storage mapping in COPY mode."""
+    if isinstance(src, str) and src.strip():
+        return src.strip()
+    return storage_copy_source(src)
 
 
 def _resolve_local(path: str, base_dir: str) -> str:
@@ -128,7 +136,7 @@ def load_task_yaml(
     mounts = data.get("file_mounts")
     if isinstance(mounts, Mapping):
         data["file_mounts"] = {
-            dest: _resolve_local(src.strip(), base_dir) if isinstance(src, str) and src.strip() else src
+            dest: _resolve_local(found, base_dir) if (found := _mount_source(src)) else src
             for dest, src in mounts.items()
         }
     try:
