@@ -68,7 +68,14 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
     ("unknown top key env", _task(env={"A": "1"}), "env", "did you mean 'envs'?"),
     ("unknown top key far", _task(zzzz=1), "zzzz", "valid keys are"),
     ("resources key at top", _task(accelerators="V100"), "accelerators", "belongs under resources"),
-    ("skypilot-only top key", _task(service={}), "service", "does not support"),
+    ("skypilot-only top key", _task(pool={"workers": 2}), "pool", "does not support"),
+    (
+        "skypilot inputs",
+        _task(inputs={"gs://b": 70}),
+        "inputs",
+        "SkyPilot key this provider does not support",
+    ),
+    ("skypilot outputs", _task(outputs={"gs://b": 7}), "outputs", "optimizer hint"),
     ("non-string top key", cast("dict[str, object]", {"run": "x", 3: "y"}), "task", "keys must be strings"),
     (
         "unknown resources key",
@@ -77,7 +84,31 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
         "did you mean 'accelerators'?",
     ),
     ("unknown resources key cpu", _res(cpu=4), "resources.cpu", "did you mean 'cpus'?"),
-    ("skypilot-only resources key", _res(ports=8080), "resources.ports", "does not support"),
+    ("skypilot-only resources key", _res(autostop=10), "resources.autostop", "does not support"),
+    ("job_recovery", _res(job_recovery="failover"), "resources.job_recovery", "retries="),
+    ("spot_recovery", _res(spot_recovery="FAILOVER"), "resources.spot_recovery", "old name of SkyPilot's"),
+    (
+        "spot_recovery in any_of",
+        _res(any_of=[{"cpus": 2, "spot_recovery": "x"}]),
+        "resources.any_of[0].spot_recovery",
+        "does not support",
+    ),
+    ("gpus and accelerators", _res(gpus="H100:8", accelerators="A100:8"), "resources.gpus", "keep one"),
+    ("gpus bad", _res(gpus="H100:0"), "resources.accelerators", "greater than 0"),
+    ("disk_tier bad", _res(disk_tier="fast"), "resources.disk_tier", "one of low, medium, high, ultra, best"),
+    ("network_tier bad", _res(network_tier=1), "resources.network_tier", "one of standard, best"),
+    ("ports zero", _res(ports=0), "resources.ports", "each 1-65535"),
+    ("ports too big", _res(ports="65536"), "resources.ports", "each 1-65535"),
+    ("ports range backwards", _res(ports="9000-8000"), "resources.ports", "a range"),
+    ("ports word", _res(ports=["http"]), "resources.ports", "got 'http'"),
+    ("ports mapping", _res(ports={"a": 1}), "resources.ports", "got dict"),
+    (
+        "storage mount",
+        _task(file_mounts={"/data": {"name": "bkt", "mode": "MOUNT"}}),
+        "file_mounts./data",
+        "SkyPilot storage mount ({name, source, store, mode}); storage mounts are not supported yet",
+    ),
+    ("mount source a list", _task(file_mounts={"/data": ["a"]}), "file_mounts./data", "got list"),
     ("resources not mapping", _task(resources="V100"), "resources", "must be a mapping"),
     ("accel count zero", _res(accelerators="V100:0"), "resources.accelerators", "greater than 0"),
     ("accel count negative", _res(accelerators="V100:-1"), "resources.accelerators", "NAME[:COUNT]"),
@@ -158,14 +189,12 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
     ("envs bad name space", _task(envs={"MY VAR": "1"}), "envs.MY VAR", "not a valid environment variable"),
     ("envs bad name digit", _task(envs={"1A": "1"}), "envs.1A", "not starting with a digit"),
     ("envs bad name dash", _task(envs={"A-B": "1"}), "envs.A-B", "not a valid environment variable"),
-    ("envs none value", _task(envs={"TOKEN": None}), "envs.TOKEN", "value must be given"),
     ("envs nul value", _task(envs={"A": "x\0y"}), "envs.A", "NUL"),
     ("envs list value", _task(envs={"A": [1, 2]}), "envs.A", "must be a string or number"),
     ("envs rank var", _task(envs={"SKYPILOT_NODE_RANK": "0"}), "envs.SKYPILOT_NODE_RANK", "rename"),
     ("envs master addr", _task(envs={"MASTER_ADDR": "1.2.3.4"}), "envs.MASTER_ADDR", "set by the provider"),
     ("envs world size", _task(envs={"WORLD_SIZE": 8}), "envs.WORLD_SIZE", "set by the provider"),
     ("secrets rank var", _task(secrets={"RANK": "0"}), "secrets.RANK", "set by the provider"),
-    ("secrets none value", _task(secrets={"HF_TOKEN": None}), "secrets.HF_TOKEN", "value must be given"),
     ("secrets not mapping", _task(secrets="x"), "secrets", "must be a mapping"),
     ("env and secret clash", _task(envs={"K": "a"}, secrets={"K": "b"}), "secrets.K", "also set in envs"),
     ("workdir int", _task(workdir=3), "workdir", "non-empty string"),
@@ -979,7 +1008,6 @@ SECRET_BEARING: list[tuple[str, dict[str, object], str, str]] = [
     ("a list", _task(secrets={"SA_JSON": [SECRET]}), "secrets.SA_JSON", "got a list (value hidden)"),
     ("bytes", _task(secrets={"SA_JSON": SECRET.encode()}), "secrets.SA_JSON", "(value hidden)"),
     ("a NUL byte", _task(secrets={"SA_JSON": SECRET + "\0"}), "secrets.SA_JSON", "NUL byte"),
-    ("null", _task(secrets={"SA_JSON": None}), "secrets.SA_JSON", "null is not allowed"),
     ("secrets a string", _task(secrets=f"SA_JSON={SECRET}"), "secrets", "got a string (value hidden)"),
     ("secrets a list", _task(secrets=[f"SA_JSON={SECRET}"]), "secrets", "got a list (value hidden)"),
     ("a key that is no name", _task(secrets={(SECRET,): "x"}), "secrets.<a list>", "not a valid"),
@@ -1355,3 +1383,251 @@ def test_bad_gang_retry_numbers_are_refused_naming_the_field(
         with pytest.raises(SpecError) as err:
             build(**kwargs)
     assert err.value.field == field, err.value
+
+
+# ----------------------------------------------------------------------------------- SkyPilot YAML as is
+
+SERVICE_YAML = """\
+service:
+  readiness_probe: /health
+  replicas: 2
+resources:
+  ports: 8080
+  gpus: L4:1
+  disk_tier: best
+  network_tier: best
+envs:
+  MODEL: llama
+  WANDB_PROJECT:
+secrets:
+  HF_TOKEN:
+run: python serve.py --port 8080
+"""
+
+SSH = BackendCapabilities(
+    name="ssh",
+    max_nodes=8,
+    supported_resources=frozenset({"cpus", "accelerators", "ports"}),
+    clouds=frozenset({"ssh"}),
+)
+
+
+def test_a_service_yaml_loads_as_the_task_sky_launch_runs(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text(SERVICE_YAML)
+    spec = load_task_yaml(path)
+    assert spec.run == "python serve.py --port 8080"
+    # nothing of service is kept: only a note of what was ignored, and why
+    assert [f for f, _ in spec.ignored] == ["service"]
+    assert "SkyServe" in spec.ignored[0][1] and "readiness" not in repr(spec) + repr(spec.to_dict())
+    assert "service" not in spec.to_dict()
+    res = spec.resources
+    assert res.accelerators == Accelerator("L4", 1)  # gpus is accelerators
+    assert (res.disk_tier, res.network_tier, res.ports) == ("best", "best", ("8080",))
+    assert spec.envs == {"MODEL": "llama"} and spec.secrets == {}
+    assert (spec.unset_envs, spec.unset_secrets) == (("WANDB_PROJECT",), ("HF_TOKEN",))
+    assert spec.unset == ("envs.WANDB_PROJECT", "secrets.HF_TOKEN")
+    # it round-trips, the null values included
+    again = parse_task(yaml.safe_load(yaml.safe_dump(spec.to_dict(include_secrets=True))))
+    assert again == spec
+    assert spec.to_dict()["envs"] == {"MODEL": "llama", "WANDB_PROJECT": None}
+
+
+@pytest.mark.parametrize(
+    ("resources", "accelerators"),
+    [
+        ({"gpus": "H100:8"}, "H100:8"),
+        ({"gpus": {"H100": 8, "A100": 8}}, "H100:8"),
+        ({"gpus": "H100:8", "accelerators": None}, "H100:8"),
+        ({"any_of": [{"gpus": "A100:8"}, {"accelerators": "H100:8"}]}, "A100:8"),
+    ],
+)
+def test_gpus_is_accelerators(resources: dict[str, object], accelerators: str) -> None:
+    spec = parse_task(_task(resources=resources))
+    assert str(spec.resources.accelerators) == accelerators
+
+
+def test_an_accelerators_argument_replaces_the_yamls_gpus() -> None:
+    spec = parse_task(_res(gpus="H100:8", cpus=4), overrides={"resources": {"accelerators": "A100:1"}})
+    assert str(spec.resources.accelerators) == "A100:1" and spec.resources.cpus == "4"
+    spec = parse_task(_res(gpus="H100:8"), overrides={"resources": {"gpus": None}})
+    assert spec.resources.accelerators is None
+
+
+@pytest.mark.parametrize(
+    ("ports", "expected"),
+    [(8080, ("8080",)), ("8080", ("8080",)), ([8080, "9000-9010", 8080], ("8080", "9000-9010")), ([], ())],
+)
+def test_ports_forms(ports: object, expected: tuple[str, ...]) -> None:
+    assert parse_task(_res(ports=ports)).resources.ports == expected
+
+
+def test_ports_run_on_local_and_ssh_and_are_not_yet_supported_on_kubernetes() -> None:
+    spec = parse_task(_res(ports=[8080, "9000-9001"]))
+    check_backend(spec, SSH)
+    with pytest.raises(SpecError) as info:
+        check_backend(spec, K8S)
+    assert info.value.field == "resources.ports"
+    assert "cannot honour ports (8080,9000-9001)" in info.value.message
+    assert "not yet supported on this backend" in info.value.message
+
+
+def test_disk_and_network_tiers_are_accepted_and_named_as_ignored() -> None:
+    from airflow_provider_sky.spec import ignored_resources
+
+    spec = parse_task(_res(disk_tier="best", network_tier="best"))
+    for caps in (LOCAL, SSH, K8S):
+        check_backend(spec, caps)  # accepted everywhere
+        ignored = ignored_resources(spec.resources, caps)
+        assert [f for f, _ in ignored] == ["resources.disk_tier", "resources.network_tier"]
+        assert f"the {caps.name} backend ignores disk_tier (best)" in ignored[0][1]
+    assert ignored_resources(parse_task(_task()).resources, LOCAL) == []
+
+
+def test_null_envs_and_secrets_are_given_at_launch() -> None:
+    from airflow_provider_sky.spec import fill_at_launch
+
+    task = _task(envs={"A": None, "B": "b"}, secrets={"TOKEN": None, "KEY": None})
+    spec = parse_task(task)
+    assert spec.unset == ("envs.A", "secrets.TOKEN", "secrets.KEY")
+    # the arguments' envs= / secrets= are merged first
+    given = parse_task(task, overrides={"envs": {"A": 1}, "secrets": {"TOKEN": "t0ken-value"}})
+    assert given.envs == {"A": "1", "B": "b"} and given.unset == ("secrets.KEY",)
+    # then DAG params, then (secrets only) an Airflow Variable
+    variables = {"KEY": "k3y-value", "A": "never-used"}
+    filled, found = fill_at_launch(spec, params={"A": 7, "TOKEN": "from-params"}, variable=variables.get)
+    assert filled.envs == {"A": "7", "B": "b"}
+    assert filled.secrets == {"TOKEN": "from-params", "KEY": "k3y-value"} and filled.unset == ()
+    assert found == [
+        "envs.A from a DAG param",
+        "secrets.TOKEN from a DAG param",
+        "secrets.KEY from an Airflow Variable",
+    ]
+    assert not any("value" in f for f in found)
+
+
+def test_a_value_never_given_names_every_key_and_the_three_ways() -> None:
+    from airflow_provider_sky.spec import fill_at_launch
+
+    spec = parse_task(_task(envs={"A": None, "B": None}, secrets={"TOKEN": None, "KEY": None}))
+    with pytest.raises(SpecError) as info:
+        fill_at_launch(spec, params={"B": "b"}, variable={"KEY": "s3cret-key"}.get)
+    err = info.value
+    assert err.field == "envs.A, secrets.TOKEN"
+    for way in (
+        "secrets={'TOKEN': ...}",
+        "a DAG param of the same name",
+        "an Airflow Variable of the same name",
+    ):
+        assert way in err.message, err.message
+    assert "s3cret-key" not in str(err)
+
+
+def test_a_null_env_given_as_a_secret_is_that_secret() -> None:
+    spec = parse_task(_task(envs={"HF_TOKEN": None}), overrides={"secrets": {"HF_TOKEN": "hf_abcdef"}})
+    assert spec.secrets == {"HF_TOKEN": "hf_abcdef"} and spec.envs == {} and spec.unset == ()
+    spec = parse_task(_task(envs={"HF_TOKEN": None}, secrets={"HF_TOKEN": None}))
+    assert spec.unset == ("secrets.HF_TOKEN",)
+    with pytest.raises(SpecError, match="secrets.HF_TOKEN: is also set in envs"):
+        parse_task(_task(secrets={"HF_TOKEN": None}), overrides={"envs": {"HF_TOKEN": "x"}})
+
+
+def test_a_secret_param_that_is_not_a_string_is_not_shown() -> None:
+    from airflow_provider_sky.spec import fill_at_launch
+
+    spec = parse_task(_task(secrets={"SA_JSON": None}))
+    with pytest.raises(SpecError) as info:
+        fill_at_launch(spec, params={"SA_JSON": {"private_key": "pk-very-secret"}})
+    assert "value hidden" in str(info.value) and "pk-very-secret" not in str(info.value)
+
+
+def test_provisioning_refuses_a_value_never_given(tmp_path: Path) -> None:
+    """A spec built without the operator (the Python API) still cannot reach a node with a value missing."""
+    from airflow_provider_sky.backends.base import choose_resources
+    from airflow_provider_sky.backends.local import LocalBackend
+
+    spec = parse_task(_task(envs={"A": None}, secrets={"TOKEN": None}))
+    with pytest.raises(SpecError) as info:
+        choose_resources(LocalBackend(state_dir=str(tmp_path)), spec)
+    assert info.value.field == "envs.A, secrets.TOKEN"
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [
+        (
+            "name: pipe\n---\nname: a\nrun: echo a\n---\nname: b\nrun: echo b\n",
+            [
+                "has 3 YAML documents",
+                "a SkyPilot pipeline (2 tasks, run one after another: a, b)",
+                "not supported yet",
+            ],
+        ),
+        (
+            "name: a\nrun: echo a\n---\nname: b\nrun: echo b\n",
+            ["has 2 YAML documents", "a SkyPilot pipeline (2 tasks, run one after another: a, b)"],
+        ),
+        (
+            "name: g\nexecution: parallel\n---\nname: server\nrun: x\n---\nname: client\nrun: y\n",
+            ["a SkyPilot job group (2 tasks, run at the same time: server, client)", "not supported yet"],
+        ),
+    ],
+)
+def test_a_multi_document_file_says_what_it_is(tmp_path: Path, text: str, fragments: list[str]) -> None:
+    path = tmp_path / "multi.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as info:
+        load_task_yaml(path)
+    assert info.value.field == str(path)
+    assert "invalid YAML" not in info.value.message
+    for fragment in fragments:
+        assert fragment in info.value.message, info.value.message
+
+
+def test_a_file_with_one_task_and_empty_documents_loads(tmp_path: Path) -> None:
+    path = tmp_path / "one.yaml"
+    path.write_text("---\nrun: echo a\n---\n")
+    assert load_task_yaml(path).run == "echo a"
+
+
+def test_each_backend_does_with_ports_and_tiers_what_the_readme_says() -> None:
+    """The README's table: ports run on local and SSH (nothing to open), are refused for now on Kubernetes
+    and EC2, naming the field; disk_tier / network_tier are accepted everywhere, each named as ignored."""
+    from benchmarks.compat import capabilities
+
+    spec = parse_task(_res(ports=8080, disk_tier="best", network_tier="best"))
+    caps = capabilities()
+    assert set(caps) == {"local", "ssh", "kubernetes", "aws"}
+    for kind in ("local", "ssh"):
+        check_backend(spec, caps[kind])
+    for kind in ("kubernetes", "aws"):
+        with pytest.raises(SpecError) as info:
+            check_backend(spec, caps[kind])
+        assert info.value.field == "resources.ports"
+        assert "not yet supported on this backend" in info.value.message
+    from airflow_provider_sky.spec import ignored_resources
+
+    for c in caps.values():
+        assert [f for f, _ in ignored_resources(spec.resources, c)] == [
+            "resources.disk_tier",
+            "resources.network_tier",
+        ]
+
+
+def test_a_storage_mount_in_copy_mode_is_its_source(tmp_path: Path) -> None:
+    """SkyPilot's ``{source: ..., mode: COPY}`` puts the same files on the node as the source as a string."""
+    (tmp_path / "code").mkdir()
+    path = tmp_path / "task.yaml"
+    path.write_text(
+        "run: ls /code /data\nfile_mounts:\n"
+        "  /code: {name: my-bucket, source: ./code, mode: COPY, persistent: false}\n"
+        "  /data: {source: s3://bkt/shard, mode: copy}\n"
+    )
+    spec = load_task_yaml(path)
+    assert spec.file_mounts == {"/code": str(tmp_path / "code"), "/data": "s3://bkt/shard"}
+    # a bucket source is then what it is as a string: refused by a backend without bucket mounts
+    with pytest.raises(SpecError, match="cannot mount bucket 's3://bkt/shard'"):
+        check_backend(spec, LOCAL)
+    for mount in ({"source": "s3://b", "mode": "MOUNT"}, {"name": "b", "mode": "COPY"}, {"source": "s3://b"}):
+        with pytest.raises(SpecError, match="storage mounts are not supported yet"):
+            parse_task(_task(file_mounts={"/d": mount}))

@@ -39,6 +39,7 @@ from airflow_provider_sky.spec import (
     resource_problems,
     source_problems,
     spec_problems,
+    unset_error,
 )
 
 _T = TypeVar("_T")
@@ -323,6 +324,8 @@ def choose_resources(
     # what no alternative changes (node count, bucket mounts, the backend's own rules, missing sources):
     # gathered with the resources' problems, so one error names everything to fix, before any provision
     problems = spec_problems(spec, caps) + backend.spec_problems(spec) + source_problems(spec)
+    if (unset := unset_error(spec)) is not None:  # a value the YAML left to launch time, never given
+        problems.append((unset.field, unset.message))
     choices = spec.resource_choices
     passed: list[str] = []
     last: list[tuple[str, str]] = []

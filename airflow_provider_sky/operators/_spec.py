@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from airflow.sdk import Context
 from airflow.sdk.log import mask_secret
 
 from airflow_provider_sky.operators import _params
-from airflow_provider_sky.spec import SpecError, TaskSpec, load_task_yaml, parse_task
+from airflow_provider_sky.spec import SpecError, TaskSpec, fill_at_launch, load_task_yaml, parse_task
+
+log = logging.getLogger(__name__)
 
 #: Python keyword arguments that override the YAML's top-level fields
 SPEC_FIELDS = (
@@ -41,6 +44,27 @@ def build_spec(
     if task_yaml:
         return load_task_yaml(task_yaml, overrides=given)
     return parse_task(dict(task_config or {}), overrides=given)
+
+
+def _variable(name: str) -> object:
+    """An Airflow Variable named like a secret (the metadata database, ``AIRFLOW_VAR_<NAME>`` or the
+    configured secrets backend); None when there is none."""
+    from airflow.sdk import Variable
+
+    return Variable.get(name, default=None)
+
+
+def fill_from_context(spec: TaskSpec, context: Context, logger: logging.Logger = log) -> TaskSpec:
+    """The values the YAML left null (SkyPilot's "given at launch"), from the DAG's params and, for
+    secrets, Airflow Variables; one SpecError names every one still missing. Logs names, never values."""
+    if not spec.unset:
+        return spec
+    params = context.get("params") or {}
+    filled, found = fill_at_launch(spec, params=params, variable=_variable)
+    mask_spec_secrets(filled)
+    if found:
+        logger.info("Values given at launch: %s", ", ".join(found))
+    return filled
 
 
 def mask_spec_secrets(spec: TaskSpec) -> None:
@@ -111,7 +135,9 @@ class SkySpecMixin:
         build_spec(task_yaml, task_config, _params.parse_time(overrides))
         self._spec_templates = _params.templated(overrides)
 
-    def rendered_spec(self) -> TaskSpec:
+    def rendered_spec(self, context: Context | None = None) -> TaskSpec:
+        """The spec after templates were rendered; with the task's ``context``, the values the YAML left
+        to launch time filled in (without it they stay unset, and provisioning refuses them)."""
         templates = getattr(self, "_spec_templates", {})
         overrides = _params.coerce_rendered(self.spec_overrides, templates)
         try:
@@ -119,7 +145,9 @@ class SkySpecMixin:
         except SpecError as exc:
             raise _params.name_param(exc, templates) from None
         mask_spec_secrets(spec)
-        return spec
+        if context is None:
+            return spec
+        return fill_from_context(spec, context, cast(logging.Logger, getattr(self, "log", log)))
 
 
 def refuse_outlets(task: Any) -> None:

@@ -25,7 +25,7 @@ from airflow_provider_sky.operators._spec import (
 )
 from airflow_provider_sky.operators.down import log_teardown, unclean_message
 from airflow_provider_sky.setup_stage import SetupFailed, run_setup
-from airflow_provider_sky.spec import SpecError, TaskSpec
+from airflow_provider_sky.spec import SpecError, TaskSpec, ignored_resources
 from airflow_provider_sky.timing import check_timing
 
 
@@ -125,7 +125,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         hook = SkyHook(self.sky_conn_id)
         try:
-            spec = self.rendered_spec()
+            spec = self.rendered_spec(context)
             name = resolve_cluster_name(self.cluster_name, context)
             if self.rank_tasks:
                 check_airflow_room(spec.num_nodes, self.triggerers)
@@ -133,6 +133,9 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         except SpecError as exc:  # the task as written cannot run: no retry would change that
             raise AirflowFailException(str(exc)) from None
         self._holder = run_holder(context)
+        backend = hook.get_backend()
+        for field, why in (*spec.ignored, *ignored_resources(choice.resources, backend.capabilities)):
+            self.log.warning("Ignored: %s: %s", field, why)
         self.log.info(
             "Provisioning cluster %s: %s node(s) on the %s backend; %s",
             name,

@@ -17,7 +17,7 @@ from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, LaunchError
 from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._spec import SPEC_FIELDS, SkySpecMixin, pop_spec_fields, refuse_outlets
 from airflow_provider_sky.retry import OPERATOR_ARGS, RetryPolicy, trigger_retry
-from airflow_provider_sky.spec import TaskSpec
+from airflow_provider_sky.spec import SpecError, TaskSpec
 from airflow_provider_sky.timing import check_timing
 
 
@@ -125,7 +125,10 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         return SkyHook(self.sky_conn_id)
 
     def submit_job(self, context: Context) -> str:
-        spec = self.rendered_spec()
+        try:
+            spec = self.rendered_spec(context)
+        except SpecError as exc:  # the task as written cannot run: no retry would change that
+            raise AirflowFailException(str(exc)) from None
         ti = context["ti"]
         job_id = job_id_for(ti.dag_id, ti.run_id, ti.task_id, ti.map_index, ti.try_number)
         client = self._hook().client(self.cluster)

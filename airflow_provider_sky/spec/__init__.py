@@ -11,6 +11,7 @@ from airflow_provider_sky.spec.capabilities import (
     BackendCapabilities,
     check_backend,
     describe_resources,
+    ignored_resources,
     problems_error,
     resource_problems,
     spec_problems,
@@ -19,10 +20,12 @@ from airflow_provider_sky.spec.common import RANK_VARIABLES, SpecError
 from airflow_provider_sky.spec.resources import Accelerator, Resources
 from airflow_provider_sky.spec.task import (
     TaskSpec,
+    fill_at_launch,
     is_bucket_source,
     parse_task,
     source_problems,
     task_from_args,
+    unset_error,
 )
 from airflow_provider_sky.spec.yamlfile import load_task_yaml
 
@@ -35,6 +38,8 @@ __all__ = [
     "TaskSpec",
     "check_backend",
     "describe_resources",
+    "fill_at_launch",
+    "ignored_resources",
     "is_bucket_source",
     "load_task_yaml",
     "parse_task",
@@ -43,4 +48,5 @@ __all__ = [
     "source_problems",
     "spec_problems",
     "task_from_args",
+    "unset_error",
 ]

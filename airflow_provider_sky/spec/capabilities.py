@@ -40,6 +40,16 @@ _WHY_NOT = {
     "zone": "it does not choose where machines are",
     "image_id": "it runs commands on the machines as they are; images are run by the kubernetes backend "
     "(a skykubernetes connection)",
+    "ports": "opening ports is not yet supported on this backend (the Kubernetes Service / EC2 "
+    "security-group rule is a later step); reach the port from inside the cluster or open it yourself",
+}
+
+#: fields a backend that cannot give them ignores with a warning at launch (SkyPilot treats them as
+#: preferences), instead of refusing the task
+SOFT_RESOURCES: dict[str, str] = {
+    "disk_tier": "it gives the nodes the disks it has (no backend sets a disk tier yet)",
+    "network_tier": "it gives the nodes the network they have (no backend sets up a faster network, such as "
+    "EFA or InfiniBand, yet)",
 }
 
 
@@ -83,6 +93,8 @@ def resource_problems(
     for key, value in requested.items():
         if problems and key in ("region", "zone"):
             continue  # parts of the refused cloud's infra: removing cloud/infra removes them too
+        if key in SOFT_RESOURCES:
+            continue  # see ignored_resources
         if key not in caps.supported_resources:
             why = _WHY_NOT.get(key)
             drop = f"remove it (or pass resources={{{key!r}: None}} to keep the YAML as is)"
@@ -91,6 +103,16 @@ def resource_problems(
                 (f"resources.{key}", f"the {caps.name} backend cannot honour {key} ({value}); {reason}")
             )
     return problems
+
+
+def ignored_resources(res: Resources, caps: BackendCapabilities) -> list[tuple[str, str]]:
+    """(field, why) for each field of ``res`` the backend accepts without giving it (``disk_tier``,
+    ``network_tier``): one warning at launch names each."""
+    return [
+        (f"resources.{key}", f"the {caps.name} backend ignores {key} ({value}): {SOFT_RESOURCES[key]}")
+        for key, value in res.requested().items()
+        if key in SOFT_RESOURCES and key not in caps.supported_resources
+    ]
 
 
 def spec_problems(spec: TaskSpec, caps: BackendCapabilities) -> list[tuple[str, str]]:

@@ -69,6 +69,10 @@ RESOURCE_KEYS: tuple[str, ...] = (
     "image_id",
     "disk_size",
     "labels",
+    "gpus",
+    "disk_tier",
+    "network_tier",
+    "ports",
     "any_of",
     "ordered",
 )
@@ -76,18 +80,36 @@ RESOURCE_KEYS: tuple[str, ...] = (
 ALTERNATIVE_KEYS: tuple[str, ...] = ("any_of", "ordered")
 _ENTRY_KEYS: tuple[str, ...] = tuple(k for k in RESOURCE_KEYS if k not in ALTERNATIVE_KEYS)
 # SkyPilot keys users may copy from existing YAML; named so the error says "unsupported", not "typo".
-_SKYPILOT_ONLY_TOP = frozenset({"service", "config", "volumes", "pool", "event_callback", "experimental"})
+_SKYPILOT_ONLY_TOP = frozenset(
+    {"config", "volumes", "pool", "event_callback", "experimental", "inputs", "outputs"}
+)
 _SKYPILOT_ONLY_RESOURCES = frozenset(
     {
-        "ports",
         "job_recovery",
+        "spot_recovery",
         "autostop",
         "accelerator_args",
-        "disk_tier",
-        "network_tier",
         "priority",
     }
 )
+#: why a SkyPilot key is refused, when there is more to say than "not supported"
+_UNSUPPORTED_WHY = {
+    "job_recovery": "SkyPilot's managed-jobs recovery; here a failed gang is retried whole with sky_gang's "
+    "retries= (gang_retries= on the job operator)",
+    "spot_recovery": "the old name of SkyPilot's job_recovery (managed-jobs recovery); here a failed gang is "
+    "retried whole with sky_gang's retries= (gang_retries= on the job operator)",
+    "inputs": "SkyPilot's optimizer hint (the size of the task's input data, for egress costs); no backend "
+    "here picks a cloud by cost",
+    "outputs": "SkyPilot's optimizer hint (the size of the task's output data, for egress costs); no backend "
+    "here picks a cloud by cost",
+    "pool": "SkyPilot's managed-jobs worker pools",
+    "volumes": "SkyPilot volumes are not supported yet; mount the data with file_mounts",
+}
+#: SkyPilot keys accepted and left out of the spec, with why (each a warning at launch, as ``sky launch`` does)
+IGNORED_TOP: dict[str, str] = {
+    "service": "SkyServe (replicas, readiness probe, autoscaling) is not part of this provider; the task "
+    "runs as `sky launch` runs it, without a service",
+}
 
 # Every name pattern is used with ``fullmatch``: ``^...$`` with ``match`` also accepts a name ending in a
 # newline ("HF_TOKEN\n"), which then breaks the line of the env file that sets it and the value is lost.
@@ -169,10 +191,13 @@ def _unknown_key(prefix: str, key: str, valid: tuple[str, ...], unsupported: fro
     scope = f"{prefix}:" if prefix else "the task"
     if key in unsupported:
         drop = (
-            f" (or keep the YAML as is and pass resources={{{key!r}: None}})" if prefix == "resources" else ""
+            f" (or keep the YAML as is and pass resources={{{key!r}: None}})"
+            if prefix.startswith("resources")
+            else ""
         )
+        why = f" ({_UNSUPPORTED_WHY[key]})" if key in _UNSUPPORTED_WHY else ""
         return SpecError(
-            where, f"is a SkyPilot key this provider does not support; remove it from {scope}{drop}"
+            where, f"is a SkyPilot key this provider does not support{why}; remove it from {scope}{drop}"
         )
     if not prefix and key in RESOURCE_KEYS:
         return SpecError(where, f"belongs under resources:, e.g. 'resources: {{{key}: ...}}'")

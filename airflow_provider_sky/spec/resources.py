@@ -167,15 +167,24 @@ class Resources:
     image_id: str | None = None
     disk_size: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    #: SkyPilot's disk and network tiers (``best``, ...): accepted, honoured by no backend yet (a warning)
+    disk_tier: str | None = None
+    network_tier: str | None = None
+    #: ports to open to the outside, each ``"8080"`` or a range ``"10000-10010"``
+    ports: tuple[str, ...] = ()
 
     def requested(self) -> dict[str, object]:
         """The fields the user set (non-default), so a backend can refuse what it cannot honour."""
         out: dict[str, object] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None or value is False or (f.name == "labels" and not value):
+            if value is None or value is False or (f.name in ("labels", "ports") and not value):
                 continue
-            out[f.name] = dict(value) if f.name == "labels" else value
+            if f.name == "labels":
+                value = dict(value)
+            elif f.name == "ports":
+                value = ",".join(value)
+            out[f.name] = value
         return out
 
 
@@ -304,6 +313,61 @@ def _parse_disk_size(value: object) -> int | None:
     return size
 
 
+#: SkyPilot's tiers, best last
+DISK_TIERS = ("low", "medium", "high", "ultra", "best")
+NETWORK_TIERS = ("standard", "best")
+
+
+def _parse_tier(value: object, key: str, allowed: tuple[str, ...]) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in allowed:
+        return value.strip().lower()
+    raise SpecError(f"resources.{key}", f"must be one of {', '.join(allowed)}; got {value!r}")
+
+
+_PORT_RANGE = re.compile(r"(\d+)(?:\s*-\s*(\d+))?")
+
+
+def _parse_ports(value: object) -> tuple[str, ...]:
+    """SkyPilot's ``ports``: one port (``8080``), a range (``"10000-10010"``) or a list of those."""
+    where = "resources.ports"
+    fix = "give a port (8080), a range ('10000-10010') or a list of them ([8080, '9000-9010']), each 1-65535"
+    if value is None:
+        return ()
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    out: list[str] = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            raise SpecError(where, f"{fix}; got {_type_name(item)} {item!r}")
+        m = _PORT_RANGE.fullmatch(str(item).strip())
+        if not m:
+            raise SpecError(where, f"{fix}; got {item!r}")
+        low = int(m.group(1))
+        high = int(m.group(2)) if m.group(2) else low
+        if not 1 <= low <= high <= 65535:
+            raise SpecError(where, f"{fix}; got {item!r}")
+        text = str(low) if low == high else f"{low}-{high}"
+        if text not in out:
+            out.append(text)
+    return tuple(out)
+
+
+def _alias_gpus(value: Mapping[str, object], where: str) -> Mapping[str, object]:
+    """SkyPilot's ``gpus`` is another name for ``accelerators``: one mapping may give only one of them."""
+    if "gpus" not in value:
+        return value
+    if value.get("gpus") is not None and value.get("accelerators") is not None:
+        raise SpecError(
+            f"{where}.gpus",
+            "gpus is SkyPilot's other name for accelerators and both are given; keep one of them",
+        )
+    out = {k: v for k, v in value.items() if k != "gpus"}
+    if value.get("gpus") is not None or "accelerators" not in value:
+        out["accelerators"] = value.get("gpus")
+    return out
+
+
 def _build_resources(value: Mapping[str, object], accelerators: Accelerator | None) -> Resources:
     """One alternative: a resources mapping whose keys were checked, with its accelerator chosen."""
     cloud = _opt_str(value.get("cloud"), "resources.cloud", "a cloud name such as aws or kubernetes")
@@ -348,6 +412,9 @@ def _build_resources(value: Mapping[str, object], accelerators: Accelerator | No
         image_id=_opt_str(value.get("image_id"), "resources.image_id", "one image id or docker:IMAGE"),
         disk_size=disk_size,
         labels=_parse_labels(value.get("labels")),
+        disk_tier=_parse_tier(value.get("disk_tier"), "disk_tier", DISK_TIERS),
+        network_tier=_parse_tier(value.get("network_tier"), "network_tier", NETWORK_TIERS),
+        ports=_parse_ports(value.get("ports")),
     )
 
 
@@ -400,6 +467,7 @@ def _parse_resource_options(value: object) -> tuple[Resources, ...]:
     if not isinstance(value, Mapping):
         raise SpecError(where, f"{_RESOURCES_FIX}, got {value!r}")
     _check_keys(where, value, RESOURCE_KEYS, _SKYPILOT_ONLY_RESOURCES)
+    value = _alias_gpus(value, where)
     given = [k for k in ALTERNATIVE_KEYS if value.get(k) is not None]
     if len(given) > 1:
         raise SpecError(
@@ -424,7 +492,7 @@ def _parse_resource_options(value: object) -> tuple[Resources, ...]:
                         f"{prefix}.{nested}", "alternatives cannot be nested; list them all in one place"
                     )
             _check_keys(prefix, entry, _ENTRY_KEYS, _SKYPILOT_ONLY_RESOURCES)
-            entries.append((prefix, _overlay(base, entry)))
+            entries.append((prefix, _overlay(base, _alias_gpus(entry, prefix))))
     out: list[Resources] = []
     for prefix, entry in entries:
         try:
@@ -463,4 +531,9 @@ def _resources_to_dict(res: Resources) -> dict[str, Any]:
         out["use_spot"] = True
     if res.labels:
         out["labels"] = dict(res.labels)
+    for key in ("disk_tier", "network_tier"):
+        if getattr(res, key) is not None:
+            out[key] = getattr(res, key)
+    if res.ports:
+        out["ports"] = list(res.ports)
     return out

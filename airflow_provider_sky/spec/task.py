@@ -15,6 +15,7 @@ from airflow_provider_sky.spec.common import (
     _TASK_NAME,
     _URL,
     ALTERNATIVE_KEYS,
+    IGNORED_TOP,
     RANK_VARIABLES,
     TOP_LEVEL_KEYS,
     SpecError,
@@ -28,6 +29,7 @@ from airflow_provider_sky.spec.common import (
 )
 from airflow_provider_sky.spec.resources import (
     Resources,
+    _alias_gpus,
     _overlay,
     _parse_resource_options,
     _resources_to_dict,
@@ -39,19 +41,20 @@ _T = TypeVar("_T")
 # envs, secrets, file mounts
 
 
-#: how to give a value a SkyPilot YAML leaves null (SkyPilot asks for it at launch: ``--env`` / ``--secret``)
-_FIX_NULL = {
-    "envs": "SkyPilot takes it from --env at launch; here set it in the YAML or pass "
-    "envs={{'{key}': ...}} to sky_gang / @task.sky / the operator; a secret belongs in the YAML's "
-    "secrets: instead (null there too), passed as secrets={{'{key}': ...}} (redacted from logs)",
-    "secrets": "SkyPilot takes it from --secret at launch; here pass secrets={{'{key}': ...}} to "
-    "sky_gang / @task.sky / the operator (redacted from logs)",
-}
+#: the three ways to give a value a SkyPilot YAML leaves null (SkyPilot asks for it at launch: --env / --secret)
+GIVE_AT_LAUNCH = (
+    "SkyPilot asks for these at launch (sky launch --env / --secret); here give each one (1) as an "
+    "argument: envs={{'NAME': ...}} / secrets={{'NAME': ...}} to sky_gang, @task.sky or the operators, (2) as "
+    "a DAG param of the same name (params={{'NAME': ...}} on the DAG, or the run's conf), or (3) for a secret, "
+    "as an Airflow Variable of the same name (Variable.get('NAME'): the metadata database, "
+    "AIRFLOW_VAR_NAME or the configured secrets backend){example}"
+)
 
 
-def _parse_env_mapping(value: object, section: str) -> dict[str, str]:
+def _parse_env_mapping(value: object, section: str) -> tuple[dict[str, str], tuple[str, ...]]:
+    """The values given, and the names left null (SkyPilot's "given at launch")."""
     if value is None:
-        return {}
+        return {}, ()
     secret = section == "secrets"
     if not isinstance(value, Mapping):
         raise SpecError(
@@ -59,6 +62,7 @@ def _parse_env_mapping(value: object, section: str) -> dict[str, str]:
             f"must be a mapping of NAME: value, got {_shown(value, secret)}; e.g. {section}: {{MY_VAR: ...}}",
         )
     out: dict[str, str] = {}
+    unset: list[str] = []
     for key, raw in value.items():
         # a key that is no string may be a secret pasted one level too high: only its type is named
         where = f"{section}.{key}" if isinstance(key, str) or not secret else f"{section}.<{_kind(key)}>"
@@ -74,18 +78,31 @@ def _parse_env_mapping(value: object, section: str) -> dict[str, str]:
                 "is set by the provider for each rank (node rank, IPs, world size) and cannot be overridden; "
                 "rename your variable",
             )
-        out[key] = _coerce_value(
-            raw,
-            where,
-            _FIX_NULL[section].format(key=key),
-            hidden=secret or looks_secret(key),
-        )
-    return out
+        if raw is None:
+            unset.append(key)
+            continue
+        out[key] = _coerce_value(raw, where, "give it a value", hidden=secret or looks_secret(key))
+    return out, tuple(unset)
 
 
 def is_bucket_source(source: str) -> bool:
     """A URL source (``s3://``, ``gs://``, ``r2://``, ``https://`` ...) is a remote store, not a local path."""
     return bool(_URL.match(source))
+
+
+_STORAGE_KEYS = frozenset({"name", "source", "store", "mode", "persistent", "config"})
+
+
+def storage_copy_source(src: object) -> str | None:
+    """A SkyPilot storage mount in COPY mode with one source (``{source: s3://b/x, mode: COPY}``, any
+    ``name`` / ``store`` / ``persistent`` only say where SkyPilot keeps its copy): the node gets the same
+    files as with the source written as a string, so it is that. None: any other mapping."""
+    if not isinstance(src, Mapping) or not src or not set(src) <= _STORAGE_KEYS:
+        return None
+    mode, source = src.get("mode"), src.get("source")
+    if not (isinstance(mode, str) and mode.strip().upper() == "COPY"):
+        return None
+    return source.strip() if isinstance(source, str) and source.strip() else None
 
 
 def _parse_file_mounts(value: object) -> dict[str, str]:
@@ -117,11 +134,22 @@ def _parse_file_mounts(value: object) -> dict[str, str]:
                 "a '..' segment may not be in a destination: it could leave the node's home (or the "
                 "directory named); write the path without '..', e.g. ~/data or /data",
             )
+        if isinstance(src, Mapping) and src and set(src) <= _STORAGE_KEYS:
+            copied = storage_copy_source(src)
+            if copied is None:
+                raise SpecError(
+                    where,
+                    "is a SkyPilot storage mount ({name, source, store, mode}); storage mounts are not "
+                    "supported yet (mode: COPY with one source is): give the source as a string instead, a "
+                    "local path or a bucket URL such as s3://bucket/path (copied to the node), or copy the "
+                    "data in setup",
+                )
+            src = copied
         if not isinstance(src, str) or not src.strip():
             raise SpecError(
                 where,
-                f"source must be a local path or a URL string such as s3://bucket/path, got {src!r} "
-                "(storage-object mounts are not supported)",
+                f"source must be a local path or a URL string such as s3://bucket/path, got "
+                f"{_type_name(src)} {src!r}",
             )
         if _CONTROL.search(src.strip()):
             raise SpecError(
@@ -170,6 +198,17 @@ class TaskSpec:
     #: the file each rank's node keeps as its result once the rank succeeded (masked like the log);
     #: ``~/`` is the rank's home, a relative path is under its working directory. None: the last line
     result_file: str | None = None
+    #: names the YAML leaves null (SkyPilot's "given at launch"): in neither ``envs`` nor ``secrets`` yet;
+    #: :func:`fill_at_launch` gives them their values, and nothing is provisioned while one is left
+    unset_envs: tuple[str, ...] = ()
+    unset_secrets: tuple[str, ...] = ()
+    #: (field, why) for each SkyPilot key accepted and left out (``service``): a warning at launch
+    ignored: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+    @property
+    def unset(self) -> tuple[str, ...]:
+        """Every value still to be given, as fields: ``envs.WANDB_PROJECT``, ``secrets.HF_TOKEN``."""
+        return tuple(f"envs.{k}" for k in self.unset_envs) + tuple(f"secrets.{k}" for k in self.unset_secrets)
 
     @property
     def resource_choices(self) -> tuple[Resources, ...]:
@@ -186,7 +225,8 @@ class TaskSpec:
         return (
             f"TaskSpec(run={self.run!r}, num_nodes={self.num_nodes!r}, name={self.name!r}, "
             f"resources={self.resources!r}, setup={self.setup!r}, envs={self.envs!r}, secrets={secrets!r}, "
-            f"workdir={self.workdir!r}, file_mounts={self.file_mounts!r}, alternatives={self.alternatives!r}"
+            f"workdir={self.workdir!r}, file_mounts={self.file_mounts!r}, alternatives={self.alternatives!r}, "
+            f"unset_envs={self.unset_envs!r}, unset_secrets={self.unset_secrets!r}"
             + (f", result_file={self.result_file!r})" if self.result_file else ")")
         )
 
@@ -209,10 +249,15 @@ class TaskSpec:
         if self.setup is not None:
             out["setup"] = self.setup
         out["run"] = self.run
-        if self.envs:
-            out["envs"] = dict(self.envs)
-        if self.secrets:
-            out["secrets"] = {k: (v if include_secrets else "<redacted>") for k, v in self.secrets.items()}
+        envs: dict[str, str | None] = {**self.envs, **dict.fromkeys(self.unset_envs)}
+        if envs:
+            out["envs"] = envs
+        secrets: dict[str, str | None] = {
+            k: (v if include_secrets else "<redacted>") for k, v in self.secrets.items()
+        }
+        secrets.update(dict.fromkeys(self.unset_secrets))
+        if secrets:
+            out["secrets"] = secrets
         if self.result_file is not None:
             out["result_file"] = self.result_file
         return out
@@ -284,6 +329,7 @@ def _merge_resources(
     removes the YAML's."""
     if isinstance(override, Resources):
         override = _resources_to_dict(override)
+    base, override = _alias_gpus(base, "resources"), _alias_gpus(override, "resources")
     removed = {k for k, v in override.items() if v is None}
     given = {k: v for k, v in override.items() if v is not None}
     merged = _overlay({k: v for k, v in base.items() if k not in removed}, given)
@@ -315,6 +361,8 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         )
     if overrides is not None and not isinstance(overrides, Mapping):
         raise SpecError("overrides", f"must be a mapping of task keys, got {_type_name(overrides)}")
+    ignored = tuple((key, why) for key, why in IGNORED_TOP.items() if obj.get(key) is not None)
+    obj = {k: v for k, v in obj.items() if k not in IGNORED_TOP}  # nothing of it is kept
     _check_keys("", obj, TOP_LEVEL_KEYS, _SKYPILOT_ONLY_TOP)
     if overrides:
         _check_keys("", overrides, TOP_LEVEL_KEYS, _SKYPILOT_ONLY_TOP)
@@ -340,9 +388,12 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
                 "starting with a letter or digit (e.g. train-llm)",
             )
         )
-    envs: dict[str, str] = attempt(lambda: _parse_env_mapping(data.get("envs"), "envs"), {})
-    secrets: dict[str, str] = attempt(lambda: _parse_env_mapping(data.get("secrets"), "secrets"), {})
-    clash = sorted(envs.keys() & secrets.keys())
+    no_values: tuple[dict[str, str], tuple[str, ...]] = ({}, ())
+    envs, unset_envs = attempt(lambda: _parse_env_mapping(data.get("envs"), "envs"), no_values)
+    secrets, unset_secrets = attempt(lambda: _parse_env_mapping(data.get("secrets"), "secrets"), no_values)
+    # a null env given as a secret (or left null there too) is that secret: its value stays redacted
+    unset_envs = tuple(k for k in unset_envs if k not in secrets and k not in unset_secrets)
+    clash = sorted(envs.keys() & (secrets.keys() | set(unset_secrets)))
     if clash:
         problems.append(
             SpecError(
@@ -373,8 +424,65 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         secrets=secrets,
         workdir=workdir,
         file_mounts=file_mounts,
+        unset_envs=unset_envs,
+        unset_secrets=unset_secrets,
+        ignored=ignored,
         result_file=result_file,
     )
+
+
+def unset_error(spec: TaskSpec) -> SpecError | None:
+    """One error naming every value still to be given and the three ways to give it; None: all given."""
+    if not spec.unset:
+        return None
+    first = (spec.unset_secrets or spec.unset_envs)[0]
+    kind = "secrets" if spec.unset_secrets else "envs"
+    example = f", e.g. {kind}={{'{first}': ...}}"
+    return SpecError(", ".join(spec.unset), "no value given. " + GIVE_AT_LAUNCH.format(example=example))
+
+
+def fill_at_launch(
+    spec: TaskSpec,
+    params: Mapping[str, object] | None = None,
+    variable: Callable[[str], object] | None = None,
+) -> tuple[TaskSpec, list[str]]:
+    """The values the YAML left null, from the DAG's ``params`` (envs and secrets) and then, for secrets,
+    ``variable(NAME)`` (Airflow's ``Variable.get``; None: not there). The arguments' ``envs=`` /
+    ``secrets=`` were merged when the spec was built, so they come first.
+
+    Returns the filled spec and where each value came from (``"secrets.HF_TOKEN from an Airflow Variable"``);
+    raises one SpecError naming every value still missing. A value is never part of an error.
+    """
+    if not spec.unset:
+        return spec, []
+    params = params or {}
+    envs, secrets = dict(spec.envs), dict(spec.secrets)
+    left_envs: list[str] = []
+    left_secrets: list[str] = []
+    found: list[str] = []
+    for section, names, values, left in (
+        ("envs", spec.unset_envs, envs, left_envs),
+        ("secrets", spec.unset_secrets, secrets, left_secrets),
+    ):
+        hidden = section == "secrets"
+        for name in names:
+            raw, source = params.get(name), "a DAG param"
+            if raw is None and hidden and variable is not None:
+                raw, source = variable(name), "an Airflow Variable"
+            if raw is None:
+                left.append(name)
+                continue
+            values[name] = _coerce_value(
+                raw, f"{section}.{name}", "give it a value", hidden=hidden or looks_secret(name)
+            )
+            found.append(f"{section}.{name} from {source}")
+    filled = replace(
+        spec, envs=envs, secrets=secrets, unset_envs=tuple(left_envs), unset_secrets=tuple(left_secrets)
+    )
+    err = unset_error(filled)
+    if err is not None:
+        raise err
+    return filled, found
 
 
 def _parse_result_file(value: object) -> str | None:

@@ -16,6 +16,7 @@ from airflow_provider_sky.spec.task import (
     TaskSpec,
     is_bucket_source,
     parse_task,
+    storage_copy_source,
 )
 
 # ---------------------------------------------------------------------------------------------------------
@@ -46,10 +47,51 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _mount_source(src: object) -> str | None:
+    """The path a mount copies from: a string, or a SkyPilot storage mapping in COPY mode."""
+    if isinstance(src, str) and src.strip():
+        return src.strip()
+    return storage_copy_source(src)
+
+
 def _resolve_local(path: str, base_dir: str) -> str:
     if is_bucket_source(path) or os.path.isabs(path) or path.startswith("~"):
         return path
     return os.path.normpath(os.path.join(base_dir, path))
+
+
+def _one_document(where: str, text: str, err: yaml.YAMLError) -> object:
+    """A file of several YAML documents: its one task when the others are empty, else an error saying
+    what it is (a SkyPilot pipeline or job group) instead of a YAML syntax error."""
+    try:
+        docs = [d for d in yaml.load_all(text, Loader=_StrictLoader) if d is not None]
+    except yaml.YAMLError as inner:
+        raise SpecError(where, f"invalid YAML: {inner}; fix the syntax at the position shown") from None
+    if len(docs) == 1:
+        return docs[0]
+    if not docs or not all(isinstance(d, Mapping) for d in docs):
+        raise SpecError(where, f"invalid YAML: {err}; give one task mapping per file") from None
+    head = docs[0]
+    tasks = docs[1:] if set(head) <= _GROUP_HEADER_KEYS and "run" not in head else docs
+    names = ", ".join(str(d.get("name", f"#{i + 1}")) for i, d in enumerate(tasks))
+    count = f"{len(tasks)} task" + ("" if len(tasks) == 1 else "s")
+    if "execution" in head:
+        what = (
+            f"a SkyPilot job group ({count}, run at the same time: {names}); job groups are not "
+            "supported yet: give each task its own file and run them side by side in the DAG (a sky_gang "
+            "per task, no dependency between them)"
+        )
+    else:
+        what = (
+            f"a SkyPilot pipeline ({count}, run one after another: {names}); pipelines are not "
+            "supported yet: give each task its own file and chain them in the DAG (a sky_gang per task, "
+            "first >> second)"
+        )
+    raise SpecError(where, f"has {len(docs)} YAML documents: it is {what}")
+
+
+#: keys of the first document of a SkyPilot pipeline or job group (the group's header, not a task)
+_GROUP_HEADER_KEYS = frozenset({"name", "execution", "primary_tasks", "termination_delay"})
 
 
 def load_task_yaml(
@@ -63,7 +105,8 @@ def load_task_yaml(
     where = os.fspath(path)
     try:
         with open(where, encoding="utf-8") as fh:
-            doc = yaml.load(fh, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+            text = fh.read()
+        doc = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
     except FileNotFoundError:
         raise SpecError(
             where, "task YAML file not found; check the path (relative paths use the current directory)"
@@ -74,6 +117,10 @@ def load_task_yaml(
         raise SpecError(
             where, f"cannot read the task YAML file ({err}); check permissions and that it is UTF-8"
         ) from None
+    except yaml.composer.ComposerError as err:
+        if "single document" not in str(err):
+            raise SpecError(where, f"invalid YAML: {err}; fix the syntax at the position shown") from None
+        doc = _one_document(where, text, err)
     except yaml.YAMLError as err:
         raise SpecError(where, f"invalid YAML: {err}; fix the syntax at the position shown") from None
     if not isinstance(doc, Mapping):
@@ -89,7 +136,7 @@ def load_task_yaml(
     mounts = data.get("file_mounts")
     if isinstance(mounts, Mapping):
         data["file_mounts"] = {
-            dest: _resolve_local(src.strip(), base_dir) if isinstance(src, str) and src.strip() else src
+            dest: _resolve_local(found, base_dir) if (found := _mount_source(src)) else src
             for dest, src in mounts.items()
         }
     try:

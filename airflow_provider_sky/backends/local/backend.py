@@ -128,7 +128,9 @@ class LocalBackend(Backend):
     capabilities = BackendCapabilities(
         name="local",
         max_nodes=LOCAL_MAX_NODES,
-        supported_resources=frozenset({"cpus", "memory", "labels", "cloud", "accelerators", "disk_size"}),
+        supported_resources=frozenset(
+            {"cpus", "memory", "labels", "cloud", "accelerators", "disk_size", "ports"}
+        ),
         clouds=frozenset({"local"}),
     )
 

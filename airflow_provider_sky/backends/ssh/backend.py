@@ -266,7 +266,9 @@ class SSHBackend(Backend):
         self.capabilities = BackendCapabilities(
             name="ssh",
             max_nodes=len(self.endpoints),
-            supported_resources=frozenset({"cpus", "memory", "labels", "cloud", "accelerators", "disk_size"}),
+            supported_resources=frozenset(
+                {"cpus", "memory", "labels", "cloud", "accelerators", "disk_size", "ports"}
+            ),
             clouds=frozenset({"ssh"}),
         )
         self._runners: dict[tuple[str, int], SSHRunner] = {}
