@@ -17,6 +17,7 @@ import pytest
 from kubernetes.client.rest import ApiException
 
 from airflow_provider_sky.backends.base import BackendError
+from airflow_provider_sky.backends.headrecord import record_path
 from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
 from airflow_provider_sky.backends.kubernetes.manifest import CLUSTER_LABEL, ROLE_LABEL, dns_name, head_name
 from airflow_provider_sky.backends.registry import by_kind
@@ -140,7 +141,7 @@ def test_a_teardown_that_cannot_update_the_record_keeps_the_cluster(backend: Kub
     try:
         head = backend.runner(h.nodes[0])
         # the swap script writes <record>.tmp first: a directory there makes every write fail, reads work
-        broken = head.run_script('mkdir "$HOME/.sky_airflow/clusters/advk03.json.tmp"')
+        broken = head.run_script(f'mkdir "$HOME/{record_path("advk03")}.tmp"')
         assert broken.returncode == 0, broken.error_text
         uid = backend.core.read_namespaced_pod("advk03-head", backend.namespace).metadata.uid
         with pytest.raises(
