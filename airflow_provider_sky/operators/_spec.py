@@ -13,22 +13,12 @@ from airflow.sdk.log import mask_secret
 
 from airflow_provider_sky.operators import _params
 from airflow_provider_sky.spec import SpecError, TaskSpec, fill_at_launch, load_task_yaml, parse_task
+from airflow_provider_sky.spec.common import TOP_LEVEL_KEYS
 
 log = logging.getLogger(__name__)
 
-#: Python keyword arguments that override the YAML's top-level fields
-SPEC_FIELDS = (
-    "name",
-    "num_nodes",
-    "resources",
-    "setup",
-    "run",
-    "envs",
-    "secrets",
-    "workdir",
-    "file_mounts",
-    "result_file",
-)
+#: Python keyword arguments that override the YAML's top-level fields: the same names
+SPEC_FIELDS = TOP_LEVEL_KEYS
 
 
 def pop_spec_fields(kwargs: dict[str, Any]) -> dict[str, Any]:
