@@ -42,7 +42,7 @@ def agent_args(
     with ``head``. Only ids, paths, addresses and numbers: the token stays in its file."""
     if (listen is None) == (head is None):
         raise ValueError("an agent either listens (the head) or reports to a head, not both or neither")
-    if not NODE_RE.match(node):
+    if not NODE_RE.fullmatch(node):
         raise ValueError(f"node id {node!r} must match {NODE_RE.pattern}")
     if beat <= 0 or lost_after <= beat or scan <= 0:
         raise ValueError("beat and scan must be positive and lost_after longer than beat")
