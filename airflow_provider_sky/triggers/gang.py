@@ -376,6 +376,10 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
             client.close()
 
 
+#: polls a cancelled rank waits for the rank that failed first to show its own exit record
+CAUSE_WAIT_POLLS = 10
+
+
 class SkyRankTrigger(_SkyGangWatchTrigger):
     """Fires when one rank ends; meanwhile logs the rank's output as it appears."""
 
@@ -464,6 +468,7 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
         clock = LineClock()  # when the nodes saw each part of this attempt's log
         attempt, ended = 1, 0  # the attempt whose log we stream; the last attempt whose end we logged
         seen_at = None  # when the last poll we logged from was taken
+        waited = 0  # polls this rank, cancelled, waited for the cause of its cancel to show
         async for poll, client in polls:
             assert isinstance(poll, GangPoll) and isinstance(client, GangClient)
             if poll.attempt > attempt:  # a retry: finish the attempts we did not see end, then a boundary
@@ -516,6 +521,16 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                     await log_room()
                     self.log.info("attempt %s: %s", attempt, rank_outcome(outcome))
                     ended = attempt
+                continue
+            if (
+                st.state == CANCELLED
+                and poll.cause is None
+                and waited < CAUSE_WAIT_POLLS
+                and any(not r.terminal for r in poll.status.ranks)
+            ):
+                # a failing rank signals its siblings before it records its own exit: a poll between the
+                # two sees this rank cancelled and no cause yet, which a later poll has (the gang still runs)
+                waited += 1
                 continue
             # the rank is over: log the rest of its output, then its unfinished last line
             expected = await self._catch_up(client, lines, expected, st.log_size, job_id, clock)
