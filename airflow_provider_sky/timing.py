@@ -86,6 +86,13 @@ def check_value(name: str, value: Any) -> Any:
     return int(value) if lim.whole else float(value)
 
 
+#: the timeouts that must span two polls, and what a shorter one would do
+_TWO_POLLS = {
+    "orphan_timeout": "the nodes would kill a job that is being watched",
+    "hang_timeout": "silence is only seen once per poll",
+}
+
+
 def check_timing(**given: Any) -> dict[str, Any]:
     """Every argument given (by its name in :data:`LIMITS`) checked and normalised (None: off), and
     the pairs that must agree: a ``lost_after`` below ``poll_interval`` counts a node lost on one
@@ -103,18 +110,12 @@ def check_timing(**given: Any) -> dict[str, Any]:
                 f"must be at least poll_interval ({_fmt(poll)} s), got {_fmt(lost)}: a node would count "
                 "as lost on one missed poll; raise lost_after or lower poll_interval",
             )
-        orphan = out.get("orphan_timeout")
-        if orphan is not None and orphan < 2 * poll:
-            raise SpecError(
-                "orphan_timeout",
-                f"must be at least two polls (2 x poll_interval = {_fmt(2 * poll)} s), got {_fmt(orphan)}: "
-                "the nodes would kill a job that is being watched; raise it, or 0 / None for off",
-            )
-        hang = out.get("hang_timeout")
-        if hang is not None and hang < 2 * poll:
-            raise SpecError(
-                "hang_timeout",
-                f"must be at least two polls (2 x poll_interval = {_fmt(2 * poll)} s), got {_fmt(hang)}: "
-                "silence is only seen once per poll; raise it, or 0 / None for off",
-            )
+        for name, why in _TWO_POLLS.items():
+            value = out.get(name)
+            if value is not None and value < 2 * poll:
+                raise SpecError(
+                    name,
+                    f"must be at least two polls (2 x poll_interval = {_fmt(2 * poll)} s), got {_fmt(value)}: "
+                    f"{why}; raise it, or 0 / None for off",
+                )
     return out

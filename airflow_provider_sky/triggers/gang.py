@@ -526,7 +526,7 @@ class SkyRankTrigger(_SkyGangWatchTrigger):
                 st.state == CANCELLED
                 and poll.cause is None
                 and waited < CAUSE_WAIT_POLLS
-                and any(not r.terminal for r in poll.status.ranks)
+                and not poll.status.done
             ):
                 # a failing rank signals its siblings before it records its own exit: a poll between the
                 # two sees this rank cancelled and no cause yet, which a later poll has (the gang still runs)
