@@ -22,10 +22,12 @@ def job_processes(state_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
     tree (``backends.local.trash``): no process of a job, and it ends by itself (the autouse check in
     ``conftest`` still waits for it, and fails a test it outlives by 5 s)."""
     trash = f"{state_dir}/local/.trash/"
+    # the remover is seen as ``rm`` or, between its shell's fork and the exec, as that shell
+    remover = ("rm -rf -- ", 'sh -c rm -rf -- "$@" ')
     return [
         (pid, cmd)
         for pid, cmd in processes_under(state_dir)
-        if not (cmd.startswith("rm -rf -- ") and trash in cmd)
+        if not (cmd.startswith(remover) and trash in cmd)
     ]
 
 
