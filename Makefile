@@ -5,7 +5,7 @@ UV ?= $(shell command -v uv 2>/dev/null || echo "$(HOME)/.local/bin/uv")
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install system-deps k8s demo test lint typecheck unit bench compat clean
+.PHONY: install system-deps k8s demo test lint typecheck unit integration e2e bench compat clean
 
 $(UV):
 	python3 -m pip install --user --quiet uv || python3 -m pip install --quiet uv
@@ -18,9 +18,9 @@ install: $(UV)
 # The system tools the SSH tests and `make bench` use, as tool=Debian package. The tests start real sshd
 # daemons (openssh-server, ssh-keygen from openssh-client, users made with useradd from passwd); the ranks use
 # setsid (util-linux) and ps (procps); figure 2 of `make bench` compares with pdsh. The distributed Airflow
-# stack (tests/test_airflow_celery.py) runs its own PostgreSQL (initdb and postgres of the postgresql package; its
+# stack (tests/e2e/test_airflow_celery.py) runs its own PostgreSQL (initdb and postgres of the postgresql package; its
 # pg_ctlcluster is on PATH) and redis-server as unprivileged processes in a temp dir, never the system services.
-# The UI test (tests/test_ui_browser.py) drives Debian's chromium through its chromedriver (chromium-driver):
+# The UI test (tests/e2e/test_ui_browser.py) drives Debian's chromium through its chromedriver (chromium-driver):
 # nothing downloads a browser.
 SYSTEM_DEPS := sshd=openssh-server ssh-keygen=openssh-client pdsh=pdsh setsid=util-linux ps=procps useradd=passwd \
   pg_ctlcluster=postgresql redis-server=redis-server chromium=chromium chromedriver=chromium-driver
@@ -97,11 +97,27 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-unit: install system-deps k8s
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+## The tests in three tiers (tests/unit, tests/integration, tests/e2e; see tests/conftest.py), fastest first.
+## unit: no process, no network, no root, so it needs only `make install` (under a minute; a unit test that
+## starts a process fails, naming it). integration: real processes, sshd hosts, the Kubernetes test cluster,
+## moto. e2e: real Airflow stacks and the browser. PYTEST_ARGS picks tests (PYTEST_ARGS="-k name").
+## XDIST: pytest-xdist workers for unit and integration (their tests share nothing but the machine; a module
+## stays on one worker, so its module-wide fixtures start once); e2e runs one stack at a time.
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+XDIST ?= 2
+unit: install
+	$(PYTEST) tests/unit -n $(XDIST) $(PYTEST_ARGS)
 
-## Install (Python and, where it can, system tools), lint (ruff), type-check (mypy), run every test.
-test: system-deps lint typecheck unit
+integration: install system-deps k8s
+	$(PYTEST) tests/integration -n $(XDIST) --dist loadfile $(PYTEST_ARGS)
+
+e2e: install system-deps
+	$(PYTEST) tests/e2e $(PYTEST_ARGS)
+
+## Install (Python and, where it can, system tools), lint (ruff, import-linter, the docs), type-check (mypy),
+## then every tier, each reported even when one before it failed.
+test: system-deps lint typecheck
+	@rc=0; for tier in unit integration e2e; do $(MAKE) --no-print-directory $$tier || rc=1; done; exit $$rc
 
 ## Install, then run sky_hello and sky_fail_fast under a real scheduler + triggerer (SQLite, local backend).
 demo: install

@@ -1,7 +1,7 @@
 """The node agent's footprint and its fail-fast across nodes, with what real nodes have.
 
 ``python -m benchmarks.agent [--nodes 16] [--ranks 4] [--reps 3] [--out FILE]``: agents on this machine
-as nodes (``tests/agents.py``: the head on 127.0.0.2, the shipped single file under ``python -I -S``),
+as nodes (``tests/support/agents.py``: the head on 127.0.0.2, the shipped single file under ``python -I -S``),
 ranks started by today's launch script through the agents. Prints one line per figure and writes every
 sample to ``benchmarks/results/agent-latest.json``:
 
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
+TESTS = Path(__file__).resolve().parent.parent / "tests" / "support"  # the test helpers: sshd, agents, ...
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 

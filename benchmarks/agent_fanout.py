@@ -1,6 +1,6 @@
 """The head agent's fan-out at issue 30's scale: one real head, N nodes' agents simulated in this process.
 
-``python -m benchmarks.agent_fanout [--nodes 1024]``. The head is the shipped file (``tests/agents.py``),
+``python -m benchmarks.agent_fanout [--nodes 1024]``. The head is the shipped file (``tests/support/agents.py``),
 and N protocol clients in one asyncio loop play the other nodes' agents: each joins, answers the head's
 ``run`` as a node whose rank started, and beats every second. Then one of them reports its rank failed
 and each notes when the head's cancel reached it. Figures: the head's CPU with N agents beating; the
@@ -22,11 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
+TESTS = Path(__file__).resolve().parent.parent / "tests" / "support"  # the test helpers: sshd, agents, ...
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 from agents import HEAD_IP, TOKEN, Cluster  # noqa: E402
+
 from airflow_provider_sky.agent.client import AgentClient, NodePlan  # noqa: E402
 from airflow_provider_sky.agent.node import Channel, connect  # noqa: E402
 from benchmarks.agent import _cpu_share  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-TESTS = REPO / "tests"
+TESTS = REPO / "tests" / "support"  # the test helpers the benchmarks reuse: sshd, agents, moto_ec2, ...
 
 
 def floor_env(folder: Path) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Figure 7: the AWS EC2 backend's lifecycle against moto's server: time and EC2 API calls.
 
 moto's server (HTTP, on a free loopback port) plays EC2; moto boots nothing, so each instance is reached at
-a real sshd host of ``tests/sshd.py`` through the tests' ``FakeNetwork`` (the only fake). Per gang size N
+a real sshd host of ``tests/support/sshd.py`` through the tests' ``FakeNetwork`` (the only fake). Per gang size N
 (4 and 16): provision (one RunInstances for all N, the running waiter, SSH banner probe, login, host keys
 pinned, the head's record), find from a fresh backend, and terminate (TerminateInstances, the terminated
 waiter, the cluster's security group and key pair deleted); every EC2 call goes through a counting proxy
@@ -25,10 +25,11 @@ NS = (4, 16)
 def run(plan: Any, say: Callable[..., None], ns: tuple[int, ...] = NS) -> list[Row]:
     if str(TESTS) not in sys.path:
         sys.path.insert(0, str(TESTS))
-    from airflow_provider_sky.backends.aws import AWSBackend
-    from airflow_provider_sky.runners import ssh
     from moto_ec2 import IMAGE, REGION, FakeNetwork, MotoEC2, measure_lifecycle
     from sshd import SSHDCluster
+
+    from airflow_provider_sky.backends.aws import AWSBackend
+    from airflow_provider_sky.runners import ssh
 
     reps = 1 if plan.quick else 3
     rows: list[Row] = []

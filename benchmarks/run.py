@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--only takes figure numbers 1-9 (and 1c)")
     figures = sorted({1 if x == "1c" else int(x) for x in only})
     if os.geteuid() != 0 and not set(figures) <= {5, 9}:  # figures 5 and 9 use the local backend only
-        say("needs root: the sshd test hosts create users and start sshd (tests/sshd.py)")
+        say("needs root: the sshd test hosts create users and start sshd (tests/support/sshd.py)")
         return 2
     plan = Plan.make(args.quick)
     if args.ns:

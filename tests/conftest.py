@@ -1,4 +1,10 @@
-"""Test session setup: a throwaway Airflow home (SQLite) and a per-test state dir with a leak check."""
+"""Test session setup: a throwaway Airflow home (SQLite) and a per-test state dir with a leak check.
+
+The tests come in three tiers, each a folder (and a marker of the same name, set here from the folder):
+``unit`` (no process, no network, no root: ``make unit``), ``integration`` (real processes, sshd hosts,
+the Kubernetes test cluster, moto's server) and ``e2e`` (real Airflow stacks and the browser). Helpers shared
+by the tiers are modules in ``tests/support`` (on ``sys.path``: ``from sshd import ...``).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,8 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
+sys.path.insert(0, str(REPO))
 
 # Airflow reads its config at import: set it before any test module imports airflow.
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="sky-tests-"))
@@ -73,6 +80,17 @@ def sky_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         else ""
     )
     assert not left, f"processes left running after the test: {left}{logs}"
+
+
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its tier, from its folder: ``-m "not e2e"`` and the like select by tier."""
+    for item in items:
+        tier = next((part for part in item.path.parts if part in TIERS), None)
+        if tier:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

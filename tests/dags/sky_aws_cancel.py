@@ -1,5 +1,5 @@
 """A 2-rank gang that runs until cancelled, on ``sky_default`` (a ``sky_aws`` connection on moto's server
-in ``tests/test_aws_airflow.py``): a user marks rank 1 failed, and the teardown must leave no instance."""
+in ``tests/e2e/test_aws_airflow.py``): a user marks rank 1 failed, and the teardown must leave no instance."""
 
 from __future__ import annotations
 

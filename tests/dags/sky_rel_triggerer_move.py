@@ -1,6 +1,6 @@
 """A gang that runs until told to fail: rank 2 exits 1 once the file named in the run's conf ``go`` exists.
 
-For the triggerer fault test (tests/test_airflow_celery.py): the ranks run while a triggerer is killed
+For the triggerer fault test (tests/e2e/test_airflow_celery.py): the ranks run while a triggerer is killed
 and its triggers move to the other one; only then does the test make rank 2 fail.
 """
 

@@ -1,6 +1,6 @@
 """A GPU gang from one of SkyPilot's examples (tests/data/skypilot_examples), used as it is; the arguments
 replace run/setup by checks of what each rank sees and give alternatives for its accelerators (merged key by
-key into the YAML's resources: its cpus stay). Run by tests/test_gpu_dag.py on a machine with FAKE GPUs."""
+key into the YAML's resources: its cpus stay). Run by tests/integration/test_gpu_dag.py on a machine with FAKE GPUs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the UI test (tests/test_ui_browser.py) looks at: 4 ranks; rank 2 prints four lines 2 s apart (a blank
+"""What the UI test (tests/e2e/test_ui_browser.py) looks at: 4 ranks; rank 2 prints four lines 2 s apart (a blank
 one among them) and fails; the others print a line and wait until they are cancelled."""
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             original(module)
-            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: moto_ec2, sshd
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "support"))  # moto_ec2, sshd
             from moto_ec2 import FakeNetwork
 
             network = FakeNetwork.joined(Path(os.environ["SKY_TEST_FAKE_EC2_NET"]))

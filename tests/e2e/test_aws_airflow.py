@@ -1,0 +1,151 @@
+"""EC2 under a real Airflow (api-server, scheduler with the LocalExecutor, dag-processor, triggerer):
+a run cancelled by a user still tears its instances down, checked through moto's API.
+
+``sky_default`` is a ``sky_aws`` connection to moto's server started here. Airflow's processes reach
+the instances' SSH through the shared fake network (``FakeNetwork.share`` + ``tests/fake_ec2_site``,
+on the services' ``PYTHONPATH`` with ``SKY_TEST_FAKE_EC2_NET``): the same mapping of moto instances to
+real sshd hosts the in-process tests use, kept in a file under an flock.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from moto_ec2 import IMAGE, REGION, FakeNetwork, MotoEC2, iter_instances
+from sshd import SSHDCluster, needs_sshd
+
+from airflow_provider_sky.dev.stack import AirflowStack, StackError
+
+pytestmark = [pytest.mark.airflow_services, needs_sshd]
+TESTS = Path(__file__).resolve().parents[1]
+DAG_ID = "sky_aws_cancel"
+
+
+def _wait(what: str, check: Any, timeout: float, interval: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _rank_1_runs(airflow: AirflowStack, run_id: str) -> bool:
+    if airflow.dag_run(DAG_ID, run_id)["state"] in ("success", "failed"):
+        raise AssertionError(f"the run ended before rank 1 ran: {airflow.task_instances(DAG_ID, run_id)}")
+    try:
+        return "rank 1 started" in airflow.task_log(DAG_ID, run_id, "g.rank", 1)
+    except StackError:  # not mapped yet
+        return False
+    except httpx.TimeoutException:  # the API server under load (30 s): ask again
+        return False
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AirflowStack, MotoEC2, FakeNetwork]]:
+    base = tmp_path_factory.mktemp("aws-airflow")
+    moto = MotoEC2().start()
+    try:
+        with SSHDCluster(3, base) as hosts:
+            net = FakeNetwork(hosts, moto)
+            shared = net.share(base / "fake-ec2-net.json")
+            extra = {
+                "region_name": REGION,
+                "endpoint_url": moto.url,
+                "private_key": hosts.client_key_text,
+                "image_id": IMAGE,
+                "provision_timeout": 120,
+            }
+            conn = {"conn_type": "sky_aws", "login": "testing", "password": "testing", "extra": extra}
+            dags = base / "dags"
+            dags.mkdir()
+            (dags / f"{DAG_ID}.py").symlink_to(TESTS / "dags" / f"{DAG_ID}.py")
+            env = {
+                "AIRFLOW_CONN_SKY_DEFAULT": json.dumps(conn),
+                "SKY_TEST_FAKE_EC2_NET": str(shared),
+                "PYTHONPATH": str(TESTS / "fake_ec2_site"),
+                "SKY_PROVIDER_HOME": str(base / "sky"),
+            }
+            with AirflowStack(base / "airflow", dags, env) as airflow:
+                yield airflow, moto, net
+            net.power_off_gone()
+    finally:
+        moto.stop()
+
+
+def test_a_run_cancelled_by_a_user_terminates_every_instance(
+    stack: tuple[AirflowStack, MotoEC2, FakeNetwork],
+) -> None:
+    """A user marks a running rank failed (its trigger's on_kill cancels the gang): the run fails, the
+    teardown task runs and every instance of the run is terminated, its security group and key pair
+    deleted; nothing of ours is left in moto and no rank process on the hosts."""
+    airflow, moto, net = stack
+    ec2 = moto.client()
+    run_id = airflow.trigger(DAG_ID)
+
+    _wait("rank 1 to run", lambda: _rank_1_runs(airflow, run_id), 240)
+    live = [i["InstanceId"] for i in iter_instances(ec2) if i["State"]["Name"] == "running"]
+    assert len(live) == 2
+    airflow.mark_failed(DAG_ID, run_id, "g.rank", 1)
+    assert airflow.wait_run(DAG_ID, run_id, timeout=240) == "failed"
+    tis = {(t["task_id"], t["map_index"]): t for t in airflow.task_instances(DAG_ID, run_id)}
+    assert tis[("g.down", -1)]["state"] == "success", tis[("g.down", -1)]
+    assert {
+        i["InstanceId"]: i["State"]["Name"] for i in iter_instances(ec2, InstanceIds=live)
+    } == dict.fromkeys(live, "terminated")
+    owner = [{"Name": "tag:sky-airflow:owner", "Values": ["airflow-provider-sky"]}]
+    assert ec2.describe_security_groups(Filters=owner)["SecurityGroups"] == []
+    assert ec2.describe_key_pairs(Filters=owner)["KeyPairs"] == []
+    net.power_off_gone()
+    assert not net.hosts.rank_processes()
+
+
+def test_a_run_marked_failed_by_a_user_terminates_every_instance(
+    stack: tuple[AirflowStack, MotoEC2, FakeNetwork],
+) -> None:
+    """A user marks the whole running run failed (the run's state, not a task's): Airflow 3.3 fails the
+    running tasks (the ranks' on_kill cancels the gang) and still runs the teardown task, which
+    terminates every instance of the run and deletes its security group and key pair."""
+    airflow, moto, net = stack
+    ec2 = moto.client()
+    before = {i["InstanceId"] for i in iter_instances(ec2)}
+    run_id = airflow.trigger(DAG_ID)
+    _wait("rank 1 to run", lambda: _rank_1_runs(airflow, run_id), 240)
+    live = [i["InstanceId"] for i in iter_instances(ec2) if i["InstanceId"] not in before]
+    assert len(live) == 2
+    path = f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}"
+    airflow._request("PATCH", path, json={"state": "failed"})
+    t = time.monotonic()
+
+    def gone() -> bool:
+        return {i["State"]["Name"] for i in iter_instances(ec2, InstanceIds=live)} == {"terminated"}
+
+    try:
+        _wait("every instance of the run to be terminated", gone, 180)
+    finally:
+        tis = {(t["task_id"], t["map_index"]): t["state"] for t in airflow.task_instances(DAG_ID, run_id)}
+        print(
+            f"\nrun marked failed: task states {tis}; instances {'gone' if gone() else 'LEFT'} after {time.monotonic() - t:.0f}s"
+        )
+    down = _wait(
+        "the down task to end",
+        lambda: (
+            airflow.task_instance(DAG_ID, run_id, "g.down")["state"] in ("success", "failed")
+            and airflow.task_instance(DAG_ID, run_id, "g.down")["state"]
+        ),
+        120,
+    )
+    assert down == "success"
+    owner = [{"Name": "tag:sky-airflow:owner", "Values": ["airflow-provider-sky"]}]
+    assert ec2.describe_security_groups(Filters=owner)["SecurityGroups"] == []
+    assert ec2.describe_key_pairs(Filters=owner)["KeyPairs"] == []
+    net.power_off_gone()
+    assert not net.hosts.rank_processes()

@@ -1,0 +1,162 @@
+"""Whole-gang retries (issue 11) under dag.test() on the local backend: real processes, real Airflow."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from leaks import bridges, job_processes
+from test_dag_test import _load, _out, _run, _states, _xcom
+
+
+def _run_dag(name: str) -> tuple[Any, dict[tuple[str, int], Any]]:
+    """dag.test() of one DAG of tests/dags/sky_test_retry.py (two DAGs in one file)."""
+    dag = getattr(_load("sky_test_retry", folder="tests/dags"), name)
+    dr = dag.test()
+    return dr, {(ti.task_id.split(".", 1)[1], ti.map_index): ti for ti in dr.get_task_instances()}
+
+
+@pytest.fixture(autouse=True)
+def _db(airflow_db: Path) -> None:
+    """dag.test() needs the metadata DB."""
+
+
+def test_sky_retry_fails_once_then_succeeds_on_attempt_2(
+    sky_home: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    dr, tis = _run("sky_retry")
+    out = _out(capfd)
+    assert str(dr.state) == "success", out[-5000:]
+    assert _states(tis, "rank") == {0: "success", 1: "success", 2: "success", 3: "success"}
+    assert tis[("gang", -1)].state == "success" and tis[("down", -1)].state == "success"
+    job_ids = set(re.findall(r"attempt \d of job (\S+)", out))
+    assert len(job_ids) == 1, job_ids  # SKYPILOT_TASK_ID is the same in both attempts
+    # attempt 2 started after every process of attempt 1 was gone: each rank of attempt 2 looked
+    assert out.count("processes of attempt 1 still alive: 0") >= 4, out[-5000:]
+    assert "==== attempt 2/3: rank 2 exited 1, retryable by retry_on_exit_codes ====" in out
+    # the gang's result is rank 0's last line of the attempt that succeeded (attempt 1's was its first)
+    assert _xcom(dr, "train.gang", "return_value") == "processes of attempt 1 still alive: 0"
+    for r in range(4):
+        summary = _xcom(dr, "train.rank", "sky_rank", r)
+        assert summary["state"] == "succeeded" and summary["attempt"] == 2, summary
+        first, second = summary["attempts"]
+        assert first["attempt"] == 1 and second["attempt"] == 2 and second["state"] == "succeeded", summary
+        assert first["state"] == ("failed" if r == 2 else "cancelled"), summary
+        assert second["start"] > first["end"], summary  # the attempts never overlap
+    assert not job_processes(sky_home) and not bridges(sky_home)
+
+
+def test_retries_exhausted_lists_every_attempt(sky_home: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    dr, tis = _run_dag("exhausted")
+    out = _out(capfd)
+    assert str(dr.state) == "failed"
+    assert _states(tis, "rank") == {0: "failed", 1: "failed"}
+    summary = _xcom(dr, "train.rank", "sky_rank", 1)
+    assert [a["attempt"] for a in summary["attempts"]] == [1, 2, 3], summary
+    assert all(a["state"] == "failed" and a["exit_code"] == 3 for a in summary["attempts"]), summary
+    assert re.search(
+        r"failed: rank 1 \(\S+\) exited with code 3; rank 0 cancelled\. Return code list: \['cancelled', 3\] "
+        r"\(attempt 3/3\); not retried: no retry left \(retries=2\); "
+        r"attempt 1: .*exited with code 3.* -> rank 1 exited 3, retryable by retry_on_exit_codes; "
+        r"attempt 2: .* -> rank 1 exited 3, retryable",
+        out,
+    ), out[-5000:]
+
+
+def test_a_deterministic_exit_code_is_not_retried(sky_home: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    dr, tis = _run_dag("not_retryable")
+    out = _out(capfd)
+    assert str(dr.state) == "failed"
+    summary = _xcom(dr, "train.rank", "sky_rank", 1)
+    assert summary["exit_code"] == 127 and "attempts" not in summary, summary
+    assert "attempt 2" not in out
+    # every rank task's error says why the gang was not run again
+    assert (
+        "not retried: rank 1 exited 127 (command not found), not retryable: it fails the same way every "
+        "time (list 127 in retry_on_exit_codes to retry it)"
+    ) in out, out[-3000:]
+
+
+def _watch_to_end(client: Any, policy: Any, on_poll: Any = None, timeout: float = 60.0) -> Any:
+    """Run the attempts loop (as the triggers' shared poll does) to its final poll."""
+    import asyncio
+
+    from airflow_provider_sky.retry import watch_attempts
+
+    async def go() -> Any:
+        last = None
+        async for poll in watch_attempts(client, "job", policy=policy, poll_interval=0.1):
+            last = poll
+            if on_poll is not None:
+                await on_poll(poll)
+        return last
+
+    return asyncio.run(asyncio.wait_for(go(), timeout))
+
+
+def test_a_user_stop_during_the_retry_delay_starts_no_further_attempt(sky_home: Path) -> None:
+    """What a mark-failed does (the trigger's on_kill calls stop_gang): no attempt 2, nothing left running."""
+    from gangs import local_gang
+
+    from airflow_provider_sky.retry import RetryPolicy, stop_gang
+
+    run = 'if [ "$SKYPILOT_NODE_RANK" == "1" ]; then sleep 0.3; exit 1; fi; sleep 1000'
+    backend, client, task = local_gang(sky_home, 3, run)
+    client.keep_secrets = True
+    client.launch(task, "job")
+    policy = RetryPolicy.build(retries=2, retry_delay=2, retry_on_exit_codes=[1])
+    stopped: list[float] = []
+
+    async def stop_once(poll: Any) -> None:
+        if poll.status.done and not poll.final and not stopped:  # attempt 1 over, the retry delay runs
+            stopped.append(time.time())
+            await stop_gang(client, "job", policy.attempts, 1.0, "a user marked rank task 0 failed")
+
+    final = _watch_to_end(client, policy, stop_once)
+    assert stopped and final.final and final.attempt == 1
+    assert "attempt 2 not started: a user stopped the gang" in final.message(), final.message()
+    assert not list(sky_home.glob("local/**/jobs/job.a2/*/pid"))  # attempt 2 never started
+    assert not job_processes(sky_home)
+    backend.terminate(client.handle.name)
+
+
+def test_a_hang_is_retried_and_the_next_attempt_succeeds(sky_home: Path) -> None:
+    """Hangs are retryable by default: attempt 1 hangs (silent), attempt 2 prints and ends."""
+    from gangs import local_gang
+
+    from airflow_provider_sky.retry import RetryPolicy, watch_attempts
+
+    run = 'if [ "$SKY_ATTEMPT" == "1" ]; then sleep 1000; fi; echo "attempt $SKY_ATTEMPT done"'
+    backend, client, task = local_gang(sky_home, 2, run)
+    client.launch(task, "job")
+    policy = RetryPolicy.build(retries=1)
+
+    import asyncio
+
+    async def go() -> Any:
+        last = None
+        async for poll in watch_attempts(client, "job", policy=policy, poll_interval=0.1, hang_timeout=1.5):
+            last = poll
+        return last
+
+    final = asyncio.run(asyncio.wait_for(go(), 60))
+    assert final.final and final.attempt == 2 and final.status.succeeded, final.message()
+    # both ranks hang together: either may be the one named first
+    assert re.fullmatch(
+        r"rank [01] hung: no output for 1\.5 s \(ranks 0, 1\), retryable \(hangs are retried\)",
+        final.history[0]["why"],
+    ), final.history[0]["why"]
+    assert not job_processes(sky_home)
+    backend.terminate(client.handle.name)
+
+
+def test_a_retried_gang_pushes_the_successful_attempts_result(sky_home: Path) -> None:
+    """Attempt 1 wrote a result file before rank 1 failed; the result is attempt 2's file, every rank's."""
+    dag = _load("sky_test_retry_result", folder="tests/dags").dag
+    dr = dag.test()
+    assert str(dr.state) == "success"
+    assert _xcom(dr, "train.gang", "return_value") == [{"attempt": 2}, {"attempt": 2}]
+    assert not job_processes(sky_home) and not bridges(sky_home)

@@ -1,0 +1,352 @@
+"""Secrets on the node: masked before output reaches the log, deleted once read, any size."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gangs import local_gang, wait_done
+from sshd import SSHDCluster, needs_sshd
+
+from airflow_provider_sky.backends.local import LocalBackend
+from airflow_provider_sky.jobs import GangClient
+from airflow_provider_sky.spec import SpecError
+
+PEM = "-----BEGIN KEY-----\nMIIEvQIBADANBgkqhkiG9w0\nQEFAASCBKcwggSjAgEAAoIB\n-----END KEY-----"
+
+
+def _run(sky_home: Path, run: str, **kw: object) -> tuple[LocalBackend, GangClient, object]:
+    b, client, spec = local_gang(sky_home, 1, run, **kw)
+    client.launch(spec, "job")
+    return b, client, spec
+
+
+def _log(client: GangClient) -> bytes:
+    return (Path(client.node_of(0).root) / "jobs" / "job" / "0" / "log").read_bytes()
+
+
+def _on_disk(root: Path, needle: bytes) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
+
+
+def test_each_line_of_a_multi_line_secret_is_masked(sky_home: Path) -> None:
+    run = 'echo "$KEY"; echo "$KEY" | sed -n 2p; echo "x$(echo "$KEY" | sed -n 3p)y"; echo fine'
+    b, client, _ = _run(sky_home, run, secrets={"KEY": PEM})
+    assert wait_done(client).status.succeeded
+    log = _log(client)
+    for line in PEM.splitlines():
+        assert line.encode() not in log, line
+    assert log.count(b"***") >= 6 and b"fine" in log
+    b.terminate("c")
+
+
+def test_a_secret_written_in_two_pieces_is_masked_whole(sky_home: Path) -> None:
+    """The log on disk is masked, so no read of it, at any chunk edge, can show a prefix."""
+    secret = "s3cr3t-token-0123456789"
+    run = f'printf "%s" "${{TOK%????????????}}"; sleep 0.5; printf "%s\\n" "${{TOK#{secret[:11]}}}"'
+    b, client, _ = _run(sky_home, run, secrets={"TOK": secret})
+    offsets: dict[int, int] = {}
+    seen = b""
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        poll = client.poll("job", offsets, max_log=5)  # tiny chunks: edges everywhere
+        if 0 in poll.chunks:
+            off, data = poll.chunks[0]
+            seen += data
+            offsets[0] = off + len(data)
+        if poll.status.done and not poll.chunks:
+            break
+        time.sleep(0.05)
+    assert seen == b"***\n"
+    b.terminate("c")
+
+
+def test_no_secret_stays_on_disk_while_or_after_the_rank_runs(sky_home: Path) -> None:
+    b, client, _ = _run(sky_home, 'echo "$TOK"; sleep 2', secrets={"TOK": "very-secret-value-42"})
+    rank_dir = Path(client.node_of(0).root) / "jobs" / "job" / "0"
+    deadline = time.time() + 5
+    while not (rank_dir / "pid").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert not _on_disk(sky_home, b"very-secret-value-42"), "a secret is on disk while the rank runs"
+    assert {"secrets", "mask", "redact"}.isdisjoint(p.name for p in rank_dir.iterdir())
+    wait_done(client)
+    assert not _on_disk(sky_home, b"very-secret-value-42")
+    b.terminate("c")
+
+
+def test_a_rank_that_fails_at_once_leaves_no_secret(sky_home: Path) -> None:
+    b, client, _ = _run(sky_home, "exit 7", secrets={"TOK": "very-secret-value-43"})
+    poll = wait_done(client)
+    assert poll.status.ranks[0].exit_code == 7
+    assert not _on_disk(sky_home, b"very-secret-value-43")
+    b.terminate("c")
+
+
+def test_a_200_kb_env_value_and_secret_work(sky_home: Path) -> None:
+    big, secret = "x" * 200_000, "y" * 200_000
+    run = 'echo "env=${#BIG} secret=${#HUGE}"; python3 -c "print(42)"'
+    b, client, _ = _run(sky_home, run, envs={"BIG": big}, secrets={"HUGE": secret})
+    poll = wait_done(client)
+    log = _log(client).decode()
+    assert poll.status.succeeded, log[:2000]
+    assert "env=200000 secret=200000" in log and "42" in log
+    assert "BIG is 200005 bytes" in log  # says why the value is not exported
+    assert not _on_disk(sky_home, secret[:1000].encode())
+    b.terminate("c")
+
+
+def test_a_secret_name_with_a_newline_never_launches_and_a_good_one_reaches_every_rank(
+    sky_home: Path,
+) -> None:
+    """``HF_TOKEN\\n`` once passed the name check, broke its line of the env file and the rank ran without
+    the variable (the run succeeded); now it is refused at parse, and the real name still works."""
+    with pytest.raises(SpecError, match="secrets.HF_TOKEN"):
+        local_gang(sky_home, 2, "true", secrets={"HF_TOKEN\n": "hf_secret_value_1"})
+    assert not list(sky_home.rglob("*.json")), "nothing may be provisioned for a refused spec"
+    run = '[ "$HF_TOKEN" = hf_secret_value_1 ] && echo "rank $SKYPILOT_NODE_RANK has the token"'
+    b, client, spec = local_gang(sky_home, 2, run, secrets={"HF_TOKEN": "hf_secret_value_1"})
+    client.launch(spec, "job")
+    assert wait_done(client).status.succeeded
+    for rank in (0, 1):
+        log = (Path(client.node_of(rank).root) / "jobs" / "job" / str(rank) / "log").read_bytes()
+        assert f"rank {rank} has the token".encode() in log and b"command not found" not in log
+    b.terminate("c")
+
+
+#: a rank printing one long line, no newline, with its secret every ~64 KiB and at every MiB edge, in
+#: writes of 4,093 bytes (the filter's reads cut it anywhere); the rest once the test says ``go``
+LONG_LINE = r"""
+import os, sys, time
+secret, size, go = os.environ["TOK"].encode(), int(sys.argv[1]), sys.argv[2]
+line = bytearray(b"a" * size)
+for k in range(1, size // 65536):
+    for at in (k * 65536 - len(secret) // 2, k * 1048576 - 3):
+        if at + len(secret) < size:
+            line[at : at + len(secret)] = secret
+for i in range(0, size, 4093):
+    os.write(1, line[i : i + 4093])
+    if i // 4093 % 97 == 0:
+        time.sleep(0.001)
+while not os.path.exists(go):
+    time.sleep(0.05)
+os.write(1, b"\ndone\n")
+"""
+
+
+def _filters(rank_dir: Path) -> list[int]:
+    """The rank's output filter: the processes reading its fifo."""
+    fifo, found = str(rank_dir / "out"), []
+    for fd0 in Path("/proc").glob("[0-9]*/fd/0"):
+        try:
+            if os.readlink(fd0) == fifo:
+                found.append(int(fd0.parent.parent.name))
+        except OSError:
+            pass
+    return found
+
+
+def _peak_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_a_long_unterminated_line_is_masked_in_bounded_memory_and_shown_before_its_end(
+    sky_home: Path, tmp_path: Path
+) -> None:
+    """64 MiB without a newline: the log has all but its last 64 KiB while the rank still writes the
+    line (``sed`` showed nothing before the newline and held the line twice, 2.3 MB/s), the filter's
+    memory stays far below the line's size, and every secret across a cut or a read edge is masked."""
+    import sys
+
+    secret, size = "s3cr3t-token-0123456789", 64 << 20
+    (tmp_path / "long.py").write_text(LONG_LINE)
+    go = tmp_path / "go"
+    run = f"exec {sys.executable} {tmp_path / 'long.py'} {size} {go}"
+    b, client, _ = _run(sky_home, run, secrets={"TOK": secret})
+    rank_dir = Path(client.node_of(0).root) / "jobs" / "job" / "0"
+    line = bytearray(b"a" * size)
+    for k in range(1, size // 65536):
+        for at in (k * 65536 - len(secret) // 2, k * 1048576 - 3):
+            if at + len(secret) < size:
+                line[at : at + len(secret)] = secret.encode()
+    masked = bytes(line).replace(secret.encode(), b"***")
+    log = rank_dir / "log"
+    deadline = time.time() + 60
+    while time.time() < deadline and (
+        not log.exists() or log.stat().st_size < len(masked) - 65536 - len(secret)
+    ):
+        time.sleep(0.1)
+    shown = log.read_bytes() if log.exists() else b""
+    assert len(shown) >= len(masked) - 65536 - len(secret), f"{len(shown)} of {len(masked)} bytes in the log"
+    assert masked.startswith(shown), "the log is not the masked line's start"
+    peaks = {pid: _peak_kib(pid) for pid in _filters(rank_dir)}
+    assert peaks and max(peaks.values()) < 32 * 1024, peaks  # the line is 64 MiB
+    go.touch()
+    assert wait_done(client).status.succeeded
+    assert _log(client) == masked + b"\ndone\n"
+    b.terminate("c")
+
+
+def _awk_bin(which: str, tmp_path: Path) -> str:
+    """A PATH whose ``awk`` is ``which`` (mawk: Debian's; busybox: a Kubernetes test pod's)."""
+    import shutil
+
+    exe = shutil.which(which)
+    if exe is None:
+        pytest.fail(f"{which} is missing: the system deps install it (make system-deps)")
+    d = tmp_path / which
+    d.mkdir()
+    (d / "awk").symlink_to(exe)
+    return f"{d}:/usr/bin:/bin"
+
+
+@pytest.mark.parametrize("impl", ["maskpy", "maskawk:mawk", "maskawk:busybox"])
+def test_the_filter_masks_across_reads_and_cuts_and_shows_each_line_at_once(
+    impl: str, tmp_path: Path
+) -> None:
+    """Straight through ``maskfilter``'s two implementations, one write at a time: each line is in the
+    log before the next write (no 4 KiB buffer to fill first), a secret split across two writes (two
+    reads) is masked, and so is one across a long line's cut (Python: the line's first 64 KiB are out
+    before its end; awk holds a line whole)."""
+    import subprocess
+
+    from airflow_provider_sky.node_scripts import MASK_FUNC
+    from airflow_provider_sky.runtime import mask_file
+
+    secret = "s3cr3t-token-0123456789"
+    (tmp_path / "mask").write_text(mask_file({"TOK": secret, "OTHER": "another-one-42"}))
+    out = tmp_path / "out"
+    func, _, awk = impl.partition(":")
+    env = {"PATH": _awk_bin(awk, tmp_path) if awk else "/usr/bin:/bin"}
+    with open(out, "wb") as sink:
+        script = f'exec 3<"$1"; rm -f "$1"\n{MASK_FUNC}{func}'
+        p = subprocess.Popen(
+            ["sh", "-c", script, "sh", str(tmp_path / "mask")], stdin=subprocess.PIPE, stdout=sink, env=env
+        )
+    assert p.stdin is not None
+    long = b"x" * 70000
+    # (write, what the log must have once it is read: a prefix of the whole masked stream)
+    steps = [
+        (f"step 1 {secret} and another-one-42\n".encode(), b"step 1 *** and ***\n"),
+        (b"half " + secret[:9].encode(), b""),
+        (secret[9:].encode() + b" whole\n", b"half *** whole\n"),
+    ]
+    if func == "maskpy":
+        steps += [
+            # cut: all but the last len(secret) - 1 bytes are out, the secret's start waits for the rest
+            (long + secret[:5].encode(), long[: 5 - len(secret) + 1]),
+            (secret[5:].encode() + b"y\n", long[5 - len(secret) + 1 :] + b"***y\n"),
+            # the cut falls inside a whole secret: out with it
+            (long + secret.encode() + b"zz", long + b"***"),
+            (b"\n", b"zz\n"),
+            (b"50%\r", b"50%\r"),  # a progress bar's update shows at once
+            (b"100%\n", b"100%\n"),
+        ]
+    else:
+        steps += [(long + secret[:5].encode(), b""), (secret[5:].encode() + b"y\n", long + b"***y\n")]
+    expected = b""
+    for data, shown in steps:
+        p.stdin.write(data)
+        p.stdin.flush()
+        expected += shown
+        deadline = time.time() + 10
+        while time.time() < deadline and out.stat().st_size < len(expected):
+            time.sleep(0.01)
+        time.sleep(0.05)  # nothing more than that, and the next write is a read of its own
+        assert out.read_bytes() == expected, (impl, data[-100:], out.read_bytes()[-100:])
+    p.stdin.close()
+    assert p.wait(10) == 0
+    assert out.read_bytes() == expected
+
+
+def test_on_a_busybox_pod_awk_masks_live_and_across_writes(k8s: Any, k8s_image: Any) -> None:
+    """A Kubernetes test pod has busybox and no Python: the awk filter shows each line while the rank
+    still runs and masks a secret printed in two pieces."""
+    import asyncio
+
+    from k8s_cluster import connection_extras
+
+    from airflow_provider_sky.backends.registry import by_kind
+    from airflow_provider_sky.spec import task_from_args
+    from airflow_provider_sky.watch import watch
+
+    secret = "s3cr3t-token-0123456789"
+    run = (
+        'command -v python3 || echo "no python here"; echo "first $TOK"; '
+        'printf "%s" "${TOK%????????????}"; sleep 0.5; printf "%s\\n" "${TOK#s3cr3t-toke}"; sleep 3; echo last'
+    )
+    b = by_kind("kubernetes").make(connection_extras(k8s, k8s_image))
+    spec = task_from_args(num_nodes=1, run=run, secrets={"TOK": secret})
+    h = b.provision("mask", spec)
+    try:
+        c = GangClient(b, h)
+        c.launch(spec, "job")
+        seen, live = b"", b""
+
+        async def go() -> None:
+            nonlocal seen, live
+            async for poll in watch(c, "job", poll_interval=0.2):
+                if 0 in poll.chunks:
+                    seen += poll.chunks[0][1]
+                if not poll.status.ranks[0].terminal and b"***" in seen:
+                    live = seen
+
+        asyncio.run(asyncio.wait_for(go(), 90))
+        assert seen == b"no python here\nfirst ***\n***\nlast\n", seen
+        assert live.startswith(b"no python here\nfirst ***\n"), live  # shown before the rank ended
+    finally:
+        b.terminate("mask")
+        b.close()
+
+
+@needs_sshd
+def test_on_an_ssh_host_the_rank_user_masks_live_and_across_writes(tmp_path: Path) -> None:
+    """An SSH host: the rank runs as the host's own user, its filter (the system's python3 there) masks a
+    secret printed in two pieces and shows each line while the rank still runs."""
+    import asyncio
+
+    from airflow_provider_sky.backends.ssh import SSHBackend
+    from airflow_provider_sky.runners import ssh
+    from airflow_provider_sky.spec import task_from_args
+    from airflow_provider_sky.watch import watch
+
+    secret = "s3cr3t-token-0123456789"
+    run = (
+        'echo "first $TOK"; printf "%s" "${TOK%????????????}"; sleep 0.5; '
+        'printf "%s\\n" "${TOK#s3cr3t-toke}"; sleep 3; echo last'
+    )
+    with SSHDCluster(1, tmp_path) as c:
+        b = SSHBackend(
+            c.host_list(),
+            user="",
+            key_file=c.client_key_path,
+            known_hosts=c.known_hosts_path,
+            connect_timeout=5.0,
+        )
+        spec = task_from_args(num_nodes=1, run=run, secrets={"TOK": secret})
+        h = b.provision("mask", spec)
+        try:
+            client = GangClient(b, h)
+            client.launch(spec, "job")
+            seen, live = b"", b""
+
+            async def go() -> None:
+                nonlocal seen, live
+                async for poll in watch(client, "job", poll_interval=0.2):
+                    if 0 in poll.chunks:
+                        seen += poll.chunks[0][1]
+                    if not poll.status.ranks[0].terminal and b"***" in seen:
+                        live = seen
+
+            asyncio.run(asyncio.wait_for(go(), 60))
+            assert seen == b"first ***\n***\nlast\n", seen
+            assert live.startswith(b"first ***\n"), live
+        finally:
+            b.terminate("mask")
+            ssh.close_all()
