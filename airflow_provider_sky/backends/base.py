@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from airflow_provider_sky.errors import BackendError as BackendError
+from airflow_provider_sky.errors import ClusterBusy as ClusterBusy
 from airflow_provider_sky.gang import CUDA_VISIBLE_DEVICES
 from airflow_provider_sky.runners.base import CommandRunner, RunnerError
 from airflow_provider_sky.spec import (
@@ -45,14 +47,6 @@ from airflow_provider_sky.spec import (
 _T = TypeVar("_T")
 #: nodes copied to at once by ``sync_files``
 SYNC_PARALLEL = 16
-
-
-class BackendError(Exception):
-    """Provisioning or teardown failed; the message says what and how to fix it."""
-
-
-class ClusterBusy(BackendError):
-    """The cluster is being torn down; a provision of that name waits for the teardown to end."""
 
 
 #: ``Node.extra`` keys of a node whose GPUs the backend handed out: the canonical GPU name, the device
