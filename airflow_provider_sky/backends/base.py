@@ -43,6 +43,7 @@ from airflow_provider_sky.spec import (
     spec_problems,
     unset_error,
 )
+from airflow_provider_sky.spec.nodes import existing_cluster, num_nodes_problem
 
 _T = TypeVar("_T")
 #: nodes copied to at once by ``sync_files``
@@ -445,12 +446,8 @@ def check_reusable(record: Mapping[str, Any], name: str, num_nodes: int) -> None
             "cluster may still run there. Tear it down again once they answer (it cleans only those "
             "nodes), or use another cluster name"
         )
-    count = len(record["nodes"])
-    if count != num_nodes:
-        raise BackendError(
-            f"cluster {name!r} exists with {count} nodes but the task asks for "
-            f"{num_nodes}: tear it down first or use another cluster name"
-        )
+    if (problem := num_nodes_problem(num_nodes, existing_cluster(name, len(record["nodes"])))) is not None:
+        raise BackendError(problem)
 
 
 def begin_teardown(record: Mapping[str, Any], holder: str | None) -> tuple[dict[str, Any], tuple[str, ...]]:

@@ -18,6 +18,7 @@ from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._spec import SPEC_FIELDS, SkySpecMixin, pop_spec_fields, refuse_outlets
 from airflow_provider_sky.retry import OPERATOR_ARGS, RetryPolicy, trigger_retry
 from airflow_provider_sky.spec import SpecError, TaskSpec
+from airflow_provider_sky.spec.nodes import FIELD, job_cluster, num_nodes_problem
 from airflow_provider_sky.timing import check_timing
 
 
@@ -132,11 +133,9 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         ti = context["ti"]
         job_id = job_id_for(ti.dag_id, ti.run_id, ti.task_id, ti.map_index, ti.try_number)
         client = self._hook().client(self.cluster)
-        if len(client.handle.nodes) != spec.num_nodes:
-            raise AirflowFailException(
-                f"num_nodes: the task asks for {spec.num_nodes} nodes but cluster {client.handle.name} has "
-                f"{len(client.handle.nodes)}; give the cluster and job tasks the same task spec"
-            )
+        bound = job_cluster(client.handle.name, len(client.handle.nodes))
+        if (problem := num_nodes_problem(spec.num_nodes, bound)) is not None:
+            raise AirflowFailException(f"{FIELD}: {problem}")
         self.log.info(
             "Starting %s rank(s) of job %s on cluster %s", spec.num_nodes, job_id, client.handle.name
         )

@@ -60,6 +60,7 @@ from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.ssh import SSHNodeConfig, SSHRunner, wait_for_ssh
 from airflow_provider_sky.runners.ssh.config import is_policy
 from airflow_provider_sky.spec import BackendCapabilities, Resources, TaskSpec
+from airflow_provider_sky.spec.nodes import FIELD, connection_hosts, fitting_hosts, num_nodes_problem
 
 log = logging.getLogger(__name__)
 
@@ -471,11 +472,8 @@ class SSHBackend(Backend):
     def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
         """Check every host answers and authenticates before anything runs; keep a stored rank order."""
         runtime.check_job_id(name)
-        if spec.num_nodes > len(self.endpoints):
-            raise BackendError(
-                f"num_nodes: the task asks for {spec.num_nodes} nodes but the SSH connection has "
-                f"{len(self.endpoints)} hosts; add hosts or lower num_nodes"
-            )
+        if (problem := num_nodes_problem(spec.num_nodes, connection_hosts(len(self.endpoints)))) is not None:
+            raise BackendError(f"{FIELD}: {problem}")
         return self._wait_out_teardown(lambda: self._provision_once(name, spec, holder), 0.5)
 
     def _probe_all(self, endpoints: Sequence[tuple[str, int]]) -> list[HostProbe]:
@@ -527,8 +525,6 @@ class SSHBackend(Backend):
         rest = self._map(self._probe, order[num_nodes:])
         probes: list[HostProbe | Exception] = [*first, *rest]
         fitting = [p for p in probes if isinstance(p, HostProbe) and not self._misfit(res, p)]
-        if len(fitting) >= num_nodes:
-            return fitting[:num_nodes]
         fields: list[str] = []
         lines = []
         for ep, p in zip(order, probes, strict=True):
@@ -539,11 +535,10 @@ class SSHBackend(Backend):
             if misfit and misfit[0] not in fields:
                 fields.append(misfit[0])
             lines.append(f"{self._name(ep)}: {misfit[1] if misfit else 'fits'} ({p.describe()})")
-        raise _NoFit(
-            ", ".join(fields) or "resources",
-            f"the task asks for {num_nodes} node(s) with {_asked(res)}; {len(fitting)} of "
-            f"{len(order)} hosts have it, so nothing was started: " + "; ".join(lines),
-        )
+        bound = fitting_hosts(len(fitting), len(order), _asked(res), "; ".join(lines))
+        if (problem := num_nodes_problem(num_nodes, bound)) is not None:
+            raise _NoFit(", ".join(fields) or "resources", problem)
+        return fitting[:num_nodes]
 
     def _existing_fits(self, name: str, record: Mapping[str, Any], res: Resources) -> list[HostProbe]:
         """The probes of an existing cluster's hosts, which must have what ``res`` asks for."""
