@@ -23,6 +23,7 @@ from typing import TypeVar
 from airflow_provider_sky import runtime
 from airflow_provider_sky.aio import CANCEL_WAIT, FANOUT_LIMIT, cancel_bounded, fan_out, run_sync
 from airflow_provider_sky.backends.base import Backend, ClusterHandle, Node, chosen_resources, node_devices
+from airflow_provider_sky.errors import LaunchError as LaunchError
 from airflow_provider_sky.gang import (
     UNKNOWN,
     GangStatus,
@@ -48,10 +49,6 @@ DEFAULT_LOG_CHUNK = 256 * 1024
 LAUNCH_WATCH_INTERVAL = 0.2
 #: seconds without any poll after which the nodes kill a job (a lost scheduler, a killed ``dags test``)
 DEFAULT_ORPHAN_TIMEOUT = 300.0
-
-
-class LaunchError(Exception):
-    """Not every rank could be started; the ones that did were cancelled."""
 
 
 #: ranks one status or cancel call covers at most: its arguments (a root, a job id of up to 181
