@@ -20,6 +20,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "support"))
+sys.path.insert(
+    0, str(REPO / "tests")
+)  # the tiers are packages: ``from integration.test_dag_test import _run``
 sys.path.insert(0, str(REPO))
 
 # Airflow reads its config at import: set it before any test module imports airflow.

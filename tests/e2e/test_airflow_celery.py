@@ -28,7 +28,10 @@ from typing import Any
 import httpx
 import pytest
 from leaks import job_processes
-from test_airflow_real import (  # noqa: F401  (imported tests run here against this module's `real`)
+
+from airflow_provider_sky.dev.services import PostgresServer, RedisServer
+from airflow_provider_sky.dev.stack import AirflowStack, StackError, parse_time
+from e2e.test_airflow_real import (  # noqa: F401  (imported tests run here against this module's `real`)
     DAGS,
     REPO,
     RUN_TIMEOUT,
@@ -46,9 +49,6 @@ from test_airflow_real import (  # noqa: F401  (imported tests run here against 
     test_segfault,
     test_yaml,
 )
-
-from airflow_provider_sky.dev.services import PostgresServer, RedisServer
-from airflow_provider_sky.dev.stack import AirflowStack, StackError, parse_time
 
 pytestmark = pytest.mark.airflow_services
 

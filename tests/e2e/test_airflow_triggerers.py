@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 from leaks import job_processes
-from test_airflow_celery import MOVE, TRIGGERERS, _wait_all_deferred
-from test_airflow_real import REPO, RUN_TIMEOUT, RealAirflow, _kill, _processes_of_job
 
 from airflow_provider_sky.dev.stack import AirflowStack
+from e2e.test_airflow_celery import MOVE, TRIGGERERS, _wait_all_deferred
+from e2e.test_airflow_real import REPO, RUN_TIMEOUT, RealAirflow, _kill, _processes_of_job
 
 pytestmark = pytest.mark.airflow_services
 

@@ -823,7 +823,7 @@ def test_an_oom_kill_is_reported_as_such_under_the_scheduler(rel: Rel, case: Cas
     """Issue 11 under the real scheduler: the hosts' sshd in a 256 MiB memory cgroup; rank 1 grows until the
     kernel's OOM killer ends it: it reads "out of memory (killed by the OOM killer)", never cancelled or a
     plain SIGKILL, its sibling is cancelled, the run fails and the teardown runs."""
-    from test_oom import OOM, memory_cgroup
+    from integration.test_oom import OOM, memory_cgroup
 
     with memory_cgroup(256) as procs:
         for node in rel.hosts.nodes:  # each sshd, so every session (and rank) it starts from now on

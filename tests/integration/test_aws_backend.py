@@ -297,7 +297,7 @@ def test_example_dags_on_ec2_leave_nothing_after_a_failing_gang_or_a_failed_setu
     every run's teardown leaves nothing of ours (instances, security groups, key pairs)."""
     import json
 
-    from test_dag_test import _run, _states
+    from integration.test_dag_test import _run, _states
 
     extra = {k: v for k, v in conn(moto.url, hosts).items() if k not in ("login", "password")}
     monkeypatch.setenv(

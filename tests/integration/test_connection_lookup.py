@@ -75,7 +75,7 @@ def db_connection(conn_id: str, conn: dict[str, Any]) -> Iterator[None]:
 
 
 def _run_db_conn(monkeypatch: pytest.MonkeyPatch, conn_id: str) -> tuple[Any, dict[tuple[str, int], Any]]:
-    from test_dag_test import _run
+    from integration.test_dag_test import _run
 
     for name in [k for k in os.environ if k.startswith("AIRFLOW_CONN_")]:
         monkeypatch.delenv(name)  # the DB row, and nothing else, must be what is found
@@ -84,7 +84,7 @@ def _run_db_conn(monkeypatch: pytest.MonkeyPatch, conn_id: str) -> tuple[Any, di
 
 
 def _assert_ran(dr: Any, tis: dict[tuple[str, int], Any], out: str) -> None:
-    from test_dag_test import _states
+    from integration.test_dag_test import _states
 
     assert "isn't defined" not in out, out[-3000:]
     assert _states(tis, "rank") == {0: "success", 1: "success"}, out[-3000:]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 from gpus import L4, local_gpus
-from test_dag_test import _out, _run, _states
+
+from integration.test_dag_test import _out, _run, _states
 
 
 @pytest.fixture(autouse=True)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 from leaks import bridges, job_processes, processes_under
-from test_dag_test import _out, _run, _states, _xcom
 
 from airflow_provider_sky.gang import GangStatus, RankStatus
 from airflow_provider_sky.hang import HangWatch, check_hang_timeout, hang_reason
 from airflow_provider_sky.jobs import Poll
+from integration.test_dag_test import _out, _run, _states, _xcom
 
 HUNG = "hung: no output for 10 s (ranks 1, 3)"
 
@@ -221,9 +221,9 @@ def test_a_hung_ranks_command_line_in_the_dump_is_masked_in_its_log_and_task_out
     import sys
 
     from gangs import launched, trigger_kwargs
-    from test_triggers import _shared
 
     from airflow_provider_sky.triggers.gang import SkyGangTrigger, SkyRankTrigger
+    from integration.test_triggers import _shared
 
     venv_bin = str(Path(sys.executable).parent)
     path = [

@@ -332,7 +332,7 @@ def test_every_example_dag_on_kubernetes(
 ) -> None:
     """The example DAGs unchanged, with ``sky_default`` pointing at the cluster: success, fail-fast (the seed
     scenario), a segfault, a failed setup (the seed's failed_worker_setup), a YAML task with a workdir."""
-    from test_dag_test import _run, _states
+    from integration.test_dag_test import _run, _states
 
     monkeypatch.setenv(
         "AIRFLOW_CONN_SKY_DEFAULT", json.dumps({"conn_type": "sky_kubernetes", "extra": extras})
@@ -362,7 +362,7 @@ def test_the_retry_hang_and_taskflow_examples_on_kubernetes(
     """The examples added with retries, hang detection and ``@task.sky``, unchanged, on pods: a gang that
     fails once and succeeds on attempt 2 with no process of attempt 1 left in any pod; ranks that hang are
     found, their stacks dumped from the pod's /proc, the run failed naming them; the TaskFlow gang succeeds."""
-    from test_dag_test import _load, _out, _run
+    from integration.test_dag_test import _load, _out, _run
 
     monkeypatch.setenv(
         "AIRFLOW_CONN_SKY_DEFAULT", json.dumps({"conn_type": "sky_kubernetes", "extra": extras})
@@ -396,7 +396,7 @@ def test_the_seed_yamls_verbatim_on_kubernetes(
     (tests/dags/sky_seed_yamls.py, two DAGs in one file, so ``_load`` and ``dag.test()`` instead of ``_run``)."""
     import re
 
-    from test_dag_test import _load, _states, _xcom
+    from integration.test_dag_test import _load, _states, _xcom
 
     monkeypatch.setenv(
         "AIRFLOW_CONN_SKY_DEFAULT", json.dumps({"conn_type": "sky_kubernetes", "extra": extras})

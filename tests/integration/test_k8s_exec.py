@@ -11,12 +11,12 @@ import time
 
 import pytest
 from k8s_cluster import LOCAL_DIR, K8sCluster
-from test_k8s_backend import _wait, backend, extras  # noqa: F401  (fixtures)
 
 from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners.base import CALLS, RunnerError
 from airflow_provider_sky.spec import task_from_args
+from integration.test_k8s_backend import _wait, backend, extras  # noqa: F401  (fixtures)
 
 
 def test_arguments_arrive_literally_and_the_script_stays_off_the_command_line(

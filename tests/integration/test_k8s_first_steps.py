@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import yaml
 from k8s_cluster import Image, K8sCluster
-from test_k8s_backend import _wait
 
 from airflow_provider_sky import kube_account
 from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
+from integration.test_k8s_backend import _wait
 
 MANIFEST = Path(__file__).resolve().parents[2] / "docs" / "kubernetes-rbac.yaml"
 

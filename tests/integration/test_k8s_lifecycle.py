@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import time
 
-from test_k8s_backend import _wait, backend, extras  # noqa: F401  (fixtures)
-
 from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
+from integration.test_k8s_backend import _wait, backend, extras  # noqa: F401  (fixtures)
 
 #: grows a shell string until the container's limit stops it
 HOG = 'if [ "$SKYPILOT_NODE_RANK" = 1 ]; then x=0123456789; while :; do x="$x$x"; done; fi; sleep 10000'

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import yaml
 from k8s_cluster import Image, K8sCluster, wait_for
-from test_k8s_backend import _wait
 
 from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.backends.kubernetes.backend import NEEDED_PERMISSIONS, KubernetesBackend, role_rules
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
+from integration.test_k8s_backend import _wait
 
 K8S_DOCS = Path(__file__).resolve().parents[2] / "docs" / "backends" / "kubernetes.md"
 #: calls outside the namespace, which every authenticated identity may make (the Test button's)

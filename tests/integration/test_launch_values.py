@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _module() -> ModuleType:
-    from test_dag_test import _load
+    from integration.test_dag_test import _load
 
     return _load("sky_test_launch_values", folder="tests/dags")
 

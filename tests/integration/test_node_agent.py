@@ -37,11 +37,11 @@ from agents import (
     records,
     with_client,
 )
-from test_containment import _alive, _marked, _wait_for
 
 from airflow_provider_sky.agent import AGENT_FILE, agent_args
 from airflow_provider_sky.agent.client import AgentClient, AgentError, AgentStatus, AgentUnreachable
 from airflow_provider_sky.agent.node import MAGIC, client_handshake
+from integration.test_containment import _alive, _marked, _wait_for
 
 
 @pytest.fixture

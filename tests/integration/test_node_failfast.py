@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 from gangs import local_gang
-from test_containment import ESCAPES, _alive, _marked, _wait_for
 
 from airflow_provider_sky.gang import CANCELLED, FAILED, RUNNING, SUCCEEDED
 from airflow_provider_sky.jobs import run_sync
 from airflow_provider_sky.node_scripts import CMD_PROLOGUE, WRAPPER
 from airflow_provider_sky.runtime import env_file, gang_flag, node_cancel_reason
+from integration.test_containment import ESCAPES, _alive, _marked, _wait_for
 
 
 def _over(client, n: int) -> bool:

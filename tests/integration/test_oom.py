@@ -92,7 +92,7 @@ def _assert_oom(summaries: dict[int, dict[str, object]]) -> None:
 def test_an_oom_kill_on_an_ssh_host_in_a_memory_limited_cgroup(
     tmp_path: Path, airflow_db: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    from test_dag_test import _out, _run, _states, _xcom
+    from integration.test_dag_test import _out, _run, _states, _xcom
 
     with SSHDCluster(2, tmp_path) as hosts, memory_cgroup(256) as procs:
         for node in hosts.nodes:  # each host's sshd, and so every session and rank it starts
@@ -116,10 +116,14 @@ def test_an_oom_kill_on_the_local_backend_in_a_memory_limited_cgroup(
 ) -> None:
     """The whole dag.test() (Airflow, the bridge, the ranks) in one limited cgroup, as a worker container
     with a memory limit: the growing rank volunteers as the victim (oom_score_adj 1000)."""
-    env = {**os.environ, "SKY_TEST_OOM_SCORE": "1000", "PYTHONPATH": str(REPO / "tests")}
+    env = {
+        **os.environ,
+        "SKY_TEST_OOM_SCORE": "1000",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO / "tests" / "support")]),
+    }
     script = (
         "import json, sys; sys.path.insert(0, 'tests')\n"
-        "from test_dag_test import _run, _xcom\n"
+        "from integration.test_dag_test import _run, _xcom\n"
         "dr, tis = _run('sky_test_oom', folder='tests/dags')\n"
         "print('RESULT ' + json.dumps({'run': str(dr.state), "
         "'ranks': {r: _xcom(dr, 'train.rank', 'sky_rank', r) for r in (0, 1)}}))\n"

@@ -27,7 +27,8 @@ def test_secrets_stay_out_of_logs_xcom_and_rendered_fields(capfd: pytest.Capture
     from airflow.models.renderedtifields import RenderedTaskInstanceFields
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
-    from test_dag_test import _load
+
+    from integration.test_dag_test import _load
 
     mod = _load("sky_test_secrets", folder="tests/dags")
     secret = mod.SECRET

@@ -238,7 +238,7 @@ def test_ssh_spare_hosts_are_checked_naming_the_field() -> None:
     assert b.spares == [("10.0.0.9", 2222), ("10.0.0.8", 22)] and b.users[("10.0.0.9", 2222)] == "v"
     assert b.capabilities.max_nodes == 1  # spares are not nodes of a new cluster
     # a declared extra of the sky_ssh connection (the form shows it; an unknown extra would be refused)
-    from test_connection_config import ssh_settings
+    from unit.test_connection_config import ssh_settings
 
     assert ssh_settings({"spare_hosts": "10.0.0.9, u@10.0.0.8"}, host="h").spare_hosts == (
         "10.0.0.9",
@@ -358,7 +358,7 @@ def test_aws_terminated_instance_is_replaced_and_the_retry_succeeds(moto: Any, h
 def test_dag_test_lost_local_node_replaced_rank_tasks_show_it(
     sky_home: Path, airflow_db: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    from test_dag_test import _out, _run, _states, _xcom
+    from integration.test_dag_test import _out, _run, _states, _xcom
 
     dr, tis = _run("sky_test_replace", folder="tests/dags")
     out = _out(capfd)

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 from leaks import bridges, job_processes
-from test_dag_test import _load, _out, _run, _states, _xcom
+
+from integration.test_dag_test import _load, _out, _run, _states, _xcom
 
 
 def _run_dag(name: str) -> tuple[Any, dict[tuple[str, int], Any]]:

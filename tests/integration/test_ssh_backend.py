@@ -264,7 +264,7 @@ def test_every_example_dag_on_the_ssh_cluster(
     hosts4: SSHDCluster, airflow_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same example DAGs, with ``sky_default`` pointing at the SSH hosts instead of the local backend."""
-    from test_dag_test import _run, _states
+    from integration.test_dag_test import _run, _states
 
     monkeypatch.setenv("AIRFLOW_CONN_SKY_DEFAULT", hosts4.sky_ssh_connection())
     dr, tis = _run("sky_hello")

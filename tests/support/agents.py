@@ -16,14 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from test_containment import _alive as _alive_only
-from test_containment import _marked, _wait_for
-
 from airflow_provider_sky.agent import AGENT_FILE, agent_args, new_token
 from airflow_provider_sky.agent.client import AgentClient, AgentStatus, node_plan
 from airflow_provider_sky.agent.node import read_rank
 from airflow_provider_sky.gang import classify
 from airflow_provider_sky.runtime import STATUS_SCRIPT, Guard, RankLaunch, parse_status, status_args
+from integration.test_containment import _alive as _alive_only
+from integration.test_containment import _marked, _wait_for
 
 HEAD_IP = "127.0.0.2"
 TOKEN = new_token()
