@@ -1,4 +1,3 @@
-# ruff: noqa: F811 (the fixtures imported from aws_fixtures are parameters here)
 """The AWS EC2 backend against moto's server (real HTTP, reached through the connection's endpoint URL).
 
 moto boots nothing: the instances' SSH is the fake network of ``moto_ec2.FakeNetwork`` (each live moto

@@ -1,4 +1,3 @@
-# ruff: noqa: F811 (the fixtures imported from aws_fixtures are parameters here)
 """Credentials of a ``sky_aws`` connection through a linked ``aws`` connection, resolved by the Amazon
 provider's session factory (``hooks/aws.py``): a role assumed through moto's STS, with moto enforcing IAM
 so that the caller's own keys could not have made a single EC2 call."""

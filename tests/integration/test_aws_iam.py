@@ -1,4 +1,3 @@
-# ruff: noqa: F811 (the fixtures imported from aws_fixtures are parameters here)
 """The IAM policy docs/backends/aws.md gives users, against the backend's real calls.
 
 What moto (5.2.x) can check, and what it cannot: with auth enforced (``MotoEC2.enforce_iam``) it checks
@@ -17,26 +16,13 @@ from typing import Any
 import pytest
 from aws_fixtures import backend, hosts, moto, net  # noqa: F401 (fixtures)
 from moto_ec2 import REGION, FakeNetwork, Fault, FaultProxy, MotoEC2, ours_left
-from sshd import SSHDCluster, needs_sshd
+from sshd import SSHDCluster
 
 from airflow_provider_sky.backends.aws import iam
 from airflow_provider_sky.backends.aws.ec2 import TAG_CREATED
 from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.spec import task_from_args
-
-pytestmark = needs_sshd
-
-
-def _docs_policy() -> dict[str, Any]:
-    """The IAM policy JSON the AWS backend's page (docs/backends/aws.md) gives users."""
-    import json
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[2] / "docs" / "backends" / "aws.md").read_text()
-    after = text[text.index("**IAM permissions**") :]
-    block = after[after.index("```json") + len("```json") : after.index("```", after.index("```json") + 7)]
-    policy: dict[str, Any] = json.loads(block)
-    return policy
+from unit.test_aws_iam import _actions, _docs_policy
 
 
 def _users(moto: MotoEC2, policies: dict[str, dict[str, Any]]) -> dict[str, tuple[str, str]]:
@@ -116,14 +102,6 @@ def test_a_replacement_denied_the_root_volume_size_is_an_error_not_a_smaller_dis
         assert b.terminate("nodisk").removed
     finally:
         moto.enforce_iam(False)
-
-
-def _actions(policy: dict[str, Any]) -> set[str]:
-    out: set[str] = set()
-    for st in policy["Statement"]:
-        acts = st["Action"]
-        out.update([acts] if isinstance(acts, str) else acts)
-    return out
 
 
 def test_the_docs_policy_names_exactly_the_actions_the_backend_calls(

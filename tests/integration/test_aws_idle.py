@@ -1,4 +1,3 @@
-# ruff: noqa: F811 (the fixtures imported from aws_fixtures are parameters here)
 """``idle_down`` on EC2 without Airflow: the node keeper powers its machine off and EC2 terminates it.
 
 Real: the launch parameter (``InstanceInitiatedShutdownBehavior=terminate``, read back from moto), the

@@ -1,4 +1,3 @@
-# ruff: noqa: F811 (the fixtures imported from aws_fixtures are parameters here)
 """Never touch what is not ours, never leave what is: the AWS backend against moto's server when a
 reply is lost, a record cannot be written, a run adopts a cluster the reaper is about to end, and two
 names differ only in case.

@@ -10,9 +10,6 @@ import pytest
 from airflow_provider_sky.backends import BackendError
 from airflow_provider_sky.backends.registry import by_kind
 
-KEY = "-----BEGIN OPENSSH PRIVATE KEY-----\nabc\n-----END OPENSSH PRIVATE KEY-----"
-
-
 # -- where each setting comes from -------------------------------------------------------------------------
 
 

@@ -1,4 +1,3 @@
-# ruff: noqa: F811 (the fixtures imported from aws_fixtures are parameters here)
 """Connections as a user keeps them: only a missing ``sky_default`` means "the local backend" (issue 14),
 and a connection kept in the metadata DB is found under ``airflow dags test`` by the triggers too (issue 28).
 
@@ -22,15 +21,9 @@ import pytest
 from aws_fixtures import hosts, moto, net  # noqa: F401 (fixtures)
 from sshd import SSHDCluster, needs_sshd
 
-SUPPORT = Path(__file__).resolve().parents[1] / "support"
+from unit.test_connection_lookup import PROBE
 
-PROBE = """
-from airflow_provider_sky.hooks.sky import SkyHook
-try:
-    print("CONFIG", SkyHook("sky_default").backend_config())
-except Exception as exc:
-    print("ERROR", type(exc).__name__, exc)
-"""
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
 
 def _probe(extra_env: dict[str, str]) -> str:

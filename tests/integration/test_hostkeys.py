@@ -7,47 +7,17 @@ OpenSSH's own lookup (``ssh-keygen -F``).
 
 from __future__ import annotations
 
-import io
 import shutil
 import subprocess
 from pathlib import Path
 
 import paramiko
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from airflow_provider_sky.runners.ssh.hostkeys import (
     read_known_hosts,
 )
-
-
-def _ed25519() -> paramiko.PKey:
-    """paramiko cannot generate Ed25519 keys: make one with cryptography, load it with paramiko."""
-    text = (
-        ed25519.Ed25519PrivateKey.generate()
-        .private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
-        )
-        .decode()
-    )
-    return paramiko.Ed25519Key.from_private_key(io.StringIO(text))
-
-
-@pytest.fixture(scope="module")
-def keys() -> dict[str, paramiko.PKey]:
-    return {
-        "ed25519": _ed25519(),
-        "ed25519-b": _ed25519(),
-        "ecdsa": paramiko.ECDSAKey.generate(bits=256),
-        "rsa": paramiko.RSAKey.generate(2048),
-    }
-
-
-def line(key: paramiko.PKey) -> str:
-    """``"ssh-ed25519 AAAA..."``: the key part of a known_hosts line or a pin."""
-    return f"{key.get_name()} {key.get_base64()}"
-
+from unit.test_hostkeys import keys, line  # noqa: F401  (shared with the unit half; fixtures among them)
 
 # --------------------------------------------------------------------------------------------- parsing
 

@@ -20,7 +20,7 @@ from integration.test_k8s_backend import _wait, backend, extras  # noqa: F401  (
 
 
 def test_arguments_arrive_literally_and_the_script_stays_off_the_command_line(
-    backend: KubernetesBackend,  # noqa: F811
+    backend: KubernetesBackend,
 ) -> None:
     h = backend.provision("argv", task_from_args(num_nodes=1, run="true"))
     runner = backend.runner(h.nodes[0])
@@ -38,7 +38,7 @@ def test_arguments_arrive_literally_and_the_script_stays_off_the_command_line(
     backend.terminate("argv")
 
 
-def test_an_abandoned_call_ends_in_the_pod(backend: KubernetesBackend) -> None:  # noqa: F811
+def test_an_abandoned_call_ends_in_the_pod(backend: KubernetesBackend) -> None:
     h = backend.provision("abandon", task_from_args(num_nodes=1, run="true"))
     runner = backend.runner(h.nodes[0])
 
@@ -65,7 +65,7 @@ def test_an_abandoned_call_ends_in_the_pod(backend: KubernetesBackend) -> None: 
     backend.terminate("abandon")
 
 
-def test_a_poll_is_one_exec_per_pod(backend: KubernetesBackend) -> None:  # noqa: F811
+def test_a_poll_is_one_exec_per_pod(backend: KubernetesBackend) -> None:
     spec = task_from_args(num_nodes=4, run="sleep 3")
     h = backend.provision("calls", spec)
     c = GangClient(backend, h)
@@ -80,7 +80,7 @@ def test_a_poll_is_one_exec_per_pod(backend: KubernetesBackend) -> None:  # noqa
 
 def test_a_call_whose_stream_goes_silent_ends_at_its_timeout(
     k8s: K8sCluster,
-    backend: KubernetesBackend,  # noqa: F811
+    backend: KubernetesBackend,
 ) -> None:
     """The pod's kubelet stops (SIGSTOP) mid-call: nothing more comes down the stream, no close either.
     The call ends at its own limit with an error saying so; it used to wait for the next frame forever

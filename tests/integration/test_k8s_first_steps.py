@@ -21,8 +21,7 @@ from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
 from integration.test_k8s_backend import _wait
-
-MANIFEST = Path(__file__).resolve().parents[2] / "docs" / "kubernetes-rbac.yaml"
+from unit.test_k8s_first_steps import MANIFEST
 
 
 def _documents(namespace: str) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from integration.test_k8s_backend import _wait, backend, extras  # noqa: F401  (
 HOG = 'if [ "$SKYPILOT_NODE_RANK" = 1 ]; then x=0123456789; while :; do x="$x$x"; done; fi; sleep 10000'
 
 
-def test_a_rank_over_its_memory_limit_is_out_of_memory_and_fails_the_gang(backend: KubernetesBackend) -> None:  # noqa: F811
+def test_a_rank_over_its_memory_limit_is_out_of_memory_and_fails_the_gang(backend: KubernetesBackend) -> None:
     spec = task_from_args(num_nodes=2, run=HOG, resources={"memory": "0.0625"})  # 64 MiB, a limit (no '+')
     h = backend.provision("oom", spec)
     c = GangClient(backend, h)
@@ -31,7 +31,7 @@ def test_a_rank_over_its_memory_limit_is_out_of_memory_and_fails_the_gang(backen
     backend.terminate("oom")
 
 
-def test_an_idle_cluster_ends_its_pods_and_teardown_removes_them(backend: KubernetesBackend) -> None:  # noqa: F811
+def test_an_idle_cluster_ends_its_pods_and_teardown_removes_them(backend: KubernetesBackend) -> None:
     spec = task_from_args(num_nodes=2, run="true")
     h = backend.provision("idle", spec)
     c = GangClient(backend, h)

@@ -16,14 +16,9 @@ from typing import Any
 from gangs import local_gang, trigger_kwargs, wait_done
 
 from airflow_provider_sky.triggers.gang import ShortEvent, SkyRankTrigger
+from unit.test_log_tidy import RUN
 
 #: rank 0 prints four lines 2 s apart (a blank one among them), then fails; rank 1 waits to be cancelled
-RUN = """\
-if [ "$SKYPILOT_NODE_RANK" = 0 ]; then
-  echo "step 1"; sleep 2; echo "step 2"; echo; sleep 2; echo "step 3"; sleep 2; echo "step 4"; exit 1
-fi
-echo "rank $SKYPILOT_NODE_RANK waiting"; sleep 10000
-"""
 
 
 class Recorder:

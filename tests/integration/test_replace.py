@@ -1,4 +1,3 @@
-# ruff: noqa: F811 (the fixtures imported from aws_fixtures are parameters here)
 """Lost nodes replaced between attempts of a gang with retries (issue 11): the healthy nodes are kept, the
 new node is set up before the next attempt, whose ``SKYPILOT_NODE_IPS`` lists its address.
 

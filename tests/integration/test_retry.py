@@ -20,11 +20,6 @@ def _run_dag(name: str) -> tuple[Any, dict[tuple[str, int], Any]]:
     return dr, {(ti.task_id.split(".", 1)[1], ti.map_index): ti for ti in dr.get_task_instances()}
 
 
-@pytest.fixture(autouse=True)
-def _db(airflow_db: Path) -> None:
-    """dag.test() needs the metadata DB."""
-
-
 def test_sky_retry_fails_once_then_succeeds_on_attempt_2(
     sky_home: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,29 +8,13 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from sshd import SSHDCluster, needs_sshd
 
 from airflow_provider_sky.runners.base import CALLS
 from airflow_provider_sky.runners.local import LocalRunner
-
-
-def make_tree(src: Path) -> Path:
-    """A workdir with a subdir, an executable, a non-ASCII name, symlinks to a file, a dir and a parent."""
-    (src / "sub" / "deeper").mkdir(parents=True)
-    (src / "a.txt").write_text("alpha\n")
-    (src / "sub" / "run.sh").write_text("#!/bin/sh\necho ran\n")
-    (src / "sub" / "run.sh").chmod(0o755)
-    (src / "sub" / "deeper" / "ü.txt").write_text("unicode name\n")
-    (src / "secret.txt").write_text("s\n")
-    (src / "secret.txt").chmod(0o600)
-    (src / "link.txt").symlink_to("a.txt")
-    (src / "linkdir").symlink_to("sub")
-    (src / "loop").symlink_to(".")  # must not recurse forever
-    return src
+from unit.test_runner_files import EXPECTED, make_tree, node  # noqa: F401  (shared with the unit half; fixtures among them)
 
 
 def listing(root: Path) -> dict[str, tuple[str, int, str]]:
@@ -46,38 +30,9 @@ def listing(root: Path) -> dict[str, tuple[str, int, str]]:
     return out
 
 
-EXPECTED = {
-    "a.txt": ("f", 0o644, "alpha\n"),
-    "link.txt": ("f", 0o644, "alpha\n"),
-    "secret.txt": ("f", 0o600, "s\n"),
-    "sub": ("d", None, ""),
-    "sub/run.sh": ("f", 0o755, "#!/bin/sh\necho ran\n"),
-    "sub/deeper": ("d", None, ""),
-    "sub/deeper/ü.txt": ("f", 0o644, "unicode name\n"),
-    "linkdir": ("d", None, ""),
-    "linkdir/run.sh": ("f", 0o755, "#!/bin/sh\necho ran\n"),
-    "linkdir/deeper": ("d", None, ""),
-    "linkdir/deeper/ü.txt": ("f", 0o644, "unicode name\n"),
-}
-
-
 def without_dir_modes(found: dict[str, tuple[str, int, str]]) -> dict[str, tuple[str, int | None, str]]:
     """Directories are created, not copied: their mode is the umask's, so leave it out."""
     return {k: (kind, None if kind == "d" else mode, text) for k, (kind, mode, text) in found.items()}
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> LocalRunner:
-    home = tmp_path / "home"
-    home.mkdir()
-    return LocalRunner("127.0.0.1", str(home))
-
-
-@pytest.fixture(autouse=True)
-def _umask() -> Iterator[None]:
-    old = os.umask(0o022)
-    yield
-    os.umask(old)
 
 
 def test_put_tree_copies_contents_modes_and_follows_symlinks(node: LocalRunner, tmp_path: Path) -> None:

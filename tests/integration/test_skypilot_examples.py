@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from envdump import DUMP, parse
 from gangs import wait_done
-from gpus import A100_40, A100_80, H100, L4, T4, V100, local_gpus
+from gpus import local_gpus
 from sshd import SSHDCluster, needs_sshd, user_processes
 
 from airflow_provider_sky.backends.base import Backend, ClusterHandle, choose_resources
@@ -31,26 +30,9 @@ from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.setup_stage import run_setup
 from airflow_provider_sky.spec import SpecError, TaskSpec, is_bucket_source, load_task_yaml
+from unit.test_skypilot_examples import DATA, DEVICES, EXAMPLES, LINES, MIXED_BOX, ON_SSH, _expect, _named
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "skypilot_examples"
-INDEX: dict[str, Any] = yaml.safe_load((DATA / "index.yaml").read_text())
-EXAMPLES: dict[str, dict[str, Any]] = INDEX["examples"]
 #: a fake nvidia-smi line per SkyPilot name the examples ask for
-LINES = {"L4": L4, "A100": A100_40, "A100-80GB": A100_80, "V100": V100, "H100": H100, "T4": T4}
-
-
-def _expect(name: str) -> Any:
-    return EXAMPLES[name]["expect"]
-
-
-def _named(kind: str) -> list[str]:
-    """The examples whose expectation is ``kind`` (``runs``, ``refused``, ``parse_error``)."""
-    out = []
-    for name, entry in sorted(EXAMPLES.items()):
-        expect = entry["expect"]
-        if expect == kind or (isinstance(expect, dict) and kind in expect):
-            out.append(name)
-    return out
 
 
 def _dumping(name: str) -> TaskSpec:
@@ -170,10 +152,7 @@ def test_on_the_local_backend_of_a_machine_with_enough_gpus(
 # ------------------------------------------------------------------------------------------- SSH hosts
 
 #: each host a mixed GPU box: devices of a type keep the indices nvidia-smi gives them
-MIXED_BOX = [L4, L4, A100_40, V100, *[H100] * 8]
-DEVICES = {"L4": [0, 1], "A100": [2], "V100": [3], "H100": list(range(4, 12))}
 #: the runnable examples whose hosts need no more CPUs than this test machine has (2)
-ON_SSH = [n for n in _named("runs") if "cpus" not in (load_task_yaml(DATA / n).resources.requested())]
 
 
 @pytest.fixture(scope="module")

@@ -2,33 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 from leaks import bridges
 from siblings import matching
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str, folder: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"taskflow_{name}", REPO / folder / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _run(name: str, folder: str = "dags_examples") -> tuple[Any, dict[str, Any]]:
-    dr = _load(name, folder).dag.test()
-    return dr, {
-        f"{ti.task_id}[{ti.map_index}]" if ti.map_index >= 0 else ti.task_id: ti
-        for ti in dr.get_task_instances()
-    }
+from unit.test_taskflow import _run
 
 
 def _xcom(dr: Any, task_id: str, key: str = "return_value", map_index: int = -1) -> Any:
@@ -40,11 +22,6 @@ def _xcom(dr: Any, task_id: str, key: str = "return_value", map_index: int = -1)
             run_id=dr.run_id, key=key, task_ids=task_id, dag_ids=dr.dag_id, map_indexes=map_index
         )
         return XComModel.deserialize_value(session.scalars(query).one())
-
-
-@pytest.fixture(autouse=True)
-def _db(airflow_db: Path) -> None:
-    """dag.test() needs the metadata DB."""
 
 
 def test_example_builds_and_runs_the_whole_gang(sky_home: Path, capfd: pytest.CaptureFixture[str]) -> None:
