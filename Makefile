@@ -102,14 +102,19 @@ typecheck: install
 ## starts a process fails, naming it). integration: real processes, sshd hosts, the Kubernetes test cluster,
 ## moto. e2e: real Airflow stacks and the browser. PYTEST_ARGS picks tests (PYTEST_ARGS="-k name").
 ## XDIST: pytest-xdist workers for unit and integration (their tests share nothing but the machine; a module
-## stays on one worker, so its module-wide fixtures start once); e2e runs one stack at a time.
+## stays on one worker, so its module-wide fixtures start once). The modules on the Kubernetes test cluster
+## run after the rest, one test at a time (the cluster's own processes need the cores), and e2e runs one
+## Airflow stack at a time.
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 XDIST ?= 2
 unit: install
 	$(PYTEST) tests/unit -n $(XDIST) $(PYTEST_ARGS)
 
 integration: install system-deps k8s
-	$(PYTEST) tests/integration -n $(XDIST) --dist loadfile $(PYTEST_ARGS)
+	@rc=0; \
+	$(PYTEST) tests/integration -m "not k8s" -n $(XDIST) --dist loadfile $(PYTEST_ARGS) || rc=1; \
+	$(PYTEST) tests/integration -m k8s $(PYTEST_ARGS) || rc=1; \
+	exit $$rc
 
 e2e: install system-deps
 	$(PYTEST) tests/e2e $(PYTEST_ARGS)

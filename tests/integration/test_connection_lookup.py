@@ -23,13 +23,13 @@ from sshd import SSHDCluster, needs_sshd
 
 from unit.test_connection_lookup import PROBE
 
-SUPPORT = Path(__file__).resolve().parents[1] / "support"
+TESTS = Path(__file__).resolve().parents[1]  # helpers_secrets: a secrets backend the probes load
 
 
 def _probe(extra_env: dict[str, str]) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW_CONN_")}
     env.update(extra_env)
-    env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
     return out.stdout + out.stderr
 

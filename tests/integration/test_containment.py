@@ -299,8 +299,10 @@ def test_a_rank_failing_during_the_gang_start_stops_it(sky_home: Path) -> None:
         if r.rank == 1:
             continue
         assert r.state == "cancelled" and r.reason == "cancelled: rank 1 failed first: exited with code 1", r
-    for rank in range(8):
-        assert (Path(client.node_of(rank).home) / "ran").exists() == (rank < 4), f"rank {rank}"
+    # ranks 4-7 never ran their command; rank 1 did (it failed). Ranks 0, 2 and 3 were started, but on a
+    # loaded machine the cancel can reach one before its shell ran the first command, so they are not checked
+    ran = {rank: (Path(client.node_of(rank).home) / "ran").exists() for rank in range(8)}
+    assert ran[1] and not any(ran[rank] for rank in range(4, 8)), ran
     assert _wait_for(lambda: all(r.terminal for r in client.peek("job").ranks), 5)
     ends = [r.end for r in client.peek("job").ranks if r.rank in (0, 2, 3)]
     assert fail_end is not None and max(e for e in ends if e) - fail_end < 1.0

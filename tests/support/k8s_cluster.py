@@ -393,8 +393,12 @@ def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
     """Run the test modules that use the cluster last, in their order: the local cluster is then up only
-    for them (started by the first, stopped at the session's end)."""
+    for them (started by the first, stopped at the session's end). Their tests are marked ``k8s``
+    (``make integration`` runs them apart from the rest: a 64-pod gang's execs need the machine's cores)."""
     uses = {item.path for item in items if "k8s" in getattr(item, "fixturenames", ())}
+    for item in items:
+        if item.path in uses:
+            item.add_marker(pytest.mark.k8s)
     if uses:
         items[:] = [i for i in items if i.path not in uses] + [i for i in items if i.path in uses]
 
