@@ -12,11 +12,11 @@ from airflow_provider_sky.spec.common import (
     SpecError,
     _type_name,
 )
+from airflow_provider_sky.spec.storage import is_storage_dict
 from airflow_provider_sky.spec.task import (
     TaskSpec,
     is_bucket_source,
     parse_task,
-    storage_copy_source,
 )
 
 # ---------------------------------------------------------------------------------------------------------
@@ -47,11 +47,25 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _mount_source(src: object) -> str | None:
-    """The path a mount copies from: a string, or a SkyPilot storage mapping in COPY mode."""
+def _resolve_mount(src: object, base_dir: str) -> object:
+    """A mount with its local source resolved beside the file: a string, or a storage mapping's
+    ``source`` (one path, or a list of them)."""
     if isinstance(src, str) and src.strip():
-        return src.strip()
-    return storage_copy_source(src)
+        return _resolve_local(src.strip(), base_dir)
+    if not is_storage_dict(src):
+        return src
+    assert isinstance(src, Mapping)
+    source = src.get("source")
+    if isinstance(source, str) and source.strip():
+        return {**src, "source": _resolve_local(source.strip(), base_dir)}
+    if isinstance(source, list):
+        return {
+            **src,
+            "source": [
+                _resolve_local(s.strip(), base_dir) if isinstance(s, str) and s.strip() else s for s in source
+            ],
+        }
+    return src
 
 
 def _resolve_local(path: str, base_dir: str) -> str:
@@ -135,10 +149,7 @@ def load_task_yaml(
         data["workdir"] = _resolve_local(str(data["workdir"]).strip(), base_dir)
     mounts = data.get("file_mounts")
     if isinstance(mounts, Mapping):
-        data["file_mounts"] = {
-            dest: _resolve_local(found, base_dir) if (found := _mount_source(src)) else src
-            for dest, src in mounts.items()
-        }
+        data["file_mounts"] = {dest: _resolve_mount(src, base_dir) for dest, src in mounts.items()}
     try:
         return parse_task(data, overrides=overrides)
     except SpecError as err:

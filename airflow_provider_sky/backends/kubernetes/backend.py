@@ -165,6 +165,8 @@ class KubernetesBackend(Backend):
             max_nodes=1000,
             supported_resources=frozenset({"cpus", "memory", "accelerators", "labels", "image_id", "cloud"}),
             clouds=frozenset({"kubernetes", "k8s"}),
+            supports_fuse_mounts=False,
+            no_fuse_why="its pods are not privileged and have no /dev/fuse for a FUSE mount",
         )
         self._cfg: Any = None
         self._rest: Any = None
