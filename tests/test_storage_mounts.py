@@ -15,7 +15,7 @@ import pytest
 
 from airflow_provider_sky.hooks.aws import s3_access
 from airflow_provider_sky.jobs import GangClient
-from airflow_provider_sky.spec import SpecError, check_backend, fill_at_launch, load_task_yaml
+from airflow_provider_sky.spec import SpecError, check_backend, fill_at_launch, load_task_yaml, task_from_args
 from airflow_provider_sky.spec.capabilities import BackendCapabilities
 from airflow_provider_sky.spec.storage import StorageMount
 from airflow_provider_sky.storage import S3Access
@@ -256,3 +256,32 @@ def test_kubernetes_refuses_a_bucket_mount_before_provisioning_but_copies() -> N
         SpecError, match=r"file_mounts\./d: the kubernetes backend cannot mount bucket s3://bkt"
     ):
         check_backend(task_from_args(run="true", file_mounts={"/d": {"name": "bkt", "mode": "MOUNT"}}), caps)
+
+
+def test_the_hook_reaches_the_bucket_through_the_aws_default_connection(
+    sky_home: Path, moto: MotoEC2, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the cluster task does: SkyHook.sync_files with the S3 credentials of the ``aws_default``
+    connection (an AIRFLOW_CONN_ variable, as a deployment sets it), none of them on the node."""
+    import json
+
+    from airflow_provider_sky.hooks.sky import SkyHook
+
+    s3 = _s3(moto)
+    s3.create_bucket(Bucket="hook-bkt")
+    s3.put_object(Bucket="hook-bkt", Key="cfg/app.yaml", Body=b"k: v\n")
+    conn = {
+        "conn_type": "aws",
+        "login": KEY_ID,
+        "password": SECRET,
+        "extra": {"region_name": REGION, "endpoint_url": moto.url},
+    }
+    monkeypatch.setenv("AIRFLOW_CONN_AWS_DEFAULT", json.dumps(conn))
+    hook = SkyHook()
+    spec = task_from_args(run="cat ~/cfg/app.yaml", file_mounts={"~/cfg": "s3://hook-bkt/cfg"})
+    hook.check(spec)
+    handle = hook.provision("h", spec)
+    hook.sync_files(handle, spec)
+    assert (Path(handle.nodes[0].home) / "cfg" / "app.yaml").read_bytes() == b"k: v\n"
+    assert not _files_holding(sky_home, SECRET.encode())
+    hook.teardown("h", force=True)
