@@ -22,6 +22,7 @@ from airflow_provider_sky.storage import S3Access
 from aws_fixtures import moto  # noqa: F401 (fixture)
 from gangs import local_gang, wait_done
 from moto_ec2 import REGION, MotoEC2
+from sshd import SSHDCluster, needs_sshd
 
 #: distinctive credentials, so a leak of either is found by a plain search
 KEY_ID, SECRET = "AKIASKYSTORAGETEST01", "s3cr3t-storage-test-value-0123456789"
@@ -285,3 +286,33 @@ def test_the_hook_reaches_the_bucket_through_the_aws_default_connection(
     assert (Path(handle.nodes[0].home) / "cfg" / "app.yaml").read_bytes() == b"k: v\n"
     assert not _files_holding(sky_home, SECRET.encode())
     hook.teardown("h", force=True)
+
+
+@needs_sshd
+def test_s3_copy_onto_ssh_hosts(moto: MotoEC2, tmp_path: Path) -> None:
+    """The same COPY through real sshd hosts (SFTP-less: the script on the SSH channel's stdin)."""
+    from airflow_provider_sky.backends.ssh import SSHBackend
+    from airflow_provider_sky.runners import ssh
+
+    s3 = _s3(moto)
+    s3.create_bucket(Bucket="ssh-bkt")
+    s3.put_object(Bucket="ssh-bkt", Key="d/x.txt", Body=b"over ssh")
+    with SSHDCluster(2, tmp_path) as c:
+        b = SSHBackend(
+            c.host_list(),
+            user="",
+            key_file=c.client_key_path,
+            known_hosts=c.known_hosts_path,
+            connect_timeout=5.0,
+            ready_timeout=5.0,
+        )
+        spec = task_from_args(num_nodes=2, run="cat ~/d/x.txt", file_mounts={"~/d": "s3://ssh-bkt/d"})
+        handle = b.provision("s", spec)
+        try:
+            b.sync_files(handle, spec, _access(moto))
+            for node in handle.nodes:
+                res = b.runner(node).run_script("cat ~/d/x.txt")
+                assert res.returncode == 0 and res.stdout == b"over ssh", res
+        finally:
+            b.terminate("s")
+            ssh.close_all()
