@@ -44,6 +44,7 @@ CLOUD_ONLY = (
     "pool",  # SkyPilot's managed-job worker pools
     "resources.accelerator_args",  # TPU runtime versions
     "resources.job_recovery",  # the managed-jobs controller
+    "config.gcp",  # GCP settings (managed instance groups)
 )
 #: clouds no backend of this provider offers: a task that asks for one of them only is cloud-only
 OTHER_CLOUDS = (

@@ -27,6 +27,7 @@ from airflow_provider_sky.spec.common import (
     _type_name,
     looks_secret,
 )
+from airflow_provider_sky.spec.config import parse_config
 from airflow_provider_sky.spec.resources import (
     Resources,
     _alias_gpus,
@@ -234,6 +235,9 @@ class TaskSpec:
     #: file mounts as written that use an env left null (``name: ${BUCKET}``): parsed by
     #: :func:`fill_at_launch` once the value is given (nothing is provisioned before)
     mounts_at_launch: dict[str, object] = field(default_factory=dict)
+    #: what SkyPilot's ``config: {kubernetes: {pod_config}, docker: {run_options}}`` merges into every pod
+    #: (the kubernetes backend's; the other backends make no pods)
+    pod_config: dict[str, Any] = field(default_factory=dict)
     #: SkyPilot's alternatives (``any_of`` / ``ordered`` / several accelerators), in the order written, when
     #: there are two or more; ``resources`` is then the first. Empty: ``resources`` is the only choice.
     alternatives: tuple[Resources, ...] = ()
@@ -308,6 +312,8 @@ class TaskSpec:
             out["secrets"] = secrets
         if self.result_file is not None:
             out["result_file"] = self.result_file
+        if self.pod_config:
+            out["config"] = {"kubernetes": {"pod_config": self.pod_config}}
         return out
 
     def redacted(self, text: str) -> str:
@@ -410,7 +416,8 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
     if overrides is not None and not isinstance(overrides, Mapping):
         raise SpecError("overrides", f"must be a mapping of task keys, got {_type_name(overrides)}")
     ignored = tuple((key, why) for key, why in IGNORED_TOP.items() if obj.get(key) is not None)
-    obj = {k: v for k, v in obj.items() if k not in IGNORED_TOP}  # nothing of it is kept
+    config = obj.get("config")  # SkyPilot's task-level config: the YAML's only, no override
+    obj = {k: v for k, v in obj.items() if k not in IGNORED_TOP and k != "config"}  # nothing of it is kept
     _check_keys("", obj, TOP_LEVEL_KEYS, _SKYPILOT_ONLY_TOP)
     if overrides:
         _check_keys("", overrides, TOP_LEVEL_KEYS, _SKYPILOT_ONLY_TOP)
@@ -463,6 +470,7 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         no_mounts,
     )
     result_file = attempt(lambda: _parse_result_file(data.get("result_file")), None)
+    pod_config: dict[str, Any] = attempt(lambda: parse_config(config), {})
     if problems:
         raise _all_of(problems)
     return TaskSpec(
@@ -478,6 +486,7 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         file_mounts=file_mounts,
         storage=storage,
         mounts_at_launch=mounts_at_launch,
+        pod_config=pod_config,
         unset_envs=unset_envs,
         unset_secrets=unset_secrets,
         ignored=ignored,

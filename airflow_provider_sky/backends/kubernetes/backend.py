@@ -47,6 +47,7 @@ from airflow_provider_sky.backends.kubernetes.manifest import (
     cluster_selector,
     dns_name,
     head_name,
+    owned_problems,
     pod_manifest,
 )
 from airflow_provider_sky.backends.kubernetes.pods import ROLES, UNSCHEDULABLE_GRACE, PodState, pod_state
@@ -285,6 +286,7 @@ class KubernetesBackend(Backend):
                         f"the kubernetes backend makes it a pod label, whose value is at most 63 letters, "
                         f"digits, '.', '_' or '-', starting and ending with a letter or digit; got {value!r}"
                     )
+        problems.update(owned_problems(spec.pod_config))
         return list(problems.items())
 
     def _gpu_labels(self) -> set[str] | None:
