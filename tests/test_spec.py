@@ -1473,14 +1473,13 @@ def test_ports_forms(ports: object, expected: tuple[str, ...]) -> None:
     assert parse_task(_res(ports=ports)).resources.ports == expected
 
 
-def test_ports_run_on_local_and_ssh_and_are_not_yet_supported_on_kubernetes() -> None:
+def test_ports_are_refused_naming_why_by_a_backend_without_them() -> None:
     spec = parse_task(_res(ports=[8080, "9000-9001"]))
     check_backend(spec, SSH)
     with pytest.raises(SpecError) as info:
-        check_backend(spec, K8S)
+        check_backend(spec, K8S)  # this test's K8S capabilities list no ports
     assert info.value.field == "resources.ports"
     assert "cannot honour ports (8080,9000-9001)" in info.value.message
-    assert "not yet supported on this backend" in info.value.message
 
 
 def test_disk_and_network_tiers_are_accepted_and_named_as_ignored() -> None:
@@ -1602,20 +1601,16 @@ def test_a_file_with_one_task_and_empty_documents_loads(tmp_path: Path) -> None:
 
 
 def test_each_backend_does_with_ports_and_tiers_what_the_readme_says() -> None:
-    """The README's table: ports run on local and SSH (nothing to open), are refused for now on Kubernetes
-    and EC2, naming the field; disk_tier / network_tier are accepted everywhere, each named as ignored."""
+    """Ports run on every backend: nothing to open on local and SSH, a Service on Kubernetes, a
+    security-group rule on EC2 (tests/test_ports.py); disk_tier / network_tier are accepted everywhere,
+    each named as ignored."""
     from benchmarks.compat import capabilities
 
     spec = parse_task(_res(ports=8080, disk_tier="best", network_tier="best"))
     caps = capabilities()
     assert set(caps) == {"local", "ssh", "kubernetes", "aws"}
-    for kind in ("local", "ssh"):
+    for kind in ("local", "ssh", "kubernetes", "aws"):
         check_backend(spec, caps[kind])
-    for kind in ("kubernetes", "aws"):
-        with pytest.raises(SpecError) as info:
-            check_backend(spec, caps[kind])
-        assert info.value.field == "resources.ports"
-        assert "not yet supported on this backend" in info.value.message
     from airflow_provider_sky.spec import ignored_resources
 
     for c in caps.values():

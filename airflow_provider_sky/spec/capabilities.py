@@ -45,8 +45,7 @@ _WHY_NOT = {
     "zone": "it does not choose where machines are",
     "image_id": "it runs commands on the machines as they are; images are run by the kubernetes backend "
     "(a skykubernetes connection)",
-    "ports": "opening ports is not yet supported on this backend (the Kubernetes Service / EC2 "
-    "security-group rule is a later step); reach the port from inside the cluster or open it yourself",
+    "ports": "it opens no ports; reach the port from inside the cluster or open it yourself",
 }
 
 #: fields a backend that cannot give them ignores with a warning at launch (SkyPilot treats them as

@@ -184,6 +184,42 @@ def pod_manifest(cluster: str, index: int, spec: TaskSpec, opts: PodOptions) -> 
     return merge_patch(pod, spec.pod_config) if spec.pod_config else pod
 
 
+#: at most this many ports in one Service (a range counts each of its ports)
+MAX_SERVICE_PORTS = 100
+
+
+def port_numbers(ports: tuple[str, ...]) -> list[int]:
+    """SkyPilot's ``ports`` (``"8080"``, ``"10000-10010"``) as the port numbers, in order, once each."""
+    out: list[int] = []
+    for port in ports:
+        low, _, high = str(port).partition("-")
+        for number in range(int(low), int(high or low) + 1):
+            if number not in out:
+                out.append(number)
+    return out
+
+
+def service_manifest(cluster: str, ports: list[int], head_uid: str) -> dict[str, Any]:
+    """The cluster's Service: the head pod's ``ports`` at a stable name, ``<head pod>.<namespace>.svc``.
+    Owned by the head pod, so Kubernetes deletes it with the pod (teardown, or a failed provision)."""
+    head = head_name(cluster)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": head,
+            "labels": {CLUSTER_LABEL: dns_name(cluster)},
+            "annotations": {NAME_ANNOTATION: cluster},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": head, "uid": head_uid}],
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {CLUSTER_LABEL: dns_name(cluster), ROLE_LABEL: "head"},
+            "ports": [{"name": f"port-{p}", "port": p, "targetPort": p, "protocol": "TCP"} for p in ports],
+        },
+    }
+
+
 #: (path in the pod, why) for what the backend sets and a pod_config may not change
 _OWNED: tuple[tuple[tuple[str | int, ...], str], ...] = (
     (("apiVersion",), "the backend makes v1 Pods"),
