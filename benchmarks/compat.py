@@ -2,7 +2,8 @@
 
 ``make compat`` (= ``.venv/bin/python -m benchmarks.compat``) reads every file of the corpus in
 ``../shared/skypilot-corpus/`` (SkyPilot's ``examples/`` and ``llm/`` task YAMLs, with ``index.tsv`` naming
-each file's origin and kind), loads each with :func:`load_task_yaml` as a user would, and checks each
+each file's origin and kind), loads each with :func:`load_task_yaml` as a user would (a multi-document
+file with ``load_pipeline_yaml``, as ``sky_pipeline`` does), and checks each
 loaded task against every backend's capabilities (nothing is launched). It prints:
 
 - per kind of file (task, service, pool, multi-doc): loaded, refused, crashed;
@@ -31,8 +32,9 @@ from typing import Any
 
 from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.backends.registry import by_kind
-from airflow_provider_sky.spec import BackendCapabilities, SpecError, load_task_yaml
+from airflow_provider_sky.spec import BackendCapabilities, SpecError, load_task_yaml, parse_task
 from airflow_provider_sky.spec.capabilities import check_backend
+from airflow_provider_sky.spec.yamlfile import load_pipeline_yaml
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO.parent / "shared" / "skypilot-corpus"
@@ -148,7 +150,11 @@ def measure(corpus: Path) -> dict[str, Any]:
         path = corpus / name
         entry: dict[str, Any] = {"origin": origin, "kind": kind, "file": name}
         try:
-            spec = load_task_yaml(path)
+            if kind == "multi-doc":  # a pipeline: sky_pipeline's loader, each task checked
+                _, tasks = load_pipeline_yaml(path)
+                specs = [parse_task(t) for t in tasks]
+            else:
+                specs = [load_task_yaml(path)]
         except SpecError as exc:
             entry.update(
                 outcome="refused",
@@ -164,11 +170,13 @@ def measure(corpus: Path) -> dict[str, Any]:
             entry["outcome"] = "loaded"
             runs = {}
             for backend, c in caps.items():
-                try:
-                    check_backend(spec, c)
-                    runs[backend] = ""
-                except SpecError as exc:
-                    runs[backend] = f"{exc.field}: {exc.message}"[:200]
+                runs[backend] = ""
+                for spec in specs:
+                    try:
+                        check_backend(spec, c)
+                    except SpecError as exc:
+                        runs[backend] = f"{exc.field}: {exc.message}"[:200]
+                        break
             entry["backends"] = runs
         files.append(entry)
     return {"corpus": str(corpus), "files": files, "backends": sorted(caps)}
