@@ -8,6 +8,7 @@ from typing import Any
 
 from airflow.sdk import TaskGroup
 
+from airflow_provider_sky.operators._spec import default_cluster_name
 from airflow_provider_sky.spec import SpecError
 from airflow_provider_sky.spec.yamlfile import load_pipeline_yaml
 from airflow_provider_sky.taskgroup import SkyGangGroup, check_gang_arguments, sky_gang
@@ -22,7 +23,9 @@ def sky_pipeline(
     the one before it succeeded (its gang sensor), so a failed task stops the pipeline there, as
     ``sky jobs launch`` of a pipeline does. ``group_id``: the pipeline's ``name:`` (else ``pipeline``);
     each gang's group is its task's ``name`` (else ``task<i>``). ``gang_args`` go to every
-    :func:`sky_gang` (``sky_conn_id``, ``retries``, ``down`` ...); each gang makes its own cluster."""
+    :func:`sky_gang` (``sky_conn_id``, ``retries``, ``down`` ...). Each task has its own cluster, named
+    after the DAG and the task's group (not the run): runs of the DAG at the same time share it, each
+    with its lease, as gangs given one ``cluster_name`` do."""
     if "task_config" in gang_args or "cluster_name" in gang_args:
         raise SpecError(
             "sky_pipeline",
@@ -32,6 +35,9 @@ def sky_pipeline(
     check_gang_arguments("sky_pipeline", gang_args)
     name, tasks = load_pipeline_yaml(task_yaml)
     outer = TaskGroup(group_id=group_id or _GROUP_ID.sub("-", name or "pipeline"))
+    dag = outer.dag
+    if dag is None:
+        raise SpecError("sky_pipeline", "call it inside a DAG (with DAG(...): sky_pipeline(...))")
     previous: SkyGangGroup | None = None
     seen: set[str] = set()
     with outer:
@@ -40,7 +46,10 @@ def sky_pipeline(
             if gid in seen:
                 gid = f"{gid}-{i + 1}"
             seen.add(gid)
-            gang = sky_gang(group_id=gid, task_config=task, **gang_args)
+            # a cluster per task: the DAG's default name is one per run, which every gang would share;
+            # runs of the DAG at once share a task's cluster, each with its lease (sky_gang's cluster_name)
+            cluster = default_cluster_name(dag.dag_id, f"sky_pipeline:{outer.group_id}.{gid}")
+            gang = sky_gang(group_id=gid, task_config=task, cluster_name=cluster, **gang_args)
             if previous is not None:
                 previous.sensor >> gang  # after the previous gang succeeded (not merely after its teardown)
             previous = gang

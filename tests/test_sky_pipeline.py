@@ -19,14 +19,18 @@ def _db(airflow_db: Path) -> None:
     """dag.test() needs the metadata DB."""
 
 
-def _run(dag_id: str) -> tuple[Any, dict[tuple[str, int], Any]]:
+def _module() -> Any:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("sky_test_sky_pipeline", DAGS / "sky_test_sky_pipeline.py")
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    dr = getattr(mod, dag_id).test()
+    return mod
+
+
+def _run(dag_id: str) -> tuple[Any, dict[tuple[str, int], Any]]:
+    dr = getattr(_module(), dag_id).test()
     return dr, {(ti.task_id, ti.map_index): ti for ti in dr.get_task_instances()}
 
 
@@ -44,6 +48,15 @@ def test_a_job_group_is_not_a_pipeline(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="a SkyPilot job group") as info:
         load_pipeline_yaml(path)
     assert info.value.field.endswith(": execution")
+
+
+def test_each_task_has_its_own_cluster() -> None:
+    """The DAG's default cluster is one per run: a second gang there would meet the first one's cluster
+    (of another size) when it starts before the first one's teardown ran (dag.test's order did that)."""
+    dag = _module().sky_test_pipeline_ok
+    names = {t: dag.get_task(f"two-steps.{t}.cluster").cluster_name for t in ("prep", "train")}
+    assert names["prep"] != names["train"]
+    assert dag.get_task("two-steps.train.down").cluster_name == names["train"]
 
 
 def test_the_second_task_runs_after_the_first_succeeded() -> None:
