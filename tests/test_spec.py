@@ -1570,7 +1570,7 @@ def test_provisioning_refuses_a_value_never_given(tmp_path: Path) -> None:
             [
                 "has 3 YAML documents",
                 "a SkyPilot pipeline (2 tasks, run one after another: a, b)",
-                "not supported yet",
+                "load it with sky_pipeline(",
             ],
         ),
         (
