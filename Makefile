@@ -23,7 +23,8 @@ install: $(UV)
 # The UI test (tests/e2e/test_ui_browser.py) drives Debian's chromium through its chromedriver (chromium-driver):
 # nothing downloads a browser.
 SYSTEM_DEPS := sshd=openssh-server ssh-keygen=openssh-client pdsh=pdsh setsid=util-linux ps=procps useradd=passwd \
-  pg_ctlcluster=postgresql redis-server=redis-server chromium=chromium chromedriver=chromium-driver
+  pg_ctlcluster=postgresql redis-server=redis-server chromium=chromium chromedriver=chromium-driver \
+  rclone=rclone fusermount3=fuse3
 # 1: a tool that cannot be installed is an error (CI); else the SSH tests are skipped and the run says so
 SYSTEM_DEPS_STRICT ?=
 

@@ -32,6 +32,7 @@ __all__ = [
     "SkyError",
     "SpecError",
     "StatusParseError",
+    "StorageError",
     "UnknownHostKey",
 ]
 
@@ -48,6 +49,8 @@ class SpecError(SkyError, ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
         self.field = field
         self.message = message
 
@@ -162,3 +165,12 @@ class AgentUnreachable(AgentError):
 
 class ResultError(SkyError):
     """The gang succeeded but its result cannot be had (too big, file missing, node unreachable)."""
+
+
+class StorageError(SkyError):
+    """A bucket could not be copied or mounted: ``field`` is the ``file_mounts`` entry."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message

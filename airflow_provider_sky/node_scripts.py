@@ -619,6 +619,12 @@ roots=''
 seen=' '
 for root in "$@"; do
   roots="$roots$root$nl"
+  # bucket mounts first (lazily: a busy one is detached at once): a delete through one would empty it
+  if [ -f "$root/mounts" ]; then
+    while IFS= read -r m; do
+      [ -n "$m" ] && { fusermount3 -u -z "$m" || fusermount -u -z "$m" || umount -l "$m"; } >/dev/null 2>&1
+    done < "$root/mounts"
+  fi
   if [ -f "$root/keeper.pid" ] && read -r kp < "$root/keeper.pid"; then
     case "$seen" in *" $kp "*) continue;; esac
     seen="$seen$kp "
@@ -726,6 +732,11 @@ while :; do
   for r in "$@"; do
     [ -f "$r/idle_kill" ] && read -r ik < "$r/idle_kill"
     [ -f "$r/idle_off" ] && off=$(cat "$r/idle_off")
+    if [ -f "$r/mounts" ]; then
+      while IFS= read -r m; do
+        [ -n "$m" ] && { fusermount3 -u -z "$m" || fusermount -u -z "$m" || umount -l "$m"; } >/dev/null 2>&1
+      done < "$r/mounts"
+    fi
     if [ -f "$r/idle_rm" ]; then while read -r p; do [ -n "$p" ] && rm -rf "$p"; done < "$r/idle_rm"; fi
     rm -rf "$r"
   done

@@ -2,13 +2,15 @@
 
 ``make compat`` (= ``.venv/bin/python -m benchmarks.compat``) reads every file of the corpus in
 ``../shared/skypilot-corpus/`` (SkyPilot's ``examples/`` and ``llm/`` task YAMLs, with ``index.tsv`` naming
-each file's origin and kind), loads each with :func:`load_task_yaml` as a user would, and checks each
+each file's origin and kind), loads each with :func:`load_task_yaml` as a user would (a multi-document
+file with ``load_pipeline_yaml``, as ``sky_pipeline`` does), and checks each
 loaded task against every backend's capabilities (nothing is launched). It prints:
 
 - per kind of file (task, service, pool, multi-doc): loaded, refused, crashed;
 - the refusals grouped by the field named in the error, each group marked ``cloud-only`` (a feature only
-  a cloud service has: SkyServe pools, TPUs, another cloud) or ``could run`` (a gang on some backend could
-  honour it), with how many files each blocks and one example message;
+  a cloud service has: SkyServe pools, TPUs, another cloud or its object store), ``to fill in`` (the example
+  leaves a bucket name for its user to write, which SkyPilot needs as well) or ``could run`` (a gang on
+  some backend could honour it), with how many files each blocks and one example message;
 - per backend: how many of the loaded tasks it can run as they are.
 
 A file that makes the loader raise anything but a ``SpecError`` is a crash (a bug). The result is also
@@ -30,8 +32,9 @@ from typing import Any
 
 from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.backends.registry import by_kind
-from airflow_provider_sky.spec import BackendCapabilities, SpecError, load_task_yaml
+from airflow_provider_sky.spec import BackendCapabilities, SpecError, load_task_yaml, parse_task
 from airflow_provider_sky.spec.capabilities import check_backend
+from airflow_provider_sky.spec.yamlfile import load_pipeline_yaml
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO.parent / "shared" / "skypilot-corpus"
@@ -43,6 +46,7 @@ CLOUD_ONLY = (
     "pool",  # SkyPilot's managed-job worker pools
     "resources.accelerator_args",  # TPU runtime versions
     "resources.job_recovery",  # the managed-jobs controller
+    "config.gcp",  # GCP settings (managed instance groups)
 )
 #: clouds no backend of this provider offers: a task that asks for one of them only is cloud-only
 OTHER_CLOUDS = (
@@ -96,15 +100,28 @@ def capabilities() -> dict[str, BackendCapabilities]:
     return caps
 
 
+#: what a refusal of a file mount says when the bucket is on another cloud's object store
+OTHER_STORE = "this provider fetches and mounts S3 buckets only"
+#: what it says when the example leaves the bucket for the user to name (SkyPilot refuses it as well)
+PLACEHOLDER = ("needs a bucket: give name:", "is not an S3 bucket name")
+
+
 def cloud_only(field: str, message: str) -> bool:
     if any(field == f or field.startswith(f + ".") for f in CLOUD_ONLY):
         return True
     text = message.lower()
+    if "file_mounts" in field and OTHER_STORE in message:
+        return True  # a GCS / OCI / Nebius ... bucket: another cloud's store
     return (
         field.endswith(("cloud", "infra"))
         and any(f"'{c}'" in text or f" {c}" in text for c in OTHER_CLOUDS)
         or ("tpu" in text and "accelerators" in field)
     )
+
+
+def to_fill_in(field: str, message: str) -> bool:
+    """The example leaves a value for its user to write (a bucket name), which SkyPilot needs as well."""
+    return "file_mounts" in field and any(p in message for p in PLACEHOLDER) and OTHER_STORE not in message
 
 
 def group_of(field: str, message: str = "") -> str:
@@ -133,7 +150,11 @@ def measure(corpus: Path) -> dict[str, Any]:
         path = corpus / name
         entry: dict[str, Any] = {"origin": origin, "kind": kind, "file": name}
         try:
-            spec = load_task_yaml(path)
+            if kind == "multi-doc":  # a pipeline: sky_pipeline's loader, each task checked
+                _, tasks = load_pipeline_yaml(path)
+                specs = [parse_task(t) for t in tasks]
+            else:
+                specs = [load_task_yaml(path)]
         except SpecError as exc:
             entry.update(
                 outcome="refused",
@@ -142,17 +163,20 @@ def measure(corpus: Path) -> dict[str, Any]:
                 message=exc.message[:300],
             )
             entry["cloud_only"] = cloud_only(exc.field, exc.message)
+            entry["to_fill_in"] = not entry["cloud_only"] and to_fill_in(exc.field, exc.message)
         except Exception as exc:  # any other exception is a loader bug, counted as such
             entry.update(outcome="crashed", error=f"{type(exc).__name__}: {exc}"[:300])
         else:
             entry["outcome"] = "loaded"
             runs = {}
             for backend, c in caps.items():
-                try:
-                    check_backend(spec, c)
-                    runs[backend] = ""
-                except SpecError as exc:
-                    runs[backend] = f"{exc.field}: {exc.message}"[:200]
+                runs[backend] = ""
+                for spec in specs:
+                    try:
+                        check_backend(spec, c)
+                    except SpecError as exc:
+                        runs[backend] = f"{exc.field}: {exc.message}"[:200]
+                        break
             entry["backends"] = runs
         files.append(entry)
     return {"corpus": str(corpus), "files": files, "backends": sorted(caps)}
@@ -178,10 +202,12 @@ def report(result: dict[str, Any]) -> str:
         f"single-document task files loaded: {tasks['loaded']}/{sum(tasks.values())} = {share:.0%} (goal >= 95%)"
     )
     refused = [f for f in files if f["outcome"] == "refused"]
-    could = [f for f in refused if not f["cloud_only"]]
+    could = [f for f in refused if not f["cloud_only"] and not f.get("to_fill_in")]
+    fill = [f for f in refused if f.get("to_fill_in")]
+    cloud = len(refused) - len(could) - len(fill)
     out.append(
-        f"refused: {len(refused)} files, {len(refused) - len(could)} cloud-only, {len(could)} a backend could honour "
-        "(goal: 0)"
+        f"refused: {len(refused)} files, {cloud} cloud-only, {len(fill)} with a value left for the user to fill "
+        f"in (SkyPilot needs it too), {len(could)} a backend could honour (goal: 0)"
     )
     out.append("")
     out.append("refused, by the field the error names   files  kind of refusal  example")
@@ -189,7 +215,10 @@ def report(result: dict[str, Any]) -> str:
     for f in refused:
         groups[f["group"]].append(f)
     for group, members in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        kinds = {("cloud-only" if m["cloud_only"] else "could run") for m in members}
+        kinds = {
+            ("cloud-only" if m["cloud_only"] else "to fill in" if m.get("to_fill_in") else "could run")
+            for m in members
+        }
         example = members[0]["message"].replace("\n", " ")[:90]
         out.append(f"  {group[:38]:<38} {len(members):>5}  {'/'.join(sorted(kinds)):<15}  {example}")
     crashed = [f for f in files if f["outcome"] == "crashed"]

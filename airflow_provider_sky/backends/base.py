@@ -17,6 +17,7 @@ The functions below change a record (a plain dict); each backend applies them un
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -44,8 +45,21 @@ from airflow_provider_sky.spec import (
     unset_error,
 )
 from airflow_provider_sky.spec.nodes import existing_cluster, num_nodes_problem
+from airflow_provider_sky.storage import (
+    S3Access,
+    StorageError,
+    fetch_scripts,
+    mount_args,
+    mount_script,
+    needs_storage,
+    node_path,
+    prepare_mount,
+    presigned_copy,
+    redact,
+)
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 #: nodes copied to at once by ``sync_files``
 SYNC_PARALLEL = 16
 
@@ -245,22 +259,55 @@ class Backend(ABC):
                     ) from None
             time.sleep(pause)
 
-    def sync_files(self, handle: ClusterHandle, spec: TaskSpec) -> None:
-        """Copy ``workdir`` and local ``file_mounts`` to every node before setup, through each node's
-        runner (a local copy, SFTP, a tar stream over exec), ``SYNC_PARALLEL`` nodes at a time. A failure
-        names the field that asked for the copy."""
-        if not spec.workdir and not spec.file_mounts:
+    def sync_files(self, handle: ClusterHandle, spec: TaskSpec, storage: S3Access | None = None) -> None:
+        """Copy ``workdir`` and ``file_mounts`` to every node before setup, through each node's runner (a
+        local copy, SFTP, a tar stream over exec), ``SYNC_PARALLEL`` nodes at a time; ``s3://`` sources
+        are fetched by each node from presigned URLs, and bucket mounts (``spec.storage``) mounted with
+        rclone (``airflow_provider_sky.storage``), both with ``storage``'s S3 access. A failure names
+        the field that asked for the copy."""
+        if not spec.workdir and not spec.file_mounts and not spec.storage:
             return
         if problems := source_problems(spec):  # checked before provisioning too; a source may go since
             raise problems_error(self.kind, problems)
+        if storage is None and needs_storage(spec.file_mounts, spec.storage):
+            field_name = (
+                [f"file_mounts.{d}" for d, s in spec.file_mounts.items() if s.startswith("s3://")]
+                + [f"file_mounts.{d}" for d in spec.storage]
+            )[0]
+            raise SpecError(
+                field_name,
+                "an S3 bucket needs AWS credentials on the launching side: give the operator an aws "
+                "connection (storage_aws_conn_id, default aws_default) or set the usual AWS_* variables",
+            )
+        # listed and signed once for every node: (field, key, path relative to the node's home or "/")
+        fetches: list[tuple[str, str, str, str]] = []
+        for dest, src in spec.file_mounts.items():
+            if src.startswith("s3://"):
+                assert storage is not None
+                try:
+                    for key, path, url in presigned_copy(storage, src, dest):
+                        fetches.append((f"file_mounts.{dest}", key, path, url))
+                except StorageError as exc:
+                    raise SpecError(f"file_mounts.{dest}", exc.message) from None
+        for dest, mount in spec.storage.items():
+            assert storage is not None
+            try:
+                if prepare_mount(storage, mount) and not mount.persistent:
+                    log.warning(
+                        "file_mounts.%s: bucket %s was created for this task and is kept after teardown "
+                        "(persistent: false is not honoured yet); delete it when done",
+                        dest,
+                        mount.bucket,
+                    )
+            except StorageError as exc:
+                raise SpecError(f"file_mounts.{dest}", exc.message) from None
 
         def one(node: Node) -> None:
             runner = self.runner(node)
             copies = [("workdir", spec.workdir, f"{node.home}/sky_workdir")] if spec.workdir else []
             for dest, src in spec.file_mounts.items():
-                copies.append(
-                    (f"file_mounts.{dest}", src, f"{node.home}/{dest[2:]}" if dest.startswith("~/") else dest)
-                )
+                if not src.startswith("s3://"):
+                    copies.append((f"file_mounts.{dest}", src, node_path(node.home, dest)))
             for field_name, src, target in copies:
                 try:
                     local = str(Path(src).expanduser())
@@ -270,6 +317,40 @@ class Backend(ABC):
                         runner.put_file(local, target)
                 except RunnerError as exc:
                     raise SpecError(field_name, f"copying to {node.ip} failed: {exc}") from None
+            by_field: dict[str, list[tuple[str, str, str]]] = {}
+            for field_name, key, path, url in fetches:
+                by_field.setdefault(field_name, []).append((key, node_path(node.home, path), url))
+            for field_name, items in by_field.items():
+                for script in fetch_scripts(items):
+                    try:
+                        res = runner.run_script(script, timeout=3600)
+                    except RunnerError as exc:
+                        raise SpecError(
+                            field_name, f"fetching the bucket on {node.ip} failed: {exc}"
+                        ) from None
+                    if res.returncode != 0:
+                        raise SpecError(
+                            field_name,
+                            f"fetching the bucket on {node.ip} failed: {res.error_text or res.returncode}",
+                        )
+            for dest, mount in spec.storage.items():
+                assert storage is not None
+                field_name = f"file_mounts.{dest}"
+                args = mount_args(mount, node_path(node.home, dest), node.root)
+                try:
+                    res = runner.run_script(mount_script(storage, mount), args, timeout=120)
+                except RunnerError as exc:
+                    raise SpecError(field_name, f"mounting {mount.url} on {node.ip} failed: {exc}") from None
+                if res.returncode == 3:
+                    raise SpecError(
+                        field_name,
+                        f"{mount.mode} of {mount.url} needs rclone and FUSE on the node, and {node.ip} "
+                        f"has not: {res.error_text.strip()}. Install them on the nodes (Debian/Ubuntu: "
+                        "apt-get install rclone fuse3; in the image for image_id), or use mode: COPY",
+                    )
+                if res.returncode != 0:
+                    why = redact(res.error_text or f"exit code {res.returncode}", storage)
+                    raise SpecError(field_name, f"mounting {mount.url} on {node.ip} failed: {why}")
 
         with ThreadPoolExecutor(min(SYNC_PARALLEL, len(handle.nodes))) as pool:
             list(pool.map(one, handle.nodes))

@@ -69,3 +69,43 @@ def for_another_process(config: Mapping[str, Any]) -> dict[str, Any]:
     if frozen.token:
         plain["aws_session_token"] = frozen.token
     return plain
+
+
+def s3_access(aws_conn: Any | None) -> Any:
+    """S3 for bucket ``file_mounts`` (``airflow_provider_sky.storage.S3Access``): the ``aws`` connection's
+    credentials, region and endpoint as :func:`merge_aws_connection` reads them (the Amazon provider's
+    session factory when it is installed); without a connection, boto3's own chain (``AWS_*`` variables,
+    ``~/.aws``, an instance role)."""
+    import boto3
+    from botocore.config import Config
+
+    from airflow_provider_sky.storage import S3Access
+
+    merged = merge_aws_connection({}, aws_conn) if aws_conn is not None else {}
+    region = merged.get("region_name")
+    endpoint = merged.get("endpoint_url")
+    factory = merged.get("session_factory")
+    if callable(factory):
+        session = factory(region)
+    else:
+        session = boto3.Session(
+            aws_access_key_id=merged.get("login") or None,
+            aws_secret_access_key=merged.get("password") or None,
+            aws_session_token=merged.get("aws_session_token") or None,
+            region_name=region,
+        )
+    region = region or session.region_name or "us-east-1"
+
+    def client() -> Any:
+        return session.client(
+            "s3", region_name=region, endpoint_url=endpoint, config=Config(signature_version="s3v4")
+        )
+
+    def credentials() -> tuple[str, str, str | None]:
+        found = session.get_credentials()
+        if found is None:
+            raise RuntimeError("no AWS credentials found for the bucket mount")
+        frozen = found.get_frozen_credentials()
+        return frozen.access_key, frozen.secret_key, frozen.token
+
+    return S3Access(client=client, credentials=credentials, region=region, endpoint_url=endpoint)

@@ -25,6 +25,7 @@ from airflow_provider_sky.backends.registry import (
 from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.setup_stage import SetupFailed
 from airflow_provider_sky.spec import TaskSpec
+from airflow_provider_sky.storage import needs_storage
 
 __all__ = ["SetupFailed", "SkyHook"]
 
@@ -206,9 +207,25 @@ class SkyHook(BaseHook):
         handle = backend.provision(name, spec.with_resources(choice.resources), holder=holder)
         return with_resources_recorded(handle, choice.resources)
 
+    #: the ``aws`` connection whose credentials reach S3 buckets in ``file_mounts`` (the Amazon
+    #: provider's default id; when it does not exist, boto3's own credential chain)
+    storage_aws_conn_id = "aws_default"
+
+    def storage_access(self) -> Any:
+        """S3 access for bucket ``file_mounts``, from :attr:`storage_aws_conn_id`."""
+        from airflow_provider_sky.hooks.aws import s3_access
+
+        try:
+            conn = self.get_connection(self.storage_aws_conn_id)
+        except AirflowNotFoundException:
+            conn = None
+        return s3_access(conn)
+
     def sync_files(self, handle: ClusterHandle, spec: TaskSpec) -> None:
-        """``workdir`` and ``file_mounts`` to every node, before setup."""
-        self.get_backend().sync_files(handle, spec)
+        """``workdir`` and ``file_mounts`` to every node, before setup (S3 buckets through
+        :meth:`storage_access`)."""
+        storage = self.storage_access() if needs_storage(spec.file_mounts, spec.storage) else None
+        self.get_backend().sync_files(handle, spec, storage)
 
     def teardown(
         self, name: str, grace: float = 3.0, *, holder: str | None = None, force: bool = False

@@ -29,7 +29,12 @@ class BackendCapabilities:
     max_nodes: int
     supported_resources: frozenset[str]
     clouds: frozenset[str]
-    supports_bucket_mounts: bool = False
+    #: ``s3://`` sources copied to the nodes (presigned URLs fetched by each node)
+    supports_bucket_mounts: bool = True
+    #: buckets mounted on the nodes (rclone and FUSE, ``mode: MOUNT`` / ``MOUNT_CACHED``)
+    supports_fuse_mounts: bool = True
+    #: why not, when ``supports_fuse_mounts`` is False
+    no_fuse_why: str = ""
 
 
 #: why a backend that runs on machines it does not choose cannot honour a field (shown with "remove it")
@@ -41,8 +46,7 @@ _WHY_NOT = {
     "zone": "it does not choose where machines are",
     "image_id": "it runs commands on the machines as they are; images are run by the kubernetes backend "
     "(a skykubernetes connection)",
-    "ports": "opening ports is not yet supported on this backend (the Kubernetes Service / EC2 "
-    "security-group rule is a later step); reach the port from inside the cluster or open it yourself",
+    "ports": "it opens no ports; reach the port from inside the cluster or open it yourself",
 }
 
 #: fields a backend that cannot give them ignores with a warning at launch (SkyPilot treats them as
@@ -128,10 +132,20 @@ def spec_problems(spec: TaskSpec, caps: BackendCapabilities) -> list[tuple[str, 
                 problems.append(
                     (
                         f"file_mounts.{dest}",
-                        f"the {caps.name} backend cannot mount bucket {src!r}; copy it in setup "
-                        "(e.g. with aws s3 cp) or pick a backend with bucket mounts",
+                        f"the {caps.name} backend cannot copy bucket {src!r}; copy it in setup "
+                        "(e.g. with aws s3 cp) or pick another backend",
                     )
                 )
+    if not caps.supports_fuse_mounts:
+        for dest, mount in spec.storage.items():
+            problems.append(
+                (
+                    f"file_mounts.{dest}",
+                    f"the {caps.name} backend cannot mount bucket {mount.url} ({mount.mode}): {caps.no_fuse_why}; "
+                    "use mode: COPY (the node gets a copy before setup), or mount it in your image's "
+                    "entrypoint",
+                )
+            )
     return problems
 
 

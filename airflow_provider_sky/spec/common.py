@@ -68,9 +68,7 @@ RESOURCE_KEYS: tuple[str, ...] = (
 ALTERNATIVE_KEYS: tuple[str, ...] = ("any_of", "ordered")
 _ENTRY_KEYS: tuple[str, ...] = tuple(k for k in RESOURCE_KEYS if k not in ALTERNATIVE_KEYS)
 # SkyPilot keys users may copy from existing YAML; named so the error says "unsupported", not "typo".
-_SKYPILOT_ONLY_TOP = frozenset(
-    {"config", "volumes", "pool", "event_callback", "experimental", "inputs", "outputs"}
-)
+_SKYPILOT_ONLY_TOP = frozenset({"volumes", "pool", "event_callback", "experimental", "inputs", "outputs"})
 _SKYPILOT_ONLY_RESOURCES = frozenset(
     {
         "job_recovery",

@@ -27,12 +27,22 @@ from airflow_provider_sky.spec.common import (
     _type_name,
     looks_secret,
 )
+from airflow_provider_sky.spec.config import parse_config
 from airflow_provider_sky.spec.resources import (
     Resources,
     _alias_gpus,
     _overlay,
     _parse_resource_options,
     _resources_to_dict,
+)
+from airflow_provider_sky.spec.storage import (
+    _ENV_REF,
+    StorageMount,
+    bucket_url_problem,
+    env_refs,
+    fill_env_refs,
+    is_storage_dict,
+    parse_storage,
 )
 
 _T = TypeVar("_T")
@@ -90,31 +100,44 @@ def is_bucket_source(source: str) -> bool:
     return bool(_URL.match(source))
 
 
-_STORAGE_KEYS = frozenset({"name", "source", "store", "mode", "persistent", "config"})
-
-
 def storage_copy_source(src: object) -> str | None:
-    """A SkyPilot storage mount in COPY mode with one source (``{source: s3://b/x, mode: COPY}``, any
-    ``name`` / ``store`` / ``persistent`` only say where SkyPilot keeps its copy): the node gets the same
-    files as with the source written as a string, so it is that. None: any other mapping."""
-    if not isinstance(src, Mapping) or not src or not set(src) <= _STORAGE_KEYS:
+    """A SkyPilot storage mount that is a COPY (``{source: s3://b/x, mode: COPY}``, ``{name: b, mode:
+    COPY}``, a local source in COPY mode): the source the node gets the files of, as a string. None: any
+    other mapping (or one that is not valid)."""
+    if not is_storage_dict(src):
         return None
-    mode, source = src.get("mode"), src.get("source")
-    if not (isinstance(mode, str) and mode.strip().upper() == "COPY"):
+    assert isinstance(src, Mapping)
+    try:
+        parsed = parse_storage("file_mounts", src)
+    except SpecError:
         return None
-    return source.strip() if isinstance(source, str) and source.strip() else None
+    return parsed if isinstance(parsed, str) else None
 
 
-def _parse_file_mounts(value: object) -> dict[str, str]:
+def _parse_file_mounts(
+    value: object,
+    envs: Mapping[str, str] | None = None,
+    workdir: bool = False,
+    later: frozenset[str] = frozenset(),
+) -> tuple[dict[str, str], dict[str, StorageMount], dict[str, object]]:
+    """(copies: destination -> local path or bucket URL, mounts: destination -> bucket mounted).
+    ``$VAR`` / ``${VAR}`` anywhere in it are the task's ``envs`` (SkyPilot fills them at parse time); a
+    relative destination is under the directory run starts in (``~/sky_workdir`` with a ``workdir``).
+    A mount that names an env in ``later`` (left null: given at launch) is returned as written, third, and
+    parsed by :func:`fill_at_launch` once the value is there."""
     section = "file_mounts"
     if value is None:
-        return {}
+        return {}, {}, {}
     if not isinstance(value, Mapping):
         raise SpecError(
             section, f"must be a mapping of REMOTE_PATH: LOCAL_PATH_OR_URL, got {_type_name(value)} {value!r}"
         )
+    pending = {d: v for d, v in value.items() if env_refs({d: v}) & later}
+    filled = fill_env_refs({d: v for d, v in value.items() if d not in pending}, envs or {})
+    assert isinstance(filled, Mapping)
     out: dict[str, str] = {}
-    for dest, src in value.items():
+    mounts: dict[str, StorageMount] = {}
+    for dest, src in filled.items():
         where = f"{section}.{dest}"
         if isinstance(dest, str) and (_CONTROL.search(dest) or dest != dest.strip()):
             raise SpecError(
@@ -122,11 +145,26 @@ def _parse_file_mounts(value: object) -> dict[str, str]:
                 f"the destination {dest!r} has a control character (newline, NUL, ...) or spaces at an "
                 "end; write the path alone, e.g. /data or ~/data",
             )
+        if isinstance(dest, str) and (ref := _ENV_REF.search(dest)):
+            name = ref.group(1) or ref.group(2)
+            raise SpecError(
+                where,
+                f"the destination uses ${name}, which envs does not give a value here; set envs: "
+                f"{{{name}: ...}} in the task or pass envs={{'{name}': ...}} (file_mounts are filled when "
+                "the task is loaded)",
+            )
+        if isinstance(dest, str) and dest and not dest.startswith(("/", "~")) and "://" not in dest:
+            # relative: where run starts (SkyPilot's remote workdir, else the home)
+            rel = dest[2:] if dest.startswith("./") else dest
+            if rel and rel not in (".", "./"):
+                dest = ("~/sky_workdir/" if workdir else "~/") + rel
+                where = f"{section}.{dest}"
         if not isinstance(dest, str) or not (dest.startswith("/") or dest.startswith("~/")):
             raise SpecError(
                 where,
-                "the key is the destination on the node and must be an absolute path or start with '~/' "
-                "(e.g. /data or ~/data); the value is the local path or URL",
+                "the key is the destination on the node and must be an absolute path, start with '~/' or "
+                "be relative to where run starts (e.g. /data, ~/data or data); the value is the local path "
+                "or URL",
             )
         if ".." in dest.split("/"):
             raise SpecError(
@@ -134,17 +172,13 @@ def _parse_file_mounts(value: object) -> dict[str, str]:
                 "a '..' segment may not be in a destination: it could leave the node's home (or the "
                 "directory named); write the path without '..', e.g. ~/data or /data",
             )
-        if isinstance(src, Mapping) and src and set(src) <= _STORAGE_KEYS:
-            copied = storage_copy_source(src)
-            if copied is None:
-                raise SpecError(
-                    where,
-                    "is a SkyPilot storage mount ({name, source, store, mode}); storage mounts are not "
-                    "supported yet (mode: COPY with one source is): give the source as a string instead, a "
-                    "local path or a bucket URL such as s3://bucket/path (copied to the node), or copy the "
-                    "data in setup",
-                )
-            src = copied
+        if is_storage_dict(src):
+            assert isinstance(src, Mapping)
+            parsed = parse_storage(where, src)
+            if isinstance(parsed, StorageMount):
+                mounts[dest] = parsed
+                continue
+            src = parsed
         if not isinstance(src, str) or not src.strip():
             raise SpecError(
                 where,
@@ -155,8 +189,10 @@ def _parse_file_mounts(value: object) -> dict[str, str]:
             raise SpecError(
                 where, f"source {src!r} contains a control character (newline, NUL, ...); remove it"
             )
+        if is_bucket_source(src.strip()) and (problem := bucket_url_problem(src.strip())):
+            raise SpecError(where, problem)
         out[dest] = src.strip()
-    return out
+    return out, mounts, pending
 
 
 def source_problems(spec: TaskSpec) -> list[tuple[str, str]]:
@@ -191,7 +227,17 @@ class TaskSpec:
     envs: dict[str, str] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=dict, repr=False)
     workdir: str | None = None
+    #: destination -> what every node gets a copy of before setup: a local path or an ``s3://`` URL
     file_mounts: dict[str, str] = field(default_factory=dict)
+    #: destination -> the S3 bucket mounted there on every node (SkyPilot's ``mode: MOUNT`` /
+    #: ``MOUNT_CACHED`` storage); kept in ``file_mounts`` in :meth:`to_dict`
+    storage: dict[str, StorageMount] = field(default_factory=dict)
+    #: file mounts as written that use an env left null (``name: ${BUCKET}``): parsed by
+    #: :func:`fill_at_launch` once the value is given (nothing is provisioned before)
+    mounts_at_launch: dict[str, object] = field(default_factory=dict)
+    #: what SkyPilot's ``config: {kubernetes: {pod_config}, docker: {run_options}}`` merges into every pod
+    #: (the kubernetes backend's; the other backends make no pods)
+    pod_config: dict[str, Any] = field(default_factory=dict)
     #: SkyPilot's alternatives (``any_of`` / ``ordered`` / several accelerators), in the order written, when
     #: there are two or more; ``resources`` is then the first. Empty: ``resources`` is the only choice.
     alternatives: tuple[Resources, ...] = ()
@@ -225,7 +271,9 @@ class TaskSpec:
         return (
             f"TaskSpec(run={self.run!r}, num_nodes={self.num_nodes!r}, name={self.name!r}, "
             f"resources={self.resources!r}, setup={self.setup!r}, envs={self.envs!r}, secrets={secrets!r}, "
-            f"workdir={self.workdir!r}, file_mounts={self.file_mounts!r}, alternatives={self.alternatives!r}, "
+            f"workdir={self.workdir!r}, file_mounts={self.file_mounts!r}, "
+            + (f"storage={self.storage!r}, " if self.storage else "")
+            + f"alternatives={self.alternatives!r}, "
             f"unset_envs={self.unset_envs!r}, unset_secrets={self.unset_secrets!r}"
             + (f", result_file={self.result_file!r})" if self.result_file else ")")
         )
@@ -244,8 +292,12 @@ class TaskSpec:
             out["resources"] = resources
         if self.workdir is not None:
             out["workdir"] = self.workdir
-        if self.file_mounts:
-            out["file_mounts"] = dict(self.file_mounts)
+        if self.file_mounts or self.storage or self.mounts_at_launch:
+            out["file_mounts"] = {
+                **self.file_mounts,
+                **{k: m.to_dict() for k, m in self.storage.items()},
+                **self.mounts_at_launch,
+            }
         if self.setup is not None:
             out["setup"] = self.setup
         out["run"] = self.run
@@ -260,6 +312,8 @@ class TaskSpec:
             out["secrets"] = secrets
         if self.result_file is not None:
             out["result_file"] = self.result_file
+        if self.pod_config:
+            out["config"] = {"kubernetes": {"pod_config": self.pod_config}}
         return out
 
     def redacted(self, text: str) -> str:
@@ -362,7 +416,8 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
     if overrides is not None and not isinstance(overrides, Mapping):
         raise SpecError("overrides", f"must be a mapping of task keys, got {_type_name(overrides)}")
     ignored = tuple((key, why) for key, why in IGNORED_TOP.items() if obj.get(key) is not None)
-    obj = {k: v for k, v in obj.items() if k not in IGNORED_TOP}  # nothing of it is kept
+    config = obj.get("config")  # SkyPilot's task-level config: the YAML's only, no override
+    obj = {k: v for k, v in obj.items() if k not in IGNORED_TOP and k != "config"}  # nothing of it is kept
     _check_keys("", obj, TOP_LEVEL_KEYS, _SKYPILOT_ONLY_TOP)
     if overrides:
         _check_keys("", overrides, TOP_LEVEL_KEYS, _SKYPILOT_ONLY_TOP)
@@ -409,8 +464,13 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
     workdir = attempt(
         lambda: _opt_str(data.get("workdir"), "workdir", "a local directory synced to every node"), None
     )
-    file_mounts: dict[str, str] = attempt(lambda: _parse_file_mounts(data.get("file_mounts")), {})
+    no_mounts: tuple[dict[str, str], dict[str, StorageMount], dict[str, object]] = ({}, {}, {})
+    file_mounts, storage, mounts_at_launch = attempt(
+        lambda: _parse_file_mounts(data.get("file_mounts"), envs, bool(workdir), frozenset(unset_envs)),
+        no_mounts,
+    )
     result_file = attempt(lambda: _parse_result_file(data.get("result_file")), None)
+    pod_config: dict[str, Any] = attempt(lambda: parse_config(config), {})
     if problems:
         raise _all_of(problems)
     return TaskSpec(
@@ -424,6 +484,9 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         secrets=secrets,
         workdir=workdir,
         file_mounts=file_mounts,
+        storage=storage,
+        mounts_at_launch=mounts_at_launch,
+        pod_config=pod_config,
         unset_envs=unset_envs,
         unset_secrets=unset_secrets,
         ignored=ignored,
@@ -482,6 +545,14 @@ def fill_at_launch(
     err = unset_error(filled)
     if err is not None:
         raise err
+    if spec.mounts_at_launch:  # SkyPilot fills file_mounts from envs (the values given now included)
+        copies, mounts, _ = _parse_file_mounts(spec.mounts_at_launch, envs, bool(spec.workdir))
+        filled = replace(
+            filled,
+            file_mounts={**filled.file_mounts, **copies},
+            storage={**filled.storage, **mounts},
+            mounts_at_launch={},
+        )
     return filled, found
 
 

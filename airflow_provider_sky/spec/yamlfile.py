@@ -12,11 +12,11 @@ from airflow_provider_sky.spec.common import (
     SpecError,
     _type_name,
 )
+from airflow_provider_sky.spec.storage import is_storage_dict
 from airflow_provider_sky.spec.task import (
     TaskSpec,
     is_bucket_source,
     parse_task,
-    storage_copy_source,
 )
 
 # ---------------------------------------------------------------------------------------------------------
@@ -47,17 +47,86 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _mount_source(src: object) -> str | None:
-    """The path a mount copies from: a string, or a SkyPilot storage mapping in COPY mode."""
+def _resolve_mount(src: object, base_dir: str) -> object:
+    """A mount with its local source resolved beside the file: a string, or a storage mapping's
+    ``source`` (one path, or a list of them)."""
     if isinstance(src, str) and src.strip():
-        return src.strip()
-    return storage_copy_source(src)
+        return _resolve_local(src.strip(), base_dir)
+    if not is_storage_dict(src):
+        return src
+    assert isinstance(src, Mapping)
+    source = src.get("source")
+    if isinstance(source, str) and source.strip():
+        return {**src, "source": _resolve_local(source.strip(), base_dir)}
+    if isinstance(source, list):
+        return {
+            **src,
+            "source": [
+                _resolve_local(s.strip(), base_dir) if isinstance(s, str) and s.strip() else s for s in source
+            ],
+        }
+    return src
 
 
 def _resolve_local(path: str, base_dir: str) -> str:
     if is_bucket_source(path) or os.path.isabs(path) or path.startswith("~"):
         return path
     return os.path.normpath(os.path.join(base_dir, path))
+
+
+def _resolved(doc: Mapping[str, object], base_dir: str) -> dict[str, object]:
+    """A task mapping with its relative ``workdir`` and local ``file_mounts`` sources made absolute."""
+    data: dict[str, object] = dict(doc)
+    if isinstance(data.get("workdir"), str) and str(data["workdir"]).strip():
+        data["workdir"] = _resolve_local(str(data["workdir"]).strip(), base_dir)
+    mounts = data.get("file_mounts")
+    if isinstance(mounts, Mapping):
+        data["file_mounts"] = {dest: _resolve_mount(src, base_dir) for dest, src in mounts.items()}
+    return data
+
+
+def load_pipeline_yaml(path: str | os.PathLike[str]) -> tuple[str | None, list[dict[str, object]]]:
+    """A SkyPilot pipeline file (its optional header ``name:``, then one task per document): the name
+    and each task as a mapping with its local paths resolved beside the file, each checked with
+    :func:`parse_task` (an error names the file and the task). A job group (``execution: parallel``) is
+    refused: its tasks run at the same time, not one after another."""
+    where = os.fspath(path)
+    try:
+        with open(where, encoding="utf-8") as fh:
+            docs = [d for d in yaml.load_all(fh.read(), Loader=_StrictLoader) if d is not None]
+    except FileNotFoundError:
+        raise SpecError(where, "pipeline YAML file not found; check the path") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise SpecError(where, f"cannot read the pipeline YAML file ({err})") from None
+    except yaml.YAMLError as err:
+        raise SpecError(where, f"invalid YAML: {err}; fix the syntax at the position shown") from None
+    if not docs or not all(isinstance(d, Mapping) for d in docs):
+        raise SpecError(where, "a pipeline is one task mapping per YAML document ('---' between them)")
+    head = docs[0]
+    name = None
+    if set(head) <= _GROUP_HEADER_KEYS and "run" not in head:
+        if "execution" in head and str(head.get("execution")).lower() != "serial":
+            raise SpecError(
+                f"{where}: execution",
+                f"is {head.get('execution')!r}: a SkyPilot job group, whose tasks run at the same time; "
+                "sky_pipeline runs tasks one after another: give each task its own sky_gang, side by side",
+            )
+        name = str(head["name"]) if head.get("name") is not None else None
+        docs = docs[1:]
+    if not docs:
+        raise SpecError(where, "the pipeline has no task; add one task mapping per YAML document")
+    base_dir = os.path.dirname(os.path.abspath(where))
+    tasks = []
+    for i, doc in enumerate(docs):
+        assert isinstance(doc, Mapping)
+        data = _resolved(doc, base_dir)
+        try:
+            parse_task(data)
+        except SpecError as err:
+            label = doc.get("name") or f"#{i + 1}"
+            raise SpecError(err.field, f"{err.message} (task {label} of {where})") from None
+        tasks.append(data)
+    return name, tasks
 
 
 def _one_document(where: str, text: str, err: yaml.YAMLError) -> object:
@@ -83,9 +152,8 @@ def _one_document(where: str, text: str, err: yaml.YAMLError) -> object:
         )
     else:
         what = (
-            f"a SkyPilot pipeline ({count}, run one after another: {names}); pipelines are not "
-            "supported yet: give each task its own file and chain them in the DAG (a sky_gang per task, "
-            "first >> second)"
+            f"a SkyPilot pipeline ({count}, run one after another: {names}); load it with "
+            f"sky_pipeline({where!r}) (one gang per task, each after the one before succeeded)"
         )
     raise SpecError(where, f"has {len(docs)} YAML documents: it is {what}")
 
@@ -129,16 +197,7 @@ def load_task_yaml(
             f"the YAML document must be a mapping of task keys (run, num_nodes, ...), got {_type_name(doc)}",
         )
 
-    base_dir = os.path.dirname(os.path.abspath(where))
-    data: dict[str, object] = dict(doc)
-    if isinstance(data.get("workdir"), str) and str(data["workdir"]).strip():
-        data["workdir"] = _resolve_local(str(data["workdir"]).strip(), base_dir)
-    mounts = data.get("file_mounts")
-    if isinstance(mounts, Mapping):
-        data["file_mounts"] = {
-            dest: _resolve_local(found, base_dir) if (found := _mount_source(src)) else src
-            for dest, src in mounts.items()
-        }
+    data = _resolved(doc, os.path.dirname(os.path.abspath(where)))
     try:
         return parse_task(data, overrides=overrides)
     except SpecError as err:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import re
 from pathlib import Path
@@ -103,10 +104,10 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
     ("ports word", _res(ports=["http"]), "resources.ports", "got 'http'"),
     ("ports mapping", _res(ports={"a": 1}), "resources.ports", "got dict"),
     (
-        "storage mount",
-        _task(file_mounts={"/data": {"name": "bkt", "mode": "MOUNT"}}),
-        "file_mounts./data",
-        "SkyPilot storage mount ({name, source, store, mode}); storage mounts are not supported yet",
+        "storage mount on another store",
+        _task(file_mounts={"/data": {"name": "bkt", "store": "gcs", "mode": "MOUNT"}}),
+        "file_mounts./data.store",
+        "is 'gcs' (Google Cloud Storage); this provider fetches and mounts S3 buckets only",
     ),
     ("mount source a list", _task(file_mounts={"/data": ["a"]}), "file_mounts./data", "got list"),
     ("resources not mapping", _task(resources="V100"), "resources", "must be a mapping"),
@@ -200,13 +201,18 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
     ("workdir int", _task(workdir=3), "workdir", "non-empty string"),
     ("workdir dict", _task(workdir={"url": "https://x"}), "workdir", "non-empty string"),
     ("file_mounts list", _task(file_mounts=["/a"]), "file_mounts", "must be a mapping"),
-    ("file_mounts relative dest", _task(file_mounts={"data": "./d"}), "file_mounts.data", "absolute path"),
+    (
+        "file_mounts dest env unknown",
+        _task(file_mounts={"/d/$NOPE": "./d"}),
+        "file_mounts./d/$NOPE",
+        "uses $NOPE",
+    ),
     ("file_mounts tilde dest", _task(file_mounts={"~data": "./d"}), "file_mounts.~data", "'~/'"),
     (
-        "file_mounts dict source",
+        "file_mounts storage bucket name too short",
         _task(file_mounts={"/d": {"source": "s3://b"}}),
-        "file_mounts./d",
-        "not supported",
+        "file_mounts./d.source",
+        "'b' is not an S3 bucket name",
     ),
     ("file_mounts empty source", _task(file_mounts={"/d": ""}), "file_mounts./d", "local path or a URL"),
     ("name bad chars", _task(name="my job"), "name", "not a valid task name"),
@@ -539,7 +545,7 @@ def test_load_task_yaml_resolves_relative_paths(tmp_path: Path) -> None:
         "  /data: ../data\n"
         "  /abs: /etc/hosts\n"
         "  ~/home: ~/x\n"
-        "  /bucket: s3://b/p\n"
+        "  /bucket: s3://bkt/p\n"
         "run: echo hi\n"
     )
     spec = load_task_yaml(path)
@@ -548,7 +554,7 @@ def test_load_task_yaml_resolves_relative_paths(tmp_path: Path) -> None:
         "/data": str(tmp_path / "data"),
         "/abs": "/etc/hosts",
         "~/home": "~/x",
-        "/bucket": "s3://b/p",
+        "/bucket": "s3://bkt/p",
     }
 
 
@@ -638,7 +644,12 @@ K8S = BackendCapabilities(
         (_res(infra="aws/us-east-1"), K8S, "resources.cloud", ["'aws'", "kubernetes", "remove cloud/infra"]),
         (_res(infra="k8s/ctx"), LOCAL, "resources.cloud", ["'kubernetes'", "accepts: local"]),
         (_res(infra="k8s/ctx", zone="z"), K8S, "resources.zone", ["cannot honour zone"]),
-        (_task(file_mounts={"/d": "gs://b/x"}), LOCAL, "file_mounts./d", ["bucket", "gs://b/x"]),
+        (
+            _task(file_mounts={"/d": "s3://bkt/x"}),
+            dataclasses.replace(LOCAL, supports_bucket_mounts=False),
+            "file_mounts./d",
+            ["cannot copy bucket", "s3://bkt/x"],
+        ),
     ],
 )
 def test_check_backend_refuses(
@@ -659,7 +670,7 @@ def test_check_backend_refuses(
         (_res(cloud="local", cpus="2+", memory="4", labels={"a": "b"}), LOCAL),
         (_task(file_mounts={"/d": "./local"}), LOCAL),
         (_res(infra="k8s/ctx", accelerators="V100:0.5", image_id="docker:x"), K8S),
-        (_task(num_nodes=64, file_mounts={"/d": "s3://b"}), K8S),
+        (_task(num_nodes=64, file_mounts={"/d": "s3://bkt"}), K8S),
     ],
 )
 def test_check_backend_accepts(task: dict[str, Any], caps: BackendCapabilities) -> None:
@@ -1310,7 +1321,7 @@ def test_every_problem_of_the_task_itself_is_named_in_one_error() -> None:
                 "envs": {"RANK": "1"},
                 "secrets": {"SA_JSON": {"private_key": SECRET}},
                 "resources": {"accelerators": "V100:0"},
-                "file_mounts": {"data": "/tmp"},
+                "file_mounts": {"~data": "/tmp"},
             }
         )
     fields = err.value.field.split(", ")
@@ -1320,7 +1331,7 @@ def test_every_problem_of_the_task_itself_is_named_in_one_error() -> None:
         "secrets.SA_JSON",
         "resources.accelerators",
         "num_nodes",
-        "file_mounts.data",
+        "file_mounts.~data",
     ], err.value
     assert err.value.message.startswith("6 problems in this task: run: required")
     _assert_hidden(str(err.value))
@@ -1433,14 +1444,13 @@ def test_ports_forms(ports: object, expected: tuple[str, ...]) -> None:
     assert parse_task(_res(ports=ports)).resources.ports == expected
 
 
-def test_ports_run_on_local_and_ssh_and_are_not_yet_supported_on_kubernetes() -> None:
+def test_ports_are_refused_naming_why_by_a_backend_without_them() -> None:
     spec = parse_task(_res(ports=[8080, "9000-9001"]))
     check_backend(spec, SSH)
     with pytest.raises(SpecError) as info:
-        check_backend(spec, K8S)
+        check_backend(spec, K8S)  # this test's K8S capabilities list no ports
     assert info.value.field == "resources.ports"
     assert "cannot honour ports (8080,9000-9001)" in info.value.message
-    assert "not yet supported on this backend" in info.value.message
 
 
 def test_disk_and_network_tiers_are_accepted_and_named_as_ignored() -> None:
@@ -1531,7 +1541,7 @@ def test_provisioning_refuses_a_value_never_given(tmp_path: Path) -> None:
             [
                 "has 3 YAML documents",
                 "a SkyPilot pipeline (2 tasks, run one after another: a, b)",
-                "not supported yet",
+                "load it with sky_pipeline(",
             ],
         ),
         (
@@ -1562,20 +1572,16 @@ def test_a_file_with_one_task_and_empty_documents_loads(tmp_path: Path) -> None:
 
 
 def test_each_backend_does_with_ports_and_tiers_what_the_readme_says() -> None:
-    """The table of docs/skypilot-yaml.md: ports run on local and SSH (nothing to open), are refused for now on Kubernetes
-    and EC2, naming the field; disk_tier / network_tier are accepted everywhere, each named as ignored."""
+    """Ports run on every backend: nothing to open on local and SSH, a Service on Kubernetes, a
+    security-group rule on EC2 (tests/test_ports.py); disk_tier / network_tier are accepted everywhere,
+    each named as ignored."""
     from benchmarks.compat import capabilities
 
     spec = parse_task(_res(ports=8080, disk_tier="best", network_tier="best"))
     caps = capabilities()
     assert set(caps) == {"local", "ssh", "kubernetes", "aws"}
-    for kind in ("local", "ssh"):
+    for kind in ("local", "ssh", "kubernetes", "aws"):
         check_backend(spec, caps[kind])
-    for kind in ("kubernetes", "aws"):
-        with pytest.raises(SpecError) as info:
-            check_backend(spec, caps[kind])
-        assert info.value.field == "resources.ports"
-        assert "not yet supported on this backend" in info.value.message
     from airflow_provider_sky.spec import ignored_resources
 
     for c in caps.values():
@@ -1596,9 +1602,12 @@ def test_a_storage_mount_in_copy_mode_is_its_source(tmp_path: Path) -> None:
     )
     spec = load_task_yaml(path)
     assert spec.file_mounts == {"/code": str(tmp_path / "code"), "/data": "s3://bkt/shard"}
-    # a bucket source is then what it is as a string: refused by a backend without bucket mounts
-    with pytest.raises(SpecError, match="cannot mount bucket 's3://bkt/shard'"):
-        check_backend(spec, LOCAL)
-    for mount in ({"source": "s3://b", "mode": "MOUNT"}, {"name": "b", "mode": "COPY"}, {"source": "s3://b"}):
-        with pytest.raises(SpecError, match="storage mounts are not supported yet"):
-            parse_task(_task(file_mounts={"/d": mount}))
+    # a bucket source is then what it is as a string: refused by a backend that cannot copy buckets
+    with pytest.raises(SpecError, match="cannot copy bucket 's3://bkt/shard'"):
+        check_backend(spec, dataclasses.replace(LOCAL, supports_bucket_mounts=False))
+    # a named bucket in COPY mode is that bucket's files; MOUNT (SkyPilot's default mode) is a mount
+    assert parse_task(_task(file_mounts={"/d": {"name": "bkt", "mode": "COPY"}})).file_mounts == {
+        "/d": "s3://bkt"
+    }
+    for mount in ({"source": "s3://bkt", "mode": "MOUNT"}, {"source": "s3://bkt"}):
+        assert parse_task(_task(file_mounts={"/d": mount})).storage["/d"].url == "s3://bkt"

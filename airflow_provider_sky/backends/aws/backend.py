@@ -98,6 +98,7 @@ class AWSBackend(Backend):
                     "cloud",
                     "region",
                     "zone",
+                    "ports",
                 }
             ),
             clouds=frozenset({"aws"}),
@@ -254,6 +255,20 @@ class AWSBackend(Backend):
 
     # -- choosing ------------------------------------------------------------------------------------
 
+    def spec_problems(self, spec: TaskSpec) -> list[tuple[str, str]]:
+        """Ports are opened in the cluster's own security group; groups the connection names are the
+        user's, left as they are."""
+        if self.settings.security_group_ids and any(r.ports for r in spec.resource_choices):
+            return [
+                (
+                    "resources.ports",
+                    "the connection's security_group_ids are used as they are, so the aws backend opens no "
+                    "port in them: open the ports in those groups yourself and remove ports, or leave "
+                    "security_group_ids empty (the cluster then gets its own group with the ports open)",
+                )
+            ]
+        return []
+
     def fit(self, resources: Resources, num_nodes: int, name: str | None = None) -> list[tuple[str, str]]:
         """An instance type of the catalog has what is asked; the region is the connection's."""
         problems: list[tuple[str, str]] = []
@@ -322,7 +337,9 @@ class AWSBackend(Backend):
         for attempt in (1, 2):
             try:
                 if not groups:
-                    groups = made.groups = [api.create_security_group(ec2, name, self.owner, vpc, s.ssh_cidr)]
+                    groups = made.groups = [
+                        api.create_security_group(ec2, name, self.owner, vpc, s.ssh_cidr, res.ports)
+                    ]
                 if not key_name:
                     key_name = api.import_key_pair(ec2, name, self.owner, self.public_key())
                     made.keys = [key_name]

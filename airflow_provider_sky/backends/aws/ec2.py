@@ -266,8 +266,28 @@ def resource_name(name: str) -> str:
     return f"sky-airflow-{name}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 
-def create_security_group(ec2: Any, name: str, owner: str, vpc: str, ssh_cidr: str) -> str:
-    """The cluster's own group: SSH from ``ssh_cidr``, everything between the cluster's nodes."""
+def port_permissions(ports: Iterable[str]) -> list[dict[str, Any]]:
+    """Ingress from anywhere to each of SkyPilot's ``ports`` (``"8080"``, ``"10000-10010"``), as SkyPilot
+    opens them on its cluster's security group."""
+    out = []
+    for port in ports:
+        low, _, high = str(port).partition("-")
+        out.append(
+            {
+                "IpProtocol": "tcp",
+                "FromPort": int(low),
+                "ToPort": int(high or low),
+                "IpRanges": [{"CidrIp": "0.0.0.0/0", "Description": "resources.ports"}],
+            }
+        )
+    return out
+
+
+def create_security_group(
+    ec2: Any, name: str, owner: str, vpc: str, ssh_cidr: str, ports: Iterable[str] = ()
+) -> str:
+    """The cluster's own group: SSH from ``ssh_cidr``, everything between the cluster's nodes, and the
+    task's ``resources.ports`` from anywhere (deleted with the group at teardown)."""
     group_name = resource_name(name)
     try:
         group = ec2.create_security_group(
@@ -286,6 +306,7 @@ def create_security_group(ec2: Any, name: str, owner: str, vpc: str, ssh_cidr: s
             IpPermissions=[
                 {"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22, "IpRanges": [{"CidrIp": ssh_cidr}]},
                 {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group}]},
+                *port_permissions(ports),
             ],
         )
     except Exception as exc:

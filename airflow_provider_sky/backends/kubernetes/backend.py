@@ -15,6 +15,7 @@ the pod.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import re
 import time
@@ -43,11 +44,15 @@ from airflow_provider_sky.backends.kubernetes.config import KubeSettings, parse_
 from airflow_provider_sky.backends.kubernetes.manifest import (
     CLUSTER_LABEL,
     CONTAINER,
+    MAX_SERVICE_PORTS,
     ROLE_LABEL,
     cluster_selector,
     dns_name,
     head_name,
+    owned_problems,
     pod_manifest,
+    port_numbers,
+    service_manifest,
 )
 from airflow_provider_sky.backends.kubernetes.pods import ROLES, UNSCHEDULABLE_GRACE, PodState, pod_state
 from airflow_provider_sky.gang import rank_order
@@ -79,6 +84,9 @@ NEEDED_PERMISSIONS = (
     ("create", "pods", "exec"),
     ("get", "pods", "exec"),
 )
+#: what only some tasks need, granted by docs/kubernetes-rbac.yaml but not asked by the Test button:
+#: the head pod's Service for ``resources.ports`` (a refusal then names the rule)
+OPTIONAL_PERMISSIONS = (("create", "services", None),)
 #: a pod create answered 429 or 5xx is tried this often in all
 CREATE_TRIES = 4
 _POLL = 0.5
@@ -163,8 +171,12 @@ class KubernetesBackend(Backend):
         self.capabilities = BackendCapabilities(
             name="kubernetes",
             max_nodes=1000,
-            supported_resources=frozenset({"cpus", "memory", "accelerators", "labels", "image_id", "cloud"}),
+            supported_resources=frozenset(
+                {"cpus", "memory", "accelerators", "labels", "image_id", "cloud", "ports"}
+            ),
             clouds=frozenset({"kubernetes", "k8s"}),
+            supports_fuse_mounts=False,
+            no_fuse_why="its pods are not privileged and have no /dev/fuse for a FUSE mount",
         )
         self._cfg: Any = None
         self._rest: Any = None
@@ -283,6 +295,13 @@ class KubernetesBackend(Backend):
                         f"the kubernetes backend makes it a pod label, whose value is at most 63 letters, "
                         f"digits, '.', '_' or '-', starting and ending with a letter or digit; got {value!r}"
                     )
+        problems.update(owned_problems(spec.pod_config))
+        for res in spec.resource_choices:
+            if len(port_numbers(res.ports)) > MAX_SERVICE_PORTS:
+                problems["resources.ports"] = (
+                    f"the kubernetes backend opens each port in the cluster's Service, at most "
+                    f"{MAX_SERVICE_PORTS}; got {len(port_numbers(res.ports))}: narrow the ranges"
+                )
         return list(problems.items())
 
     def _gpu_labels(self) -> set[str] | None:
@@ -352,6 +371,8 @@ class KubernetesBackend(Backend):
                 created.append(manifest["metadata"]["name"])
             states = self._wait_running(name, created, spec)
             handle = self._handle(name, states)
+            if spec.resources.ports:
+                handle = self._open_ports(name, spec, handle)
             return self.records(name).update(name, lambda rec: self._lease(rec, handle, name, spec, holder))
         except BaseException:
             self._delete(created, grace=0)
@@ -458,6 +479,31 @@ class KubernetesBackend(Backend):
                     f"pods not running after provision_timeout={self.settings.provision_timeout:g}s: {waiting}"
                 )
             time.sleep(_POLL)
+
+    def _open_ports(self, name: str, spec: TaskSpec, handle: ClusterHandle) -> ClusterHandle:
+        """``resources.ports``: a ClusterIP Service for the head pod, owned by it (deleted with it); its
+        address is in the handle (``extra["service"]``, pushed as XCom with it) and in the log."""
+        from kubernetes.client.rest import ApiException
+
+        ports = port_numbers(spec.resources.ports)
+        head = head_name(name)
+        try:
+            uid = self.core.read_namespaced_pod(head, self.namespace).metadata.uid
+            self.core.create_namespaced_service(self.namespace, service_manifest(name, ports, uid))
+        except ApiException as exc:
+            if exc.status != 409:  # 409: there already (a provision racing this one made it)
+                raise BackendError(
+                    f"resources.ports: creating Service {self.namespace}/{head} was refused ({exc.status}): "
+                    f"{_api_error(exc)}"
+                    + (
+                        "; the connection's Role needs create on services (docs/kubernetes-rbac.yaml)"
+                        if exc.status == 403
+                        else ""
+                    )
+                ) from None
+        address = f"{head}.{self.namespace}.svc"
+        log.info("cluster %s: ports %s open at %s (a ClusterIP Service)", name, ports, address)
+        return dataclasses.replace(handle, extra={**handle.extra, "service": address, "ports": ports})
 
     def _handle(self, name: str, states: list[PodState]) -> ClusterHandle:
         """Head rank 0, workers by IP; each node's home read from its pod."""

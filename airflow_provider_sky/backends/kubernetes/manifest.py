@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from airflow_provider_sky.spec import TaskSpec
+from airflow_provider_sky.spec.config import merge_patch
 
 CLUSTER_LABEL = "sky.airflow/cluster"
 ROLE_LABEL = "sky.airflow/role"
@@ -172,9 +173,88 @@ def pod_manifest(cluster: str, index: int, spec: TaskSpec, opts: PodOptions) -> 
         pod_spec["serviceAccountName"] = opts.service_account
     else:  # else no API token in the pods, where every rank's code could read it
         pod_spec["automountServiceAccountToken"] = False
-    return {
+    pod = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "labels": labels, "annotations": annotations},
         "spec": pod_spec,
     }
+    # SkyPilot's config.kubernetes.pod_config (and docker.run_options), merged as SkyPilot merges it;
+    # what the backend owns was refused before provisioning (owned_problems)
+    return merge_patch(pod, spec.pod_config) if spec.pod_config else pod
+
+
+#: at most this many ports in one Service (a range counts each of its ports)
+MAX_SERVICE_PORTS = 100
+
+
+def port_numbers(ports: tuple[str, ...]) -> list[int]:
+    """SkyPilot's ``ports`` (``"8080"``, ``"10000-10010"``) as the port numbers, in order, once each."""
+    out: list[int] = []
+    for port in ports:
+        low, _, high = str(port).partition("-")
+        for number in range(int(low), int(high or low) + 1):
+            if number not in out:
+                out.append(number)
+    return out
+
+
+def service_manifest(cluster: str, ports: list[int], head_uid: str) -> dict[str, Any]:
+    """The cluster's Service: the head pod's ``ports`` at a stable name, ``<head pod>.<namespace>.svc``.
+    Owned by the head pod, so Kubernetes deletes it with the pod (teardown, or a failed provision)."""
+    head = head_name(cluster)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": head,
+            "labels": {CLUSTER_LABEL: dns_name(cluster)},
+            "annotations": {NAME_ANNOTATION: cluster},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": head, "uid": head_uid}],
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {CLUSTER_LABEL: dns_name(cluster), ROLE_LABEL: "head"},
+            "ports": [{"name": f"port-{p}", "port": p, "targetPort": p, "protocol": "TCP"} for p in ports],
+        },
+    }
+
+
+#: (path in the pod, why) for what the backend sets and a pod_config may not change
+_OWNED: tuple[tuple[tuple[str | int, ...], str], ...] = (
+    (("apiVersion",), "the backend makes v1 Pods"),
+    (("kind",), "the backend makes v1 Pods"),
+    (("metadata", "name"), "the backend names the pods after the cluster (head, worker1, ...)"),
+    (("metadata", "namespace"), "the connection's namespace is where the pods go"),
+    (("metadata", "labels", CLUSTER_LABEL), "the backend finds its pods by it"),
+    (("metadata", "labels", ROLE_LABEL), "the backend finds its pods by it"),
+    (("metadata", "annotations", NAME_ANNOTATION), "the backend finds its clusters by it"),
+    (("spec", "restartPolicy"), "a rank that exits must not be restarted behind the gang's back"),
+    (("spec", "containers", 0, "name"), "the backend runs the ranks in it by name"),
+    (("spec", "containers", 0, "command"), "it is the node's entrypoint (its keeper)"),
+    (("spec", "containers", 0, "args"), "it would change the node's entrypoint (its keeper)"),
+    (("spec", "containers", 0, "image"), "set the image with resources.image_id (docker:IMAGE)"),
+)
+
+
+def owned_problems(patch: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, why) for each part of a pod_config the backend owns: refused before provisioning."""
+    problems = []
+    for path, why in _OWNED:
+        node: Any = patch
+        for step in path:
+            if isinstance(step, int):
+                node = node[step] if isinstance(node, list) and len(node) > step else None
+            else:
+                node = node.get(step) if isinstance(node, dict) else None
+            if node is None:
+                break
+        if node is not None:
+            shown = ".".join(f"[{p}]" if isinstance(p, int) else p for p in path).replace(".[", "[")
+            problems.append(
+                (
+                    f"config.kubernetes.pod_config.{shown}",
+                    f"is the kubernetes backend's own and cannot be set: {why}; remove it",
+                )
+            )
+    return problems

@@ -303,7 +303,7 @@ class LocalBackend(Backend):
                 f"file_mounts.{key}",
                 "the local backend puts file mounts in each node's own home; use a '~/...' destination",
             )
-            for key in spec.file_mounts
+            for key in (*spec.file_mounts, *spec.storage)
             if not key.startswith("~/")
         ]
 
