@@ -231,7 +231,7 @@ class GangClient:
             log.info("A rank of job %s failed during the gang start (the head cancelled the gang)", job_id)
         return words
 
-    async def _agent_status(self, job_id: str) -> AgentStatus | None:
+    async def _agent_status(self, job_id: str, mark: bool = True) -> AgentStatus | None:
         """The gang's status from its head (one call), or None: no agent, or the head does not know
         this job (then the per-node path reads it, from now on)."""
         if job_id in self._per_node_jobs:
@@ -241,7 +241,7 @@ class GangClient:
             return None
         self.agent_calls += 1
         try:
-            return await agent.status(job_id)
+            return await agent.status(job_id, touch=mark)
         except AgentUnreachable as exc:
             self._agent_down(exc)
         except AgentError as exc:
@@ -560,7 +560,7 @@ class GangClient:
         offsets = offsets or {}
         wanted = list(range(self.num_ranks)) if ranks is None else list(ranks)
         started = time.time()
-        found = await self._agent_status(job_id)
+        found = await self._agent_status(job_id, mark)
         if found is not None:
             return await self._agent_poll(found, job_id, offsets, max_log, wanted, started)
         calls = self._calls(job_id, wanted)

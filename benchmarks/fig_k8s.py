@@ -1107,3 +1107,178 @@ def _rows(n: int, got: dict[str, list[Any]], failures: list[str], info: dict[str
         ),
     ]
     return rows
+
+
+# ---------------------------------------------------------------------------------- the node agents
+
+#: the image of the agent figures: busybox + this machine's python3 (k8s-local.sh ``images``)
+PYTHON_IMAGE = "docker.io/library/busybox-python:local"
+#: steady state: how long a running gang is watched while the client's calls are counted
+STEADY = 10.0
+
+
+def _steady_calls(client: Any, n: int, log: Log) -> dict[str, Any]:
+    """Control-plane calls per second while ``watch.watch`` (poll 0.5 s) watches a running gang of quiet
+    ranks, counted on the client: calls to the head agent and per-node (exec) calls."""
+    from airflow_provider_sky.spec import task_from_args
+    from airflow_provider_sky.watch import watch
+
+    job = _job("steady", n)
+    spec = task_from_args(num_nodes=n, run="sleep 10000")
+    try:
+        client.launch(spec, job)
+        counts: dict[str, float] = {}
+
+        async def go() -> None:
+            polls = 0
+            a0 = n0 = t0 = None
+            async for _ in watch(client, job, poll_interval=POLL, grace=GRACE):
+                polls += 1
+                if polls == 3:  # past the first polls (the logs' first lines)
+                    a0, n0, t0 = client.agent_calls, client.node_calls, time.monotonic()
+                elif t0 is not None and time.monotonic() - t0 >= STEADY:
+                    dt = time.monotonic() - t0
+                    counts.update(
+                        agent=(client.agent_calls - a0) / dt,
+                        node=(client.node_calls - (n0 or 0)) / dt,
+                        polls=polls,
+                    )
+                    return
+
+        asyncio.run(asyncio.wait_for(go(), STEADY + 60))
+        client.cancel(job, grace=1.0)
+        log(
+            f"  fig6-agent N={n} steady state: {counts['agent']:.2f} head-agent calls/s, "
+            f"{counts['node']:.2f} per-node calls/s"
+        )
+        return {
+            "agent_per_s": counts["agent"],
+            "node_per_s": counts["node"],
+            "total_per_s": counts["agent"] + counts["node"],
+        }
+    finally:
+        _cleanup(job, log)
+
+
+def run_agent(plan: Any, log: Log, ns: tuple[int, ...] = ()) -> list[Row]:
+    """Figure 6 on the agent path: pods of an image with python3 run the node agent (the pod's own
+    process); the gang's start, status and cancel are calls to the head agent. Per N (default 4, 32,
+    128): the gang start vs the ``kubectl exec`` fan-out, fail-fast (exit -> last sibling gone, /proc),
+    and calls per second at steady state, counted on the client."""
+    from airflow_provider_sky.backends.kubernetes import agents
+    from airflow_provider_sky.backends.registry import by_kind
+    from airflow_provider_sky.jobs import GangClient
+
+    sizes = ns or (4, 32, 128)
+    reps = 1 if plan.quick else 2
+    rows: list[Row] = []
+    info: dict[str, Any] = {}
+    try:
+        with test_cluster(log) as cl:
+            info.update(cl.info, namespace=cl.namespace, sizes=list(sizes), image=PYTHON_IMAGE)
+            backend = by_kind("kubernetes").make(
+                {
+                    "kube_config_path": cl.kubeconfig,
+                    "context": CONTEXT,
+                    "namespace": cl.namespace,
+                    "image": PYTHON_IMAGE,
+                    "image_pull_policy": "Never",
+                    "provision_timeout": 600,
+                }
+            )
+            try:
+                for n in sizes:
+                    got: dict[str, list[Any]] = {k: [] for k in ("prov", "start", "kstart", "ff", "steady")}
+                    for i in range(reps):
+                        name = f"bench-agt{n}-{i}"
+                        p = provision(backend, name, n)
+                        got["prov"].append(p.total)
+                        has = agents.endpoint(p.handle.extra) is not None
+                        log(f"  fig6-agent N={n} #{i + 1}: provisioned in {p.total:.1f}s, agents: {has}")
+                        client = GangClient(backend, p.handle)
+                        pods = [node.extra["pod"] for node in p.handle.nodes]
+                        try:
+                            if not has:
+                                raise RuntimeError("the cluster has no agents (see the log)")
+                            for key, fn, args in (
+                                ("start", ours_start, (client, n, log)),
+                                ("kstart", kubectl_start, (cl, pods, n, log)),
+                                ("ff", ours_failfast, (client, n, log)),
+                                ("steady", _steady_calls, (client, n, log)),
+                            ):
+                                try:
+                                    got[key].append({**fn(*args), "rep": i})
+                                except Exception as exc:
+                                    got[key].append({"rep": i, "error": f"{type(exc).__name__}: {exc}"})
+                                    log(f"  fig6-agent N={n} #{i + 1} {key} FAILED: {exc}")
+                        finally:
+                            client.close()
+                            td, unclean = teardown(backend, name)
+                            if unclean:
+                                wait_pods_gone(cl, name)
+                    rows += _agent_rows(n, got, info if n == sizes[0] else {})
+            finally:
+                backend.close()
+    finally:
+        info["exec_threads_at_end"] = unstick_exec_threads(log)
+    return rows
+
+
+def _agent_rows(n: int, got: dict[str, list[Any]], info: dict[str, Any]) -> list[Row]:
+    def col(key: str, field: str) -> list[float]:
+        return [s[field] for s in got[key] if not s.get("error") and s.get(field) is not None]
+
+    by_rep = {k["rep"]: k for k in got["kstart"] if not k.get("error")}
+    ratio = [
+        o["last_start"] / by_rep[o["rep"]]["last_start"]
+        for o in got["start"]
+        if not o.get("error") and o["rep"] in by_rep
+    ]
+    gone = col("ff", "gone")
+    calls = col("steady", "total_per_s")
+    return [
+        Row(
+            "6a provision (python image, agents joined)",
+            n,
+            got["prov"],
+            extra={"cluster": info} if info else {},
+        ),
+        Row(
+            "6a start: launch -> last rank's sleep (/proc)",
+            n,
+            col("start", "last_start"),
+            extra={"samples": got["start"]},
+        ),
+        Row(
+            "6a kubectl exec fan-out -> last sleep (/proc)",
+            n,
+            col("kstart", "last_start"),
+            extra={"samples": got["kstart"]},
+        ),
+        Row(
+            "6a ratio start agent/kubectl (-> last sleep)",
+            n,
+            ratio,
+            "x",
+            "<= 0.5x",
+            bool(ratio) and statistics.median(ratio) <= 0.5,
+        ),
+        Row(
+            "6a fail-fast: exit -> last sibling gone (/proc)",
+            n,
+            gone,
+            "s",
+            "< 0.5 s" if n >= 128 else "",
+            (bool(gone) and statistics.median(gone) < 0.5) if n >= 128 else None,
+            extra={"samples": got["ff"]},
+        ),
+        Row("6a stop N sleeps: cancel (one call) -> gone", n, col("start", "cancel_gone")),
+        Row(
+            "6a calls per gang per second, steady state (client)",
+            n,
+            calls,
+            "/s",
+            "independent of N",
+            extra={"samples": got["steady"]},
+        ),
+    ]

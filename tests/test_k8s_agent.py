@@ -144,7 +144,7 @@ def test_a_head_agent_that_does_not_answer_leaves_the_per_node_path(
     assert agents.endpoint(cluster.extra) is not None
     wrong = {"host": cluster.nodes[0].ip, "port": 1}  # nothing listens there
     h = dataclasses.replace(cluster, extra={**cluster.extra, agents.EXTRA_KEY: wrong})
-    run = f'if [ "$SKYPILOT_NODE_RANK" = "1" ]; then sleep 1; exit 1; fi; sleep 10000'
+    run = 'if [ "$SKYPILOT_NODE_RANK" = "1" ]; then sleep 1; exit 1; fi; sleep 10000'
     spec = task_from_args(num_nodes=N, run=run)
     c = GangClient(backend, h)
     c.launch(spec, "pn")

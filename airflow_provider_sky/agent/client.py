@@ -289,9 +289,10 @@ class AgentClient:
         )
         return StartResult(state=str(reply.get("state")), nodes=dict(reply.get("nodes") or {}))
 
-    async def status(self, job_id: str) -> AgentStatus:
-        """Every rank of the gang and the head's decision: one call at any number of nodes."""
-        reply = await self.call("status", job=job_id)
+    async def status(self, job_id: str, touch: bool = True) -> AgentStatus:
+        """Every rank of the gang and the head's decision: one call at any number of nodes. ``touch``
+        False: a look that does not count as a watcher's poll for the head's dead-man's switch."""
+        reply = await self.call("status", job=job_id, **({} if touch else {"peek": True}))
         cause = reply.get("cause")
         return AgentStatus(
             job_id=job_id,

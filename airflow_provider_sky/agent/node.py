@@ -785,11 +785,12 @@ class Head:
         hj.contact = time.monotonic()
         return {"ok": True, "job": job, "nodes": results, "state": hj.state}
 
-    def status(self, job: str) -> dict[str, Any]:
+    def status(self, job: str, touch: bool = True) -> dict[str, Any]:
         hj = self.jobs.get(job)
         if hj is None:
             return {"ok": False, "error": f"no job {job} on this head"}
-        hj.contact = time.monotonic()
+        if touch:  # a watcher's poll keeps the dead-man's switch away; a one-off look (peek) does not
+            hj.contact = time.monotonic()
         ranks = []
         for r in sorted(hj.node_of):
             rec = dict(hj.ranks.get(r) or {"rank": r, "state": "pending"})
@@ -968,7 +969,7 @@ class Server:
             if op == "start":
                 reply = await self.head.start(msg)
             elif op == "status":
-                reply = self.head.status(str(msg.get("job")))
+                reply = self.head.status(str(msg.get("job")), not msg.get("peek"))
             elif op == "cancel":
                 reply = self.head.cancel(str(msg.get("job")), str(msg.get("reason") or ""))
             elif op == "nodes":
