@@ -101,7 +101,7 @@ def test_a_failure_stops_the_siblings_with_airflow_paused_and_the_run_fails_once
             assert airflow.dag_run(DAG_ID, run_id)["state"] in ("queued", "running")
             time.sleep(1)
         handle = airflow.xcom(DAG_ID, run_id, "g.cluster")
-        assert agents.EXTRA_KEY in handle["extra"], handle  # the pods run node agents
+        assert agents.EXTRA_KEY in handle["extra"], airflow.task_log(DAG_ID, run_id, "g.cluster")  # agents
         pods = [n["extra"]["pod"] for n in handle["nodes"]]
         assert all(_sleeping(b, p) == 1 for p in pods[:3])
 

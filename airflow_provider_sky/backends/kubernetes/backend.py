@@ -82,7 +82,7 @@ NEEDED_PERMISSIONS = (
     ("get", "pods", "exec"),
 )
 #: how long provisioning waits for every pod's agent to join the head's (else: the per-node path)
-AGENT_JOIN_WAIT = 20.0
+AGENT_JOIN_WAIT = 60.0
 #: a pod create answered 429 or 5xx is tried this often in all
 CREATE_TRIES = 4
 _POLL = 0.5
@@ -504,8 +504,16 @@ class KubernetesBackend(Backend):
                 await client.aclose()
             return missing
 
+        t0 = time.monotonic()
         missing = run_sync(joined())
-        if missing:
+        if not missing:
+            log.info(
+                "cluster %s: %d node agents joined the head's in %.1fs",
+                name,
+                len(pods),
+                time.monotonic() - t0,
+            )
+        else:
             log.warning(
                 "cluster %s: the node agents of %s did not join the head agent at %s:%s within %ss "
                 "(or this control plane cannot reach it): the cluster uses the per-node path",
