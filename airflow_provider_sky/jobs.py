@@ -159,6 +159,8 @@ class GangClient:
             return None
         if not self._agent_asked:
             self._agent_asked = True
+            if type(self.backend).agent_endpoint is Backend.agent_endpoint:
+                return None  # a backend without agents: no thread hop per client
             try:
                 found = await asyncio.to_thread(self.backend.agent_endpoint, self.handle)
             except Exception as exc:  # the per-node path is always there

@@ -173,3 +173,19 @@ def test_an_image_without_python_keeps_the_per_node_path(k8s: K8sCluster, k8s_im
     finally:
         b.terminate("agt-bb")
         b.close()
+
+
+def test_node_agent_off_in_the_connection_keeps_the_per_node_path(
+    k8s: K8sCluster, k8s_python_image: Image
+) -> None:
+    b = by_kind("kubernetes").make({**connection_extras(k8s, k8s_python_image), "node_agent": "false"})
+    assert isinstance(b, KubernetesBackend)
+    spec = task_from_args(num_nodes=2, run="true")
+    try:
+        h = b.provision("agt-off", spec)
+        assert agents.EXTRA_KEY not in h.extra
+        pid1 = b.runner(h.nodes[0]).run_script("tr '\\0' ' ' < /proc/1/cmdline").text
+        assert pid1.startswith("/bin/sh -c trap"), pid1  # the idle entrypoint, no agent
+    finally:
+        b.terminate("agt-off")
+        b.close()
