@@ -343,9 +343,10 @@ class Scanner:
     WANTED = (SLEEP_CMD, FAIL_CMD)
     SETTLE = 5.0
 
-    def __init__(self, job_id: str) -> None:
+    def __init__(self, job_id: str, fail_cmd: bytes = FAIL_CMD) -> None:
         self.marker = f"SKYPILOT_TASK_ID={job_id}".encode()
         self.boring: set[int] = set()
+        self.wanted = (SLEEP_CMD, fail_cmd)
 
     def scan(self) -> dict[int, Proc]:
         now = boottime()
@@ -370,7 +371,7 @@ class Scanner:
                 if now - st[1] / HZ > self.SETTLE:
                     self.boring.add(pid)
                 continue
-            if cmd not in self.WANTED or st[0] == "Z":
+            if cmd not in self.wanted or st[0] == "Z":
                 continue
             rank = next((int(e[19:]) for e in env if e.startswith(b"SKYPILOT_NODE_RANK=")), -1)
             found[pid] = Proc(pid, st[1], rank, cmd)
@@ -447,13 +448,16 @@ class ExitTracker(threading.Thread):
     counts as gone then. ``last_gone``: the latest sibling exit.
     """
 
-    def __init__(self, job_id: str, n: int, fail_rank: int, limit: float = 300.0) -> None:
+    def __init__(
+        self, job_id: str, n: int, fail_rank: int, limit: float = 300.0, fail_cmd: bytes = FAIL_CMD
+    ) -> None:
         super().__init__(daemon=True, name=f"exit-tracker-{job_id}")
+        self.fail_cmd = fail_cmd
         self.job_id = job_id
         self.n = n
         self.fail_rank = fail_rank
         self.limit = limit
-        self.scanner = Scanner(job_id)
+        self.scanner = Scanner(job_id, fail_cmd)
         self.stop_flag = threading.Event()
         self.known: set[int] = set()
         self.sibling_ranks: set[int] = set()
@@ -466,7 +470,7 @@ class ExitTracker(threading.Thread):
         self._ep = select.epoll()
 
     def _gone(self, proc: Proc, at: float) -> None:
-        if proc.cmd == FAIL_CMD:
+        if proc.cmd == self.fail_cmd:
             self.fail_gone = at
         else:
             self.gone_count += 1
@@ -497,7 +501,7 @@ class ExitTracker(threading.Thread):
                     for pid, proc in self.scanner.scan().items():
                         if pid in self.known:
                             continue
-                        if proc.cmd == FAIL_CMD and proc.rank == self.fail_rank:
+                        if proc.cmd == self.fail_cmd and proc.rank == self.fail_rank:
                             self.fail_seen = True
                         elif proc.cmd == SLEEP_CMD and proc.rank != self.fail_rank:
                             self.sibling_ranks.add(proc.rank)
@@ -682,16 +686,17 @@ async def _to_end(client: Any, job_id: str, polls: list[Any]) -> None:
         polls.append(poll)
 
 
-def ours_failfast(client: Any, n: int, log: Log) -> dict[str, Any]:
-    """Rank N-1 ``sleep 2; exit 1``, the others ``sleep 10000``: launch, then ``watch.watch`` to the end
-    (given up after :data:`WATCH_LIMIT`: an invalid sample saying what the watch saw)."""
+def ours_failfast(client: Any, n: int, log: Log, after: int = FAIL_AFTER) -> dict[str, Any]:
+    """Rank N-1 ``sleep 2; exit 1`` (``after`` seconds), the others ``sleep 10000``: launch, then
+    ``watch.watch`` to the end (given up after :data:`WATCH_LIMIT`: an invalid sample saying what the
+    watch saw)."""
     from airflow_provider_sky.jobs import GangClient
     from airflow_provider_sky.spec import task_from_args
 
     job = _job("ff", n)
     fail = n - 1
-    spec = task_from_args(num_nodes=n, run=FAIL_RUN.format(rank=fail, after=FAIL_AFTER))
-    tracker = ExitTracker(job, n, fail)
+    spec = task_from_args(num_nodes=n, run=FAIL_RUN.format(rank=fail, after=after))
+    tracker = ExitTracker(job, n, fail, fail_cmd=f"sleep\x00{after}\x00".encode())
     cancels: list[tuple[float, int, str]] = []
     polls: list[Any] = []
     original = GangClient.acancel
@@ -1160,6 +1165,12 @@ def _steady_calls(client: Any, n: int, log: Log) -> dict[str, Any]:
         _cleanup(job, log)
 
 
+def _after_start(n: int) -> int:
+    """When the failing rank fails in the "every rank running" sample: well after the whole gang started
+    on this 2-core machine (128 pods: ~5-20 s under load), so the figure is the cross-pod cancel alone."""
+    return max(FAIL_AFTER, 5 + n // 4)
+
+
 def run_agent(plan: Any, log: Log, ns: tuple[int, ...] = ()) -> list[Row]:
     """Figure 6 on the agent path: pods of an image with python3 run the node agent (the pod's own
     process); the gang's start, status and cancel are calls to the head agent. Per N (default 4, 32,
@@ -1188,7 +1199,9 @@ def run_agent(plan: Any, log: Log, ns: tuple[int, ...] = ()) -> list[Row]:
             )
             try:
                 for n in sizes:
-                    got: dict[str, list[Any]] = {k: [] for k in ("prov", "start", "kstart", "ff", "steady")}
+                    got: dict[str, list[Any]] = {
+                        k: [] for k in ("prov", "start", "kstart", "ff", "ffr", "steady")
+                    }
                     for i in range(reps):
                         name = f"bench-agt{n}-{i}"
                         p = provision(backend, name, n)
@@ -1204,6 +1217,7 @@ def run_agent(plan: Any, log: Log, ns: tuple[int, ...] = ()) -> list[Row]:
                                 ("start", ours_start, (client, n, log)),
                                 ("kstart", kubectl_start, (cl, pods, n, log)),
                                 ("ff", ours_failfast, (client, n, log)),
+                                ("ffr", ours_failfast, (client, n, log, _after_start(n))),
                                 ("steady", _steady_calls, (client, n, log)),
                             ):
                                 try:
@@ -1235,6 +1249,7 @@ def _agent_rows(n: int, got: dict[str, list[Any]], info: dict[str, Any]) -> list
         if not o.get("error") and o["rep"] in by_rep
     ]
     gone = col("ff", "gone")
+    gone_running = col("ffr", "gone")
     calls = col("steady", "total_per_s")
     return [
         Row(
@@ -1271,6 +1286,16 @@ def _agent_rows(n: int, got: dict[str, list[Any]], info: dict[str, Any]) -> list
             "< 0.5 s" if n >= 128 else "",
             (bool(gone) and statistics.median(gone) < 0.5) if n >= 128 else None,
             extra={"samples": got["ff"]},
+        ),
+        Row(
+            "6a fail-fast, every rank running: exit -> last sibling gone (/proc)",
+            n,
+            gone_running,
+            "s",
+            "< 0.5 s" if n >= 128 else "",
+            (bool(gone_running) and statistics.median(gone_running) < 0.5) if n >= 128 else None,
+            note=f"rank N-1 fails {_after_start(n)} s after its start",
+            extra={"samples": got["ffr"]},
         ),
         Row("6a stop N sleeps: cancel (one call) -> gone", n, col("start", "cancel_gone")),
         Row(
