@@ -60,6 +60,8 @@ def stack(
     sky = base / "sky"
     sky.mkdir()
     extras = connection_extras(k8s, k8s_python_image)
+    if os.environ.get("SKY_TEST_AGENT_OFF"):  # the same test on the per-node path: it must fail
+        extras["node_agent"] = False
     env = {
         "SKY_PROVIDER_HOME": str(sky),
         "AIRFLOW_CONN_SKY_AGT": json.dumps({"conn_type": "sky_kubernetes", "extra": extras}),
@@ -132,7 +134,10 @@ def test_a_failure_stops_the_siblings_with_airflow_paused_and_the_run_fails_once
         job_id = str(airflow.xcom(dag_id, run_id, "g.job")[0]["job_id"])
         sleeping: Callable[[], int]
         if where == "kubernetes":
-            assert agents.EXTRA_KEY in handle["extra"], airflow.task_log(dag_id, run_id, "g.cluster")
+            if not stack.extras.get("node_agent", True):
+                assert agents.EXTRA_KEY not in handle["extra"]
+            else:
+                assert agents.EXTRA_KEY in handle["extra"], airflow.task_log(dag_id, run_id, "g.cluster")
             pods = [n["extra"]["pod"] for n in handle["nodes"]]
 
             def sleeping() -> int:
