@@ -1186,6 +1186,10 @@ def run_agent(plan: Any, log: Log, ns: tuple[int, ...] = ()) -> list[Row]:
     info: dict[str, Any] = {}
     try:
         with test_cluster(log) as cl:
+            # the python image on every node, and pod routes across the nodes (k8s-local.sh images)
+            proc = _k8s_module()._script("images", timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"k8s-local.sh images: {(proc.stdout + proc.stderr)[-500:]}")
             info.update(cl.info, namespace=cl.namespace, sizes=list(sizes), image=PYTHON_IMAGE)
             backend = by_kind("kubernetes").make(
                 {

@@ -158,8 +158,14 @@ build_python_image() {  # busybox + this machine's own python3 (Debian's, with i
   python3 mkimage.py py docker.io/library/busybox-python:local python.tar.tmp sh && mv python.tar.tmp python.tar
 }
 
+pod_routes() {  # pods reach the pods of every node (10.244.0.0/16 through their bridge), as Kubernetes' network
+  # model wants: a node agent talks to its head pod on another node. Also for a cluster started by an
+  # older copy of this script (only pods created afterwards get the route).
+  sed -i 's|"routes": \[{"dst": "10.244.[0-9]*.0/24"}\]|"routes": [{"dst": "10.244.0.0/16"}]|' $L/cni/10-local.conflist $L/node*/cni/10-local.conflist 2>/dev/null || true
+}
+
 images() {  # build the image tarballs if missing and import them into every running containerd (every node)
-  build_images; build_python_image; local f sock
+  build_images; build_python_image; pod_routes; local f sock
   for f in $R/containerd*.pid; do [ -f $f ] && ours "$(cat $f)" || continue
     sock=$R/$(basename $f .pid)/containerd.sock
     ctr --address $sock -n k8s.io images import $L/images/pause.tar >/dev/null

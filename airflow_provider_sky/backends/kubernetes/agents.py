@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 AGENT_DIR = ".sky_agent"
 #: the handle's ``extra`` key: ``{"host": head pod IP, "port": P}`` (no secret)
 EXTRA_KEY = "agent"
+#: how many times (0.1 s apart) the provisioning exec wakes the pod's entrypoint until it runs the agent
+AGENT_WAKE_TRIES = 300
 #: the agents' ports: random per cluster, above the usual service ports
 PORT_RANGE = (20000, 60000)
 _MARK = "SKY_AGENT_FILE_END_7f3c"
@@ -73,8 +75,13 @@ def start_script(pod: str, token: bytes, head_ip: str, port: int, head: bool) ->
             f"mv {d}/agent.py.tmp {d}/agent.py || exit 1",
             f"printf '%s\\n' '{tok}' > {d}/token.tmp && chmod 600 {d}/token.tmp && mv {d}/token.tmp {d}/token",
             f"printf '%s\\n' {shlex.quote(run)} > {d}/run.sh.tmp && mv {d}/run.sh.tmp {d}/run.sh",
-            # pid 1 is the entrypoint idling: woken, it execs run.sh (a pod that already runs one: nothing)
-            "kill -USR1 1 2>/dev/null",
+            # pid 1 is the entrypoint idling: woken, it execs run.sh. A wake-up can be lost (a signal
+            # before its trap is set, or between its look for run.sh and its wait): sent again while
+            # pid 1 is still the idling entrypoint (its command line), for up to AGENT_WAKE_TRIES tenths of a second
+            "i=0",
+            f"while [ $i -lt {AGENT_WAKE_TRIES} ] && tr '\\0' ' ' < /proc/1/cmdline | grep -q 'trap : USR1'; do",
+            "  kill -USR1 1 2>/dev/null; sleep 0.1; i=$((i + 1))",
+            "done",
             "echo AGENT",
         ]
     )
