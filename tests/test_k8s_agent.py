@@ -189,3 +189,16 @@ def test_node_agent_off_in_the_connection_keeps_the_per_node_path(
     finally:
         b.terminate("agt-off")
         b.close()
+
+
+def test_a_control_plane_that_does_not_reach_the_head_gives_up_on_agents_soon() -> None:
+    """Pod IPs unreachable from where Airflow runs (outside the cluster): provisioning falls back to the
+    per-node path after AGENT_REACH_WAIT, not after the whole join wait."""
+    from airflow_provider_sky.backends.kubernetes import backend as kb
+    from airflow_provider_sky.backends.kubernetes.config import KubeSettings
+
+    b = KubernetesBackend(KubeSettings())
+    t = time.monotonic()
+    assert not b._agents_joined("c", "127.0.0.1", 1, b"0" * 48, ["c-head"])  # nothing listens on port 1
+    took = time.monotonic() - t
+    assert kb.AGENT_REACH_WAIT <= took < kb.AGENT_REACH_WAIT + 5 < kb.AGENT_JOIN_WAIT, took

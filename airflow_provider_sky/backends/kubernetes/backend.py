@@ -83,6 +83,9 @@ NEEDED_PERMISSIONS = (
 )
 #: how long provisioning waits for every pod's agent to join the head's (else: the per-node path)
 AGENT_JOIN_WAIT = 60.0
+#: and how long for the head's agent to answer this control plane at all (pod IPs may be unreachable
+#: from outside the cluster: then the per-node path at once, not after AGENT_JOIN_WAIT)
+AGENT_REACH_WAIT = 10.0
 #: a pod create answered 429 or 5xx is tried this often in all
 CREATE_TRIES = 4
 _POLL = 0.5
@@ -488,14 +491,19 @@ class KubernetesBackend(Backend):
 
         async def joined() -> list[str]:
             client = AgentClient(host, port, token, timeout=3.0)
-            deadline = time.monotonic() + AGENT_JOIN_WAIT
+            start = time.monotonic()
+            deadline = start + AGENT_JOIN_WAIT
             missing = list(pods)
+            reached = False
             try:
                 while time.monotonic() < deadline:
                     try:
                         up = await client.nodes()
+                        reached = True
                     except AgentError:
                         up = {}
+                        if not reached and time.monotonic() - start > AGENT_REACH_WAIT:
+                            break  # this control plane does not reach the pods: no use waiting
                     missing = [p for p in pods if not (up.get(p) or {}).get("up")]
                     if not missing:
                         return []
