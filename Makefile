@@ -86,9 +86,13 @@ k8s:
 	  "SKY_TEST_KUBECONFIG at a cluster of yours; fix: $${fix}make k8s"; \
 	[ -z "$(SYSTEM_DEPS_STRICT)" ]
 
+## ruff, and the docs site (mkdocs.yml over docs/) built with --strict: a broken link or anchor between the
+## pages fails. Its output is shown only on failure (mkdocs -q would also hide, and so pass, the warnings
+## --strict counts). The site goes to .docs-site/ (git-ignored).
 lint: install
 	$(VENV)/bin/ruff check airflow_provider_sky dags_examples tests benchmarks
 	$(VENV)/bin/ruff format --check airflow_provider_sky dags_examples tests benchmarks
+	@out=$$($(VENV)/bin/mkdocs build --strict --clean -d .docs-site 2>&1) || { echo "$$out"; echo "docs: mkdocs build --strict failed (above)"; exit 1; }
 
 typecheck: install
 	$(VENV)/bin/mypy
@@ -112,4 +116,4 @@ compat: install
 	$(PY) -m benchmarks.compat
 
 clean:
-	rm -rf .airflow-demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .airflow-demo .pytest_cache .mypy_cache .ruff_cache .docs-site

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from airflow_provider_sky.backends import ClusterHandle, make_backend
+from airflow_provider_sky.errors import BridgeError as BridgeError
 from airflow_provider_sky.gang import RankStatus
 from airflow_provider_sky.jobs import (
     DEFAULT_ORPHAN_TIMEOUT,
@@ -62,10 +63,6 @@ MODULE = "airflow_provider_sky.bridge"
 ANSWER_TIMEOUT = 180.0
 #: bridge logs older than this are removed when a new bridge starts
 LOG_KEEP = 7 * 24 * 3600.0
-
-
-class BridgeError(Exception):
-    """The bridge could not be started or ended without answering (its log says why)."""
 
 
 # ------------------------------------------------------------------------------------ the handover

@@ -30,6 +30,7 @@ from airflow_provider_sky.agent.client import (
 )
 from airflow_provider_sky.aio import CANCEL_WAIT, FANOUT_LIMIT, cancel_bounded, fan_out, run_sync
 from airflow_provider_sky.backends.base import Backend, ClusterHandle, Node, chosen_resources, node_devices
+from airflow_provider_sky.errors import LaunchError as LaunchError
 from airflow_provider_sky.gang import (
     UNKNOWN,
     GangStatus,
@@ -57,10 +58,6 @@ LAUNCH_WATCH_INTERVAL = 0.2
 DEFAULT_ORPHAN_TIMEOUT = 300.0
 #: a head agent that did not answer is not asked again for this long (the per-node path meanwhile)
 AGENT_RETRY_AFTER = 30.0
-
-
-class LaunchError(Exception):
-    """Not every rank could be started; the ones that did were cancelled."""
 
 
 #: ranks one status or cancel call covers at most: its arguments (a root, a job id of up to 181

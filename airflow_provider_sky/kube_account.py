@@ -24,15 +24,13 @@ from typing import Any
 
 import yaml
 
+from airflow_provider_sky.errors import AccountError as AccountError
+
 #: where to look for the manifest, for the messages
 MANIFEST = "docs/kubernetes-rbac.yaml"
 TOKEN_TYPE = "kubernetes.io/service-account-token"
 #: the token controller fills a new token secret within a second or two
 TOKEN_WAIT = 30.0
-
-
-class AccountError(RuntimeError):
-    """Something the account needs is missing; the message names each piece and the fix."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from airflow_provider_sky.errors import ResultError as ResultError
 from airflow_provider_sky.gang import GangStatus
 
 if TYPE_CHECKING:
@@ -39,10 +40,6 @@ else
   echo NONE
 fi
 """
-
-
-class ResultError(Exception):
-    """The gang succeeded but its result cannot be had (too big, file missing, node unreachable)."""
 
 
 def check_result_args(result_ranks: Any, result_max_bytes: Any) -> tuple[int | str, int]:

@@ -180,12 +180,23 @@ class RetryPolicy:
 OPERATOR_ARGS = ("gang_retries", "gang_retry_delay", "gang_retry_exponential_backoff", "retry_on_exit_codes")
 
 
+def operator_policy(
+    gang_retries: Any, gang_retry_delay: Any, gang_retry_exponential_backoff: Any, retry_on_exit_codes: Any
+) -> RetryPolicy:
+    """The gang retry policy from an operator's arguments (:data:`OPERATOR_ARGS`), checked."""
+    return RetryPolicy.build(
+        gang_retries,
+        gang_retry_delay,
+        gang_retry_exponential_backoff,
+        retry_on_exit_codes,
+        names=OPERATOR_ARGS,
+    )
+
+
 def pop_retry_args(kwargs: dict[str, Any]) -> RetryPolicy:
     """The gang retry policy from an operator's keyword arguments (removed from ``kwargs``), checked."""
     retries, delay, backoff, codes = (kwargs.pop(name, None) for name in OPERATOR_ARGS)
-    return RetryPolicy.build(
-        retries, delay, False if backoff is None else backoff, codes, names=OPERATOR_ARGS
-    )
+    return operator_policy(retries, delay, False if backoff is None else backoff, codes)
 
 
 def operator_args(policy: RetryPolicy) -> dict[str, Any]:
@@ -194,11 +205,6 @@ def operator_args(policy: RetryPolicy) -> dict[str, Any]:
     if policy.any_nonzero and policy.exit_codes:
         raise ValueError("retry_on_exit_codes: give either a list of codes or 'nonzero', not both")
     return dict(zip(OPERATOR_ARGS, (policy.retries, policy.delay, policy.exponential, codes), strict=True))
-
-
-def trigger_retry(policy: RetryPolicy) -> dict[str, Any] | None:
-    """The policy as trigger and bridge kwargs (None: no retries, the triggers behave as before)."""
-    return policy.to_dict() if policy.retries else None
 
 
 @dataclass

@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from airflow_provider_sky.errors import StatusParseError as StatusParseError
 from airflow_provider_sky.exitcodes import describe_exit
 from airflow_provider_sky.node_scripts import CANCEL_SCRIPT as CANCEL_SCRIPT
 from airflow_provider_sky.node_scripts import CLAIM_FUNC as CLAIM_FUNC
@@ -510,10 +511,6 @@ def failed_first(rank: int, code: int | None, *, oom: bool = False) -> str:
     if code is None and not oom:
         return f"rank {rank} failed first"
     return f"rank {rank} failed first: {describe_exit(code, 'OOMKilled' if oom else None)}"
-
-
-class StatusParseError(ValueError):
-    """The node's status output is not what the status script prints."""
 
 
 def parse_status(output: bytes, offsets: Mapping[tuple[str, int], int] | None = None) -> list[RawRankStatus]:

@@ -8,16 +8,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from airflow_provider_sky.errors import SetupFailed as SetupFailed
 from airflow_provider_sky.gang import BAD, CANCELLED, GangStatus
 from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, GangClient, run_sync
 from airflow_provider_sky.logtext import TAIL_LINES, LineSplitter, tail_text
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.spec import TaskSpec
 from airflow_provider_sky.watch import MonitorState, watch
-
-
-class SetupFailed(Exception):
-    """Setup failed on at least one node; the others' setups were stopped."""
 
 
 def run_setup(

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow.sdk import TaskGroup, XComArg
 
-from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT
 from airflow_provider_sky.operators._args import check_arguments, operator_parameters, parameters
@@ -17,9 +17,9 @@ from airflow_provider_sky.operators.down import SkyDownOperator
 from airflow_provider_sky.operators.job import SkyJobOperator
 from airflow_provider_sky.operators.rank import SkyRankOperator
 from airflow_provider_sky.result import DEFAULT_MAX_BYTES, check_result_args
-from airflow_provider_sky.retry import RetryPolicy, operator_args
+from airflow_provider_sky.retry import RetryPolicy
 from airflow_provider_sky.sensors.gang import SkyGangSensor
-from airflow_provider_sky.timing import check_timing
+from airflow_provider_sky.watch_settings import WatchSettings
 
 
 def check_gang_arguments(where: str, given: Mapping[str, Any], *, without: tuple[str, ...] = ()) -> None:
@@ -85,21 +85,22 @@ def sky_gang(
     """
     result_ranks, result_max_bytes = check_result_args(result_ranks, result_max_bytes)
     check_gang_arguments("sky_gang", spec_fields)
-    check_timing(
-        poll_interval=poll_interval,
-        grace=grace,
-        lost_after=lost_after,
+    settings = WatchSettings.build(
+        sky_conn_id,
+        poll_interval,
+        grace,
+        lost_after,
+        hang_timeout,
         orphan_timeout=orphan_timeout,
         idle_down=idle_down,
         triggerers=triggerers,
-        hang_timeout=hang_timeout,
     )
-    spec_args: dict[str, Any] = {"task_yaml": task_yaml, "task_config": task_config, **spec_fields}
-    watch: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
-    hang: dict[str, Any] = {"hang_timeout": check_hang_timeout(hang_timeout) or None}
     policy = RetryPolicy.build(retries, retry_delay, retry_exponential_backoff, retry_on_exit_codes)
-    if policy.retries:
-        hang.update(operator_args(policy))
+    spec_args: dict[str, Any] = {"task_yaml": task_yaml, "task_config": task_config, **spec_fields}
+    #: what the cluster task takes of the watch settings (it polls the setup stage)
+    conn: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
+    #: the job task, the rank tasks and the gang sensor watch the gang alike
+    watch = dataclasses.replace(settings, retry=policy).operator_kwargs()
     group = SkyGangGroup(group_id=group_id)
     with group:
         cluster = SkyClusterOperator(
@@ -112,15 +113,13 @@ def sky_gang(
             rank_tasks=True,
             triggerers=triggerers,
             **spec_args,
-            **watch,
+            **conn,
         )
         job = SkyJobOperator(
             task_id="job",
             cluster=cluster.output,
-            lost_after=lost_after,
             orphan_timeout=orphan_timeout,
             idle_down=idle_down,
-            **hang,
             **spec_args,
             **watch,
             **({"inlets": inlets} if inlets else {}),
@@ -130,8 +129,6 @@ def sky_gang(
             cluster=cluster.output,
             cluster_task_id=cluster.task_id,
             job_task_id=job.task_id,
-            lost_after=lost_after,
-            **hang,
             **watch,
         ).expand_kwargs(job.output)
         gang = SkyGangSensor.in_triggerer(
@@ -139,12 +136,10 @@ def sky_gang(
             cluster=cluster.output,
             cluster_task_id=cluster.task_id,
             job_task_id=job.task_id,
-            lost_after=lost_after,
             result_file=spec_fields.get("result_file"),
             result_ranks=result_ranks,
             result_max_bytes=result_max_bytes,
             **({"outlets": outlets} if outlets else {}),
-            **hang,
             **watch,
         )
         job >> [ranks, gang]

@@ -164,8 +164,8 @@ class LocalCluster:
         if os.geteuid() != 0:
             pytest.fail(
                 "the local Kubernetes cluster needs root (it runs containerd and kubelets): run the tests as "
-                "root (`sudo make test`), or point SKY_TEST_KUBECONFIG at a cluster (README: Kubernetes test "
-                "cluster)",
+                "root (`sudo make test`), or point SKY_TEST_KUBECONFIG at a cluster (docs/development.md: "
+                "Kubernetes test cluster)",
                 pytrace=False,
             )
         proc = _script("check", timeout=60)

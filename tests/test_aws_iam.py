@@ -1,5 +1,5 @@
 # ruff: noqa: F811 (the fixtures imported from aws_fixtures are parameters here)
-"""The README's IAM policy against the backend's real calls.
+"""The IAM policy docs/backends/aws.md gives users, against the backend's real calls.
 
 What moto (5.2.x) can check, and what it cannot: with auth enforced (``MotoEC2.enforce_iam``) it checks
 each call's action against the caller's policies (Allow / Deny, wildcards), but for EC2 it evaluates
@@ -27,12 +27,12 @@ from sshd import SSHDCluster, needs_sshd
 pytestmark = needs_sshd
 
 
-def _readme_policy() -> dict[str, Any]:
-    """The IAM policy JSON the README's AWS section gives users."""
+def _docs_policy() -> dict[str, Any]:
+    """The IAM policy JSON the AWS backend's page (docs/backends/aws.md) gives users."""
     import json
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (Path(__file__).resolve().parent.parent / "docs" / "backends" / "aws.md").read_text()
     after = text[text.index("**IAM permissions**") :]
     block = after[after.index("```json") + len("```json") : after.index("```", after.index("```json") + 7)]
     policy: dict[str, Any] = json.loads(block)
@@ -60,14 +60,14 @@ def _root_size(ec2: Any, instance_id: str) -> int:
     return int(vols["Volumes"][0]["Size"])
 
 
-def test_the_readme_iam_policy_allows_the_whole_lifecycle(
+def test_the_docs_iam_policy_allows_the_whole_lifecycle(
     moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
 ) -> None:
-    """moto enforcing IAM: a user holding exactly the README's policy provisions, finds, replaces a node
+    """moto enforcing IAM: a user holding exactly the docs' policy provisions, finds, replaces a node
     (the new instance gets the cluster's disk size, read from the old one's root volume), reaps and
     tears down a cluster and uses the Test button; a call the policy lacks would be AccessDenied. (moto
     checks the actions; it ignores Resource and Condition, so the tag conditions are not exercised.)"""
-    keys = _users(moto, {"sky": _readme_policy()})
+    keys = _users(moto, {"sky": _docs_policy()})
     moto.enforce_iam(True)
     try:
         b = backend(moto.url, hosts, login=keys["sky"][0], password=keys["sky"][1])
@@ -98,7 +98,7 @@ def test_a_replacement_denied_the_root_volume_size_is_an_error_not_a_smaller_dis
     """A policy without ec2:DescribeVolumes: replacing a node cannot learn the cluster's disk size, so it
     fails naming the permission, before the lost instance is ended or a new one launched (never a new
     instance with the image's default disk)."""
-    policy = _readme_policy()
+    policy = _docs_policy()
     for st in policy["Statement"]:
         if isinstance(st["Action"], list):
             st["Action"] = [a for a in st["Action"] if a != "ec2:DescribeVolumes"]
@@ -118,11 +118,11 @@ def test_a_replacement_denied_the_root_volume_size_is_an_error_not_a_smaller_dis
         moto.enforce_iam(False)
 
 
-def test_the_readme_policy_is_the_one_made_from_the_backends_list_of_actions() -> None:
-    """One list in code (``backends/aws/iam.py``) of the EC2 actions the backend calls; the README's
+def test_the_docs_policy_is_the_one_made_from_the_backends_list_of_actions() -> None:
+    """One list in code (``backends/aws/iam.py``) of the EC2 actions the backend calls; the docs'
     policy is the one made from it, for the default owner."""
-    assert _readme_policy() == iam.policy()
-    assert _actions(_readme_policy()) == iam.ACTIONS
+    assert _docs_policy() == iam.policy()
+    assert _actions(_docs_policy()) == iam.ACTIONS
 
 
 def _actions(policy: dict[str, Any]) -> set[str]:
@@ -133,7 +133,7 @@ def _actions(policy: dict[str, Any]) -> set[str]:
     return out
 
 
-def test_the_readme_policy_names_exactly_the_actions_the_backend_calls(
+def test_the_docs_policy_names_exactly_the_actions_the_backend_calls(
     moto: MotoEC2, hosts: SSHDCluster, net: FakeNetwork
 ) -> None:
     """Every path of the backend (the Test button, provision with a disk (its image's root device) and the
@@ -142,7 +142,7 @@ def test_the_readme_policy_names_exactly_the_actions_the_backend_calls(
     in front of moto: the actions called are the list in code (``iam.ACTIONS``) and the policy's, no
     more and no fewer. And the policy's shape: one
     version, every statement Allow with Resource '*', conditions only on keys EC2 defines."""
-    policy = _readme_policy()
+    policy = _docs_policy()
     assert policy["Version"] == "2012-10-17"
     for st in policy["Statement"]:
         assert st["Effect"] == "Allow" and st["Resource"] == "*" and st["Sid"]

@@ -32,7 +32,7 @@ pytestmark = needs_sshd
 
 
 def _given_group_and_key(moto: MotoEC2, hosts: SSHDCluster) -> dict[str, str]:
-    """The README's least-privilege option: the connection names its own group and key pair, so the
+    """The least-privilege option of docs/backends/aws.md: the connection names its own group and key pair, so the
     provision makes neither (and holds no mutex of its own)."""
     ec2 = moto.client()
     vpc = ec2.describe_vpcs()["Vpcs"][0]["VpcId"]

@@ -1,5 +1,5 @@
-"""The RBAC the README documents is exactly what the code calls, and a refusal is said in the API server's
-words. The README's Role is ``role_rules()`` (from ``NEEDED_PERMISSIONS``, which the Test button checks);
+"""The RBAC docs/backends/kubernetes.md documents is exactly what the code calls, and a refusal is said in the API server's
+words. The page's Role is ``role_rules()`` (from ``NEEDED_PERMISSIONS``, which the Test button checks);
 a service account holding exactly that Role runs a gang (provision, a job, a replaced worker, teardown),
 and the calls it makes are exactly those permissions; one without it is refused at create, nothing is
 left, and the Test button names what is missing. Both reach the cluster through a kubeconfig given as
@@ -24,7 +24,7 @@ from airflow_provider_sky.spec import task_from_args
 from k8s_cluster import Image, K8sCluster, wait_for
 from test_k8s_backend import _wait
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+K8S_DOCS = Path(__file__).resolve().parents[1] / "docs" / "backends" / "kubernetes.md"
 #: calls outside the namespace, which every authenticated identity may make (the Test button's)
 UNRESTRICTED = {("GET", "/version/"), ("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews")}
 _NAMESPACED = re.compile(
@@ -32,9 +32,9 @@ _NAMESPACED = re.compile(
 )
 
 
-def test_the_readmes_role_is_the_permissions_the_code_needs() -> None:
-    """The README's Role YAML and its list in words are ``role_rules()``, nothing more or less."""
-    text = README.read_text()
+def test_the_docs_role_is_the_permissions_the_code_needs() -> None:
+    """The docs' Role YAML and its list in words are ``role_rules()``, nothing more or less."""
+    text = K8S_DOCS.read_text()
     section = text[text.index("**RBAC**") :]
     block = re.search(r"```yaml\n(.*?)```", section, re.S)
     assert block is not None
@@ -111,7 +111,7 @@ def _token_kubeconfig(k8s: K8sCluster, account: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def accounts(k8s: K8sCluster) -> Iterator[dict[str, dict[str, Any]]]:
-    """``allowed`` has exactly the README's Role in the test namespace; ``denied`` has nothing."""
+    """``allowed`` has exactly the docs' Role in the test namespace; ``denied`` has nothing."""
     from kubernetes import client
 
     api = k8s.api()

@@ -1591,7 +1591,7 @@ def test_a_file_with_one_task_and_empty_documents_loads(tmp_path: Path) -> None:
 
 
 def test_each_backend_does_with_ports_and_tiers_what_the_readme_says() -> None:
-    """The README's table: ports run on local and SSH (nothing to open), are refused for now on Kubernetes
+    """The table of docs/skypilot-yaml.md: ports run on local and SSH (nothing to open), are refused for now on Kubernetes
     and EC2, naming the field; disk_tier / network_tier are accepted everywhere, each named as ignored."""
     from benchmarks.compat import capabilities
 

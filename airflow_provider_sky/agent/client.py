@@ -17,26 +17,14 @@ from typing import Any
 
 from airflow_provider_sky import runtime
 from airflow_provider_sky.agent.node import Channel, ProtocolError, connect
+from airflow_provider_sky.errors import AgentError as AgentError
+from airflow_provider_sky.errors import AgentUnreachable as AgentUnreachable
 from airflow_provider_sky.node_scripts import CANCEL_SCRIPT
 
 log = logging.getLogger(__name__)
 
 #: the states a rank ends in, as the agents report them
 TERMINAL = ("exited", "badexit", "lost")
-
-
-class AgentError(Exception):
-    """The head refused a call, or answered outside the protocol."""
-
-
-class AgentUnreachable(AgentError):
-    """The head's agent, or some node's agent behind it, cannot be reached: the per-node path applies.
-
-    ``nodes``: the nodes the head does not hear from (empty: the head itself did not answer)."""
-
-    def __init__(self, message: str, nodes: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.nodes = list(nodes)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from airflow_provider_sky.errors import BackendError as BackendError
+from airflow_provider_sky.errors import ClusterBusy as ClusterBusy
 from airflow_provider_sky.gang import CUDA_VISIBLE_DEVICES
 from airflow_provider_sky.runners.base import CommandRunner, RunnerError
 from airflow_provider_sky.spec import (
@@ -41,18 +43,11 @@ from airflow_provider_sky.spec import (
     spec_problems,
     unset_error,
 )
+from airflow_provider_sky.spec.nodes import existing_cluster, num_nodes_problem
 
 _T = TypeVar("_T")
 #: nodes copied to at once by ``sync_files``
 SYNC_PARALLEL = 16
-
-
-class BackendError(Exception):
-    """Provisioning or teardown failed; the message says what and how to fix it."""
-
-
-class ClusterBusy(BackendError):
-    """The cluster is being torn down; a provision of that name waits for the teardown to end."""
 
 
 #: ``Node.extra`` keys of a node whose GPUs the backend handed out: the canonical GPU name, the device
@@ -460,12 +455,8 @@ def check_reusable(record: Mapping[str, Any], name: str, num_nodes: int) -> None
             "cluster may still run there. Tear it down again once they answer (it cleans only those "
             "nodes), or use another cluster name"
         )
-    count = len(record["nodes"])
-    if count != num_nodes:
-        raise BackendError(
-            f"cluster {name!r} exists with {count} nodes but the task asks for "
-            f"{num_nodes}: tear it down first or use another cluster name"
-        )
+    if (problem := num_nodes_problem(num_nodes, existing_cluster(name, len(record["nodes"])))) is not None:
+        raise BackendError(problem)
 
 
 def begin_teardown(record: Mapping[str, Any], holder: str | None) -> tuple[dict[str, Any], tuple[str, ...]]:

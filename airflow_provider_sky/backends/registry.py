@@ -16,17 +16,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from airflow_provider_sky.backends.base import BackendError
+from airflow_provider_sky.errors import ConnectionConfigError as ConnectionConfigError
 
 if TYPE_CHECKING:
     from airflow_provider_sky.backends.base import Backend
 
 #: the standard connection fields a backend may read (the rest of its settings are extras)
 STANDARD_FIELDS = ("host", "schema", "login", "password", "port")
-
-
-class ConnectionConfigError(BackendError, ValueError):
-    """A connection's settings are wrong or contradict each other; the message names the field and the fix."""
 
 
 @dataclass(frozen=True)

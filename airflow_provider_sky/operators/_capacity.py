@@ -11,6 +11,7 @@ from __future__ import annotations
 from airflow.configuration import conf
 
 from airflow_provider_sky.spec import SpecError
+from airflow_provider_sky.spec.nodes import FIELD, airflow_map_length, airflow_triggers, num_nodes_problem
 
 
 def check_airflow_room(num_nodes: int, triggerers: int = 1) -> None:
@@ -20,22 +21,10 @@ def check_airflow_room(num_nodes: int, triggerers: int = 1) -> None:
     Pools, ``[core] parallelism`` and ``max_active_tasks`` do not grow with N: rank tasks started in
     the triggerer never take a worker slot.
     """
-    max_map = conf.getint("core", "max_map_length", fallback=1024)
-    if num_nodes > max_map:
-        raise SpecError(
-            "num_nodes",
-            f"{num_nodes} rank tasks are more than Airflow maps ([core] max_map_length = {max_map}): set "
-            f"AIRFLOW__CORE__MAX_MAP_LENGTH={num_nodes} (or more) for the scheduler and the workers, or "
-            "ask for fewer nodes",
-        )
-    capacity = conf.getint("triggerer", "capacity", fallback=1000) * max(1, int(triggerers))
-    needed = num_nodes + 1
-    if needed > capacity:
-        raise SpecError(
-            "num_nodes",
-            f"a gang of {num_nodes} nodes is watched by {needed} triggers (one per rank task and the gang "
-            f"sensor) and the triggerers hold {capacity} ([triggerer] capacity = "
-            f"{conf.getint('triggerer', 'capacity', fallback=1000)} x {max(1, int(triggerers))} "
-            f"triggerer(s)): set AIRFLOW__TRIGGERER__CAPACITY to at least {needed} (more if other DAGs "
-            "defer at the same time), or run more triggerers and pass triggerers=<how many>",
-        )
+    bounds = (
+        airflow_map_length(conf.getint("core", "max_map_length", fallback=1024)),
+        airflow_triggers(conf.getint("triggerer", "capacity", fallback=1000), max(1, int(triggerers))),
+    )
+    for bound in bounds:
+        if (problem := num_nodes_problem(num_nodes, bound)) is not None:
+            raise SpecError(FIELD, problem)

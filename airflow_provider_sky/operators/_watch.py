@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import importlib.util
 import time
@@ -14,12 +15,12 @@ from airflow.configuration import conf
 from airflow.triggers.base import BaseTrigger, StartTriggerArgs
 
 from airflow_provider_sky.gang import GangStatus
-from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import run_sync
-from airflow_provider_sky.retry import RetryPolicy, operator_args, pop_retry_args, trigger_retry
+from airflow_provider_sky.retry import RetryPolicy, operator_args, pop_retry_args
 from airflow_provider_sky.timing import LIMITS, check_timing
 from airflow_provider_sky.triggers.gang import xcom_ref
+from airflow_provider_sky.watch_settings import WatchSettings
 
 
 def resume_hold() -> float:
@@ -83,10 +84,7 @@ def start_in_triggerer(
     *,
     cluster_task_id: str,
     job_task_id: str,
-    sky_conn_id: str | None,
-    poll_interval: float,
-    grace: float,
-    lost_after: float,
+    watch: WatchSettings,
     **extra: Any,
 ) -> StartTriggerArgs:
     """How a watcher task starts (and ends) in the triggerer instead of on a worker.
@@ -103,10 +101,7 @@ def start_in_triggerer(
         trigger_kwargs={
             "cluster": xcom_ref(cluster_task_id),
             "job_id": xcom_ref(job_task_id, "sky_job_id"),
-            "sky_conn_id": sky_conn_id,
-            "poll_interval": poll_interval,
-            "grace": grace,
-            "lost_after": lost_after,
+            **watch.to_kwargs(),
             "end_from_trigger": True,
             **extra,
         },
@@ -129,43 +124,67 @@ def triggerer_watch(
     **extra: Any,
 ) -> tuple[StartTriggerArgs, dict[str, Any]]:
     """What a rank task or gang sensor started in the triggerer needs: its trigger's start arguments and
-    the watch settings the task and its trigger share. The gang-retry arguments move from
-    ``operator_kwargs`` (changed in place) into the operator's own names and the trigger's policy."""
-    check_timing(poll_interval=poll_interval, grace=grace, lost_after=lost_after, hang_timeout=hang_timeout)
-    watch: dict[str, Any] = {
-        "sky_conn_id": sky_conn_id,
-        "poll_interval": poll_interval,
-        "grace": grace,
-        "hang_timeout": check_hang_timeout(hang_timeout),
-    }
+    the watch settings the task and its trigger share (as the operator's keyword arguments). The
+    gang-retry arguments move from ``operator_kwargs`` (changed in place) into the operator's own names
+    and the trigger's policy."""
+    settings = WatchSettings.build(sky_conn_id, poll_interval, grace, lost_after, hang_timeout)
     policy = pop_retry_args(operator_kwargs)
     operator_kwargs.update(operator_args(policy))
     start = start_in_triggerer(
         trigger_cls,
         cluster_task_id=cluster_task_id,
         job_task_id=job_task_id,
-        lost_after=lost_after,
-        retry=trigger_retry(policy),
+        watch=dataclasses.replace(settings, retry=policy),
         **extra,
-        **watch,
     )
-    return start, watch
+    return start, {
+        "sky_conn_id": sky_conn_id,
+        "poll_interval": poll_interval,
+        "grace": grace,
+        "hang_timeout": settings.hang_timeout,
+    }
 
 
-class GangWatchMixin:
-    """Holds how a task watches a job (connection, poll interval, cancel grace, lost-node and hang
-    timeouts).
+class WatchFields:
+    """A task's watch settings (``self.watch``) as the attributes its arguments are named by."""
+
+    watch: WatchSettings
+
+    @property
+    def sky_conn_id(self) -> str | None:
+        return self.watch.sky_conn_id
+
+    @property
+    def poll_interval(self) -> float:
+        return self.watch.poll_interval
+
+    @property
+    def grace(self) -> float:
+        return self.watch.grace
+
+    @property
+    def lost_after(self) -> float:
+        return self.watch.lost_after
+
+    @property
+    def hang_timeout(self) -> float:
+        return self.watch.hang_timeout
+
+    @property
+    def retry(self) -> dict[str, Any] | None:
+        """The whole-gang retry policy as trigger kwargs (None: no retries)."""
+        return self.watch.retry_kwarg
+
+
+class GangWatchMixin(WatchFields):
+    """Holds how a task watches a job (:class:`WatchSettings`: connection, poll interval, cancel grace,
+    lost-node and hang timeouts, gang retries).
 
     Every watcher of one job must use the same settings: the triggers share one poll per job and
     interval, so one rank task polling at another rate would start a second poll of every node.
     """
 
     cluster: Any
-    sky_conn_id: str | None
-    poll_interval: float
-    grace: float
-    lost_after: float
-    hang_timeout: float
 
     def _init_watch(
         self,
@@ -177,17 +196,8 @@ class GangWatchMixin:
         hang_timeout: float | None = None,
         policy: RetryPolicy | None = None,
     ) -> None:
-        check_timing(
-            poll_interval=poll_interval, grace=grace, lost_after=lost_after, hang_timeout=hang_timeout
-        )
+        self.watch = WatchSettings.build(sky_conn_id, poll_interval, grace, lost_after, hang_timeout, policy)
         self.cluster = cluster
-        self.sky_conn_id = sky_conn_id
-        self.poll_interval = poll_interval
-        self.grace = grace
-        self.lost_after = lost_after
-        self.hang_timeout = check_hang_timeout(hang_timeout)
-        #: the whole-gang retry policy as trigger kwargs (None: no retries)
-        self.retry = trigger_retry(policy or RetryPolicy())
 
     def _peek(self, job_id: Any, ranks: Sequence[int] | None = None) -> GangStatus:
         """The job's state now (every rank, or only ``ranks``; no mark left on the nodes)."""
@@ -213,12 +223,7 @@ class GangWatchMixin:
             "fire_after": time.time() + resume_hold() if deferring else None,
             "cluster": self.cluster,
             "job_id": str(job_id),
-            "sky_conn_id": self.sky_conn_id,
-            "poll_interval": self.poll_interval,
-            "grace": self.grace,
-            "lost_after": self.lost_after,
-            "hang_timeout": self.hang_timeout,
-            "retry": self.retry,
+            **self.watch.to_kwargs(),
         }
 
 

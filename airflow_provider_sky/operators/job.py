@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,17 +12,18 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_sky.bridge import Bridge, BridgeError, BridgeRequest, log_path_for, start_bridge
 from airflow_provider_sky.gang import job_id_for
-from airflow_provider_sky.hang import check_hang_timeout
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, LaunchError
 from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._spec import SPEC_FIELDS, SkySpecMixin, pop_spec_fields, refuse_outlets
-from airflow_provider_sky.retry import OPERATOR_ARGS, RetryPolicy, trigger_retry
+from airflow_provider_sky.operators._watch import WatchFields
+from airflow_provider_sky.retry import operator_policy
 from airflow_provider_sky.spec import SpecError, TaskSpec
-from airflow_provider_sky.timing import check_timing
+from airflow_provider_sky.spec.nodes import FIELD, job_cluster, num_nodes_problem
+from airflow_provider_sky.watch_settings import WatchSettings
 
 
-class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
+class SkyJobOperator(WatchFields, SkySpecMixin, ResumableJobMixin, BaseOperator):
     """Start ``run`` on every node of the cluster at once and return one entry per rank to map over.
 
     Why one task starts all ranks: under ``dag.test()`` (and with few worker slots) mapped tasks run
@@ -80,37 +82,29 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
     ) -> None:
         overrides = pop_spec_fields(kwargs)  # before BaseOperator sees (and rejects) them
         check_operator_arguments(self, kwargs, *SPEC_FIELDS, task_id=kwargs.get("task_id"))
-        check_timing(
-            poll_interval=poll_interval,
-            grace=grace,
-            lost_after=lost_after,
+        watch = WatchSettings.build(
+            sky_conn_id,
+            poll_interval,
+            grace,
+            lost_after,
+            hang_timeout,
             orphan_timeout=orphan_timeout,
             idle_down=idle_down,
             bridge_timeout=bridge_timeout,
-            hang_timeout=hang_timeout,
         )
-        policy = RetryPolicy.build(
-            gang_retries,
-            gang_retry_delay,
-            gang_retry_exponential_backoff,
-            retry_on_exit_codes,
-            names=OPERATOR_ARGS,
+        policy = operator_policy(
+            gang_retries, gang_retry_delay, gang_retry_exponential_backoff, retry_on_exit_codes
         )
         super().__init__(**kwargs)
         refuse_outlets(self)
-        #: the whole-gang retry policy (bridge kwargs), None: no retries
-        self.retry = trigger_retry(policy)
+        #: how the bridge watches the gang (as the rank tasks' triggers do), gang retries included
+        self.watch = dataclasses.replace(watch, retry=policy)
         self._init_spec(task_yaml, task_config, overrides)
         self.cluster = cluster
-        self.sky_conn_id = sky_conn_id
-        self.poll_interval = poll_interval
-        self.grace = grace
-        self.lost_after = lost_after
         self.orphan_timeout = orphan_timeout
         self.idle_down = idle_down
         self.bridge = bridge
         self.bridge_timeout = bridge_timeout
-        self.hang_timeout = check_hang_timeout(hang_timeout)
         self._launched_here = False
         #: pid of the bridge this task started (None: none), for tests and benchmarks
         self.bridge_pid: int | None = None
@@ -132,11 +126,9 @@ class SkyJobOperator(SkySpecMixin, ResumableJobMixin, BaseOperator):
         ti = context["ti"]
         job_id = job_id_for(ti.dag_id, ti.run_id, ti.task_id, ti.map_index, ti.try_number)
         client = self._hook().client(self.cluster)
-        if len(client.handle.nodes) != spec.num_nodes:
-            raise AirflowFailException(
-                f"num_nodes: the task asks for {spec.num_nodes} nodes but cluster {client.handle.name} has "
-                f"{len(client.handle.nodes)}; give the cluster and job tasks the same task spec"
-            )
+        bound = job_cluster(client.handle.name, len(client.handle.nodes))
+        if (problem := num_nodes_problem(spec.num_nodes, bound)) is not None:
+            raise AirflowFailException(f"{FIELD}: {problem}")
         self.log.info(
             "Starting %s rank(s) of job %s on cluster %s", spec.num_nodes, job_id, client.handle.name
         )

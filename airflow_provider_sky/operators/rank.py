@@ -13,10 +13,7 @@ from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._watch import GangWatchMixin, check_watch_kwargs, triggerer_watch
 from airflow_provider_sky.policy import RANK_LABEL
-from airflow_provider_sky.retry import (
-    OPERATOR_ARGS,
-    RetryPolicy,
-)
+from airflow_provider_sky.retry import operator_policy
 from airflow_provider_sky.triggers.gang import MAP_INDEX, SkyRankTrigger
 from airflow_provider_sky.triggers.outcome import rank_end_lines, rank_summary
 
@@ -114,12 +111,8 @@ class SkyRankOperator(GangWatchMixin, BaseOperator):
         if kwargs.get("retries"):
             raise ValueError(_NO_RETRIES)
         kwargs["retries"] = 0
-        policy = RetryPolicy.build(
-            gang_retries,
-            gang_retry_delay,
-            gang_retry_exponential_backoff,
-            retry_on_exit_codes,
-            names=OPERATOR_ARGS,
+        policy = operator_policy(
+            gang_retries, gang_retry_delay, gang_retry_exponential_backoff, retry_on_exit_codes
         )
         check_operator_arguments(self, kwargs, task_id=kwargs.get("task_id"))
         super().__init__(**kwargs)

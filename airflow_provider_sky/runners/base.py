@@ -16,15 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from airflow_provider_sky.errors import RunnerError as RunnerError
+
 log = logging.getLogger(__name__)
-
-
-class RunnerError(Exception):
-    """A node could not be reached or the transport failed (not: the command exited nonzero)."""
-
-    def __init__(self, host: str, message: str) -> None:
-        super().__init__(f"{host}: {message}")
-        self.host = host
 
 
 @dataclass(frozen=True)

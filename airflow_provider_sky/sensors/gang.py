@@ -13,10 +13,7 @@ from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._watch import GangWatchMixin, triggerer_watch
 from airflow_provider_sky.result import DEFAULT_MAX_BYTES, check_result_args, result_config, small
-from airflow_provider_sky.retry import (
-    OPERATOR_ARGS,
-    RetryPolicy,
-)
+from airflow_provider_sky.retry import operator_policy
 from airflow_provider_sky.triggers.gang import SkyGangTrigger
 from airflow_provider_sky.triggers.outcome import gang_outcome
 
@@ -61,12 +58,8 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
     ) -> None:
         kwargs.setdefault("retries", 0)
         result_ranks, result_max_bytes = check_result_args(result_ranks, result_max_bytes)
-        policy = RetryPolicy.build(
-            gang_retries,
-            gang_retry_delay,
-            gang_retry_exponential_backoff,
-            retry_on_exit_codes,
-            names=OPERATOR_ARGS,
+        policy = operator_policy(
+            gang_retries, gang_retry_delay, gang_retry_exponential_backoff, retry_on_exit_codes
         )
         check_operator_arguments(self, kwargs, task_id=kwargs.get("task_id"))
         super().__init__(**kwargs)

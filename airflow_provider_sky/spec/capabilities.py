@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from airflow_provider_sky.spec.common import (
     SpecError,
 )
+from airflow_provider_sky.spec.nodes import FIELD, backend_max, num_nodes_problem
 from airflow_provider_sky.spec.resources import (
     Resources,
 )
@@ -119,14 +120,8 @@ def spec_problems(spec: TaskSpec, caps: BackendCapabilities) -> list[tuple[str, 
     """(field, why) for what of ``spec`` beyond its resources ``caps`` cannot honour (node count, bucket
     mounts): what no resources alternative changes."""
     problems: list[tuple[str, str]] = []
-    if spec.num_nodes > caps.max_nodes:
-        problems.append(
-            (
-                "num_nodes",
-                f"the {caps.name} backend runs at most {caps.max_nodes} node(s), got {spec.num_nodes}; "
-                "lower num_nodes or give the backend more nodes",
-            )
-        )
+    if (problem := num_nodes_problem(spec.num_nodes, backend_max(caps.name, caps.max_nodes))) is not None:
+        problems.append((FIELD, problem))
     if not caps.supports_bucket_mounts:
         for dest, src in spec.file_mounts.items():
             if is_bucket_source(src):

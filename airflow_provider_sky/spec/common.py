@@ -7,19 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-
-class SpecError(ValueError):
-    """Bad task spec. ``str()`` is ``'<field>: <message>'``; the message says what is wrong and how to fix it."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-    def __reduce__(self) -> tuple[type[SpecError], tuple[str, str]]:
-        # The default reduce would call SpecError(str(self)) and fail: keep it picklable across processes.
-        return (SpecError, (self.field, self.message))
-
+from airflow_provider_sky.errors import SpecError as SpecError
 
 #: Set by the provider per rank; a user value would silently break rank discovery, so it is an error.
 RANK_VARIABLES: frozenset[str] = frozenset(

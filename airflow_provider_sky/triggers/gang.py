@@ -31,9 +31,8 @@ from airflow_provider_sky.jobs import GangClient, Poll
 from airflow_provider_sky.linetimes import aread_times
 from airflow_provider_sky.logtext import LineClock, LineSplitter, iso_time
 from airflow_provider_sky.result import ResultError, read_result
-from airflow_provider_sky.retry import GangPoll, RetryPolicy, rank_attempts, stop_gang, watch_attempts
+from airflow_provider_sky.retry import GangPoll, rank_attempts, stop_gang, watch_attempts
 from airflow_provider_sky.runners.base import RunnerError
-from airflow_provider_sky.timing import check_timing
 from airflow_provider_sky.triggers.log_room import log_room
 from airflow_provider_sky.triggers.outcome import (
     attempt_boundary,
@@ -44,6 +43,7 @@ from airflow_provider_sky.triggers.outcome import (
     rank_summary,
     root_cause_line,
 )
+from airflow_provider_sky.watch_settings import WatchSettings
 
 if TYPE_CHECKING:
     import jinja2
@@ -196,24 +196,50 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         hang_timeout: float = 0.0,
         retry: dict[str, Any] | None = None,
     ) -> None:
-        check_timing(
-            poll_interval=poll_interval, grace=grace, lost_after=lost_after, hang_timeout=hang_timeout
+        #: how the gang is watched (the same for every trigger of the job)
+        self.watch = WatchSettings.from_kwargs(
+            {
+                "sky_conn_id": sky_conn_id,
+                "poll_interval": poll_interval,
+                "grace": grace,
+                "lost_after": lost_after,
+                "hang_timeout": hang_timeout,
+                "retry": retry,
+            }
         )
         super().__init__()
         #: a handle, or (a task started in the triggerer) an ``xcom_ref`` to the cluster task's handle
         self.cluster: Any = cluster
         self.job_id = job_id
-        self.sky_conn_id = sky_conn_id
-        self.poll_interval = float(poll_interval)
-        self.grace = float(grace)
-        self.lost_after = float(lost_after)
-        #: seconds a running rank may stay silent before the shared poll calls it hung (0: off)
-        self.hang_timeout = float(hang_timeout or 0)
-        #: the whole-gang retry policy (``RetryPolicy.to_dict``), None: no retries
-        self.retry = dict(retry) if retry else None
         self.fire_after = None if fire_after is None else float(fire_after)
         #: end the task from here (TaskSuccessEvent / TaskFailedEvent) instead of resuming it on a worker
         self.end_from_trigger = bool(end_from_trigger)
+
+    @property
+    def sky_conn_id(self) -> str | None:
+        return self.watch.sky_conn_id
+
+    @property
+    def poll_interval(self) -> float:
+        return self.watch.poll_interval
+
+    @property
+    def grace(self) -> float:
+        return self.watch.grace
+
+    @property
+    def lost_after(self) -> float:
+        return self.watch.lost_after
+
+    @property
+    def hang_timeout(self) -> float:
+        """Seconds a running rank may stay silent before the shared poll calls it hung (0: off)."""
+        return self.watch.hang_timeout
+
+    @property
+    def retry(self) -> dict[str, Any] | None:
+        """The whole-gang retry policy (``RetryPolicy.to_dict``), None: no retries."""
+        return self.watch.retry_kwarg
 
     def render_template_fields(self, context: Context, jinja_env: jinja2.Environment | None = None) -> None:
         """A task started in the triggerer gets its cluster, job and rank from the upstream XComs and its
@@ -246,12 +272,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         return {
             "cluster": self.cluster,
             "job_id": self.job_id,
-            "sky_conn_id": self.sky_conn_id,
-            "poll_interval": self.poll_interval,
-            "grace": self.grace,
-            "lost_after": self.lost_after,
-            "hang_timeout": self.hang_timeout,
-            "retry": self.retry,
+            **self.watch.to_kwargs(),
             "fire_after": self.fire_after,
             "end_from_trigger": self.end_from_trigger,
         }
@@ -285,25 +306,26 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
     ) -> AsyncGenerator[tuple[Poll, GangClient], None]:
         """Poll the job (fail-fast, hangs and whole-gang retries included) and yield ``(GangPoll, client)``;
         once the outcome is final, repeat the end."""
-        client = await SkyHook(kwargs["sky_conn_id"]).aclient(kwargs["cluster"])
+        watch = WatchSettings.from_kwargs(kwargs)
+        client = await SkyHook(watch.sky_conn_id).aclient(kwargs["cluster"])
         try:
             # secrets never travel in trigger kwargs: the nodes mask them before output reaches the log
             last: GangPoll | None = None
             async for poll in watch_attempts(
                 client,
                 kwargs["job_id"],
-                policy=RetryPolicy.from_dict(kwargs.get("retry")),
-                poll_interval=kwargs["poll_interval"],
-                grace=kwargs["grace"],
-                lost_after=kwargs["lost_after"],
-                hang_timeout=float(kwargs.get("hang_timeout") or 0),
+                policy=watch.retry,
+                poll_interval=watch.poll_interval,
+                grace=watch.grace,
+                lost_after=watch.lost_after,
+                hang_timeout=watch.hang_timeout,
             ):
                 last = poll
                 yield poll, client
             assert last is not None
             while True:  # finished: late subscribers get the final picture without remote calls
                 yield dataclasses.replace(last, chunks={}, at=time.time()), client
-                await asyncio.sleep(kwargs["poll_interval"])
+                await asyncio.sleep(watch.poll_interval)
         finally:
             client.close()
 
@@ -370,7 +392,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         self.log.info("Task acted on by a user: cancelling every rank of job %s (%s)", self.job_id, reason)
         client = await SkyHook(self.sky_conn_id).aclient(self.cluster)
         try:
-            attempts = RetryPolicy.from_dict(self.retry).attempts
+            attempts = self.watch.retry.attempts
             await stop_gang(client, self.job_id, attempts, self.grace, reason)
         finally:
             client.close()

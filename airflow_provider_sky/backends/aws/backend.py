@@ -47,6 +47,7 @@ from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.ssh import SSHNodeConfig, SSHRunner, wait_for_ssh
 from airflow_provider_sky.runners.ssh.keys import load_private_key
 from airflow_provider_sky.spec import BackendCapabilities, Resources, TaskSpec
+from airflow_provider_sky.spec.nodes import existing_cluster, num_nodes_problem
 
 log = logging.getLogger(__name__)
 
@@ -471,11 +472,9 @@ class AWSBackend(Backend):
         states = {i["State"]["Name"] for i in instances}
         if states & {"shutting-down", "stopping"}:
             raise ClusterBusy(f"cluster {name!r}: its instances are {', '.join(sorted(states))}")
-        if len(instances) != spec.num_nodes:
-            raise BackendError(
-                f"cluster {name!r} exists with {len(instances)} instances but the task asks for "
-                f"{spec.num_nodes}: tear it down first or use another cluster name"
-            )
+        bound = existing_cluster(name, len(instances), "instances")
+        if (problem := num_nodes_problem(spec.num_nodes, bound)) is not None:
+            raise BackendError(problem)
         ids = [str(i["InstanceId"]) for i in instances]
         stopped = [str(i["InstanceId"]) for i in instances if i["State"]["Name"] == "stopped"]
         if stopped:

@@ -61,7 +61,7 @@ FIXES = {
     "insufficient spot capacity": "retry later, another zone, or without use_spot",
     "quota": "ask AWS for a higher quota (Service Quotas: EC2 vCPUs / instances) or ask for fewer nodes",
     "spot interruption": "retry, or run without use_spot",
-    "permission denied": "grant the IAM permissions the README lists",
+    "permission denied": "grant the IAM permissions in docs/backends/aws.md (iam.policy() gives them)",
     "credentials refused": "fix the connection's access key (login/password) or its aws connection",
     "bad image": "fix resources.image_id or the connection's image_id (an AMI of this region)",
     "bad key pair": "fix key_name, or leave it empty to import the private key's public half",

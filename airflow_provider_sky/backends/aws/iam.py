@@ -1,8 +1,8 @@
 """The EC2 actions the backend calls, one list, and the least-privilege IAM policy made from it.
 
 Every boto3 EC2 call of ``backends/aws`` is one of these (waiters and paginators included: they call
-``DescribeInstances``); the README's policy is :func:`policy` (a test checks both: the README against
-this, and the calls recorded on the wire against :data:`ACTIONS`). An action missing from a user's
+``DescribeInstances``); the policy in docs/backends/aws.md is :func:`policy` (a test checks both: that
+page against this, and the calls recorded on the wire against :data:`ACTIONS`). An action missing from a user's
 policy is an error naming the cause where it is called, never a quieter fallback.
 """
 

@@ -26,7 +26,7 @@ def reap(backend: AWSBackend, min_age: float = 900.0) -> list[str]:
     (a provision in progress has no record yet) and its head answers but holds no record of it: the
     nodes' ``idle_down`` removed it, or its provision died before writing it. A cluster whose head
     does not answer is left alone (it may be a network problem, not an orphan). Returns the names
-    terminated. Meant for a periodic maintenance task (see the README), so nothing keeps billing.
+    terminated. Meant for a periodic maintenance task (see docs/backends/aws.md), so nothing keeps billing.
 
     Also deleted: the security group and key pair of a cluster with no instance left, made over
     ``min_age`` seconds ago (its nodes powered themselves off at ``idle_down``, or a provision was killed

@@ -72,7 +72,7 @@ _STOPPED = frozenset({"Failed", "Succeeded"})
 #: listed (by the cluster label), created, read (the worker a replacement is copied from, the owner of a
 #: name that clashes) and deleted; commands are execs, a websocket upgrade of a GET, which the API server
 #: authorizes as ``get`` and, on servers that check websocket upgrades as creates (1.35+), as ``create``.
-#: The README's Role and the Test button's check are made from it (:func:`role_rules`).
+#: The Role in docs/backends/kubernetes.md and the Test button's check are made from it (:func:`role_rules`).
 NEEDED_PERMISSIONS = (
     ("create", "pods", None),
     ("get", "pods", None),
@@ -796,7 +796,7 @@ class KubernetesBackend(Backend):
         if missing:
             raise BackendError(
                 f"namespace {self.namespace!r}: the credentials may not {', '.join(missing)}; "
-                "grant them in a Role (see the README's RBAC)"
+                "grant them in a Role (docs/kubernetes-rbac.yaml; docs/backends/kubernetes.md)"
             )
         self._call("listing pods", self.core.list_namespaced_pod, self.namespace, limit=1)
         return f"Kubernetes {version.git_version}: namespace {self.namespace!r}, pods and exec allowed"

@@ -27,7 +27,6 @@ from airflow_provider_sky import runtime
 from airflow_provider_sky.accelerators import (
     DETECT_SCRIPT,
     Inventory,
-    declared_inventory,
     parse_detect_output,
 )
 from airflow_provider_sky.backends.base import (
@@ -54,12 +53,12 @@ from airflow_provider_sky.backends.base import (
 )
 from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
 from airflow_provider_sky.backends.ssh.claim import CLAIM_SCRIPT, RELEASE_SCRIPT, TEARDOWN_GUARD, owner_of
-from airflow_provider_sky.backends.ssh.config import DEFAULT_MAX_PARALLEL, parse_ssh_config
+from airflow_provider_sky.backends.ssh.config import SSHSettings, host_layout, parse_ssh_config
 from airflow_provider_sky.gang import rank_order
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.ssh import SSHNodeConfig, SSHRunner, wait_for_ssh
-from airflow_provider_sky.runners.ssh.config import is_policy
 from airflow_provider_sky.spec import BackendCapabilities, Resources, TaskSpec
+from airflow_provider_sky.spec.nodes import FIELD, connection_hosts, fitting_hosts, num_nodes_problem
 
 log = logging.getLogger(__name__)
 
@@ -101,27 +100,6 @@ class _NoFit(Exception):
         self.message = message
 
 
-def _split_user(entry: str, default_user: str) -> tuple[str, str]:
-    """``user@host...`` → (user, rest); hosts may each have their own user."""
-    entry = entry.strip()
-    if "@" in entry:
-        user, _, rest = entry.partition("@")
-        return user, rest
-    return default_user, entry
-
-
-def _split_host(entry: str, default_port: int) -> tuple[str, int]:
-    """``host``, ``host:port``, ``[v6]:port`` → (host, port)."""
-    entry = entry.strip()
-    if entry.startswith("["):
-        host, _, rest = entry[1:].partition("]")
-        return host, int(rest[1:]) if rest.startswith(":") else default_port
-    if entry.count(":") == 1:
-        host, port = entry.split(":")
-        return host, int(port)
-    return entry, default_port
-
-
 def _asked(res: Resources) -> str:
     parts = [str(res.accelerators)] if res.accelerators else []
     if res.cpus:
@@ -161,108 +139,23 @@ class SSHBackend(Backend):
     #: seconds a change of a record waits for the head's record lock before it fails, changing nothing
     record_lock_wait = 60.0
 
-    def __init__(
-        self,
-        hosts: Sequence[str],
-        *,
-        user: str,
-        port: int = 22,
-        head: str | None = None,
-        private_key: str | None = None,
-        key_file: str | None = None,
-        passphrase: str | None = None,
-        host_key_policy: str = "verify",
-        known_hosts: str | None = None,
-        pinned_host_keys: Mapping[str, str] | Sequence[str] = (),
-        connect_timeout: float = 10.0,
-        ready_timeout: float = 30.0,
-        max_parallel: int = DEFAULT_MAX_PARALLEL,
-        accelerators: Any = None,
-        spare_hosts: Sequence[str] = (),
-    ) -> None:
-        if not hosts:
-            raise BackendError(
-                "hosts: the SSH connection lists no hosts; give them head first, comma-separated"
-            )
-        self.users: dict[tuple[str, int], str] = {}
-        self.endpoints = []
-        names: dict[str, tuple[str, int]] = {}  # every way the accelerators extra may name a host
-        for entry in hosts:
-            host_user, rest = _split_user(entry, user)
-            endpoint = _split_host(rest, port)
-            if not host_user:
-                raise BackendError(
-                    f"login: no user for host {rest!r}; set the connection's login or write user@host"
-                )
-            if endpoint in self.users:
-                raise BackendError(
-                    f"hosts: {rest!r} is listed twice; list each host once (one rank runs per host)"
-                )
-            self.users[endpoint] = host_user
-            self.endpoints.append(endpoint)
-            for alias in (
-                entry.strip(),
-                rest,
-                endpoint[0],
-                f"{endpoint[0]}:{endpoint[1]}",
-                f"{host_user}@{rest}",
-            ):
-                names.setdefault(alias, endpoint)
-        self.spares: list[tuple[str, int]] = []
-        for entry in spare_hosts:
-            host_user, rest = _split_user(entry, user)
-            try:
-                endpoint = _split_host(rest, port)
-            except ValueError:
-                raise BackendError(
-                    f"spare_hosts: {entry!r} is not host, host:port or user@host:port"
-                ) from None
-            if not host_user:
-                raise BackendError(
-                    f"spare_hosts: no user for spare host {rest!r}; set the connection's login or write user@host"
-                )
-            if endpoint in self.users:
-                raise BackendError(
-                    f"spare_hosts: {rest!r} is also in hosts (or listed twice); a spare is a host kept aside "
-                    "for a lost one, list it once"
-                )
-            self.users[endpoint] = host_user
-            self.spares.append(endpoint)
-        self.user = user
-        self.head = _split_host(_split_user(head, user)[1], port) if head else self.endpoints[0]
-        if self.head not in self.endpoints:
-            raise BackendError(f"head: {head!r} is not one of the hosts {list(hosts)}")
-        if not is_policy(host_key_policy):
-            raise BackendError(
-                f"host_key_policy: {host_key_policy!r} is not one of verify, accept-new, skip "
-                "(verify is the default; skip turns host-key checks off and logs a warning)"
-            )
-        if private_key and key_file:
-            raise BackendError(
-                "private key: both a key text (the password field or the private_key extra) and key_file "
-                "are given; keep one (the Airflow SSH provider refuses the same: key_file and private_key "
-                "both provided)"
-            )
-        self.private_key = private_key
-        self.key_file = key_file
-        self.passphrase = passphrase
-        self.host_key_policy = host_key_policy
-        self.known_hosts = known_hosts
-        self.pinned = pinned_host_keys
-        self.connect_timeout = connect_timeout
-        self.ready_timeout = ready_timeout
-        self.max_parallel = max(1, int(max_parallel))
-        try:
-            declared = declared_inventory(accelerators, "accelerators", tuple(names))
-        except ValueError as exc:
-            raise BackendError(str(exc)) from None
-        self.declared: dict[tuple[str, int], Inventory] = {}
-        for key, inv in declared.items():
-            if key == "*":
-                for ep in self.endpoints:
-                    self.declared.setdefault(ep, inv)
-            else:
-                self.declared[names[key]] = inv  # a host named explicitly wins over "*"
+    def __init__(self, settings: SSHSettings | Sequence[str], **fields: Any) -> None:
+        """From ``settings`` (what :meth:`from_config` reads from a connection); scripts and tests may
+        pass the hosts and the other :class:`SSHSettings` fields as keywords instead."""
+        if not isinstance(settings, SSHSettings):
+            settings = SSHSettings(hosts=tuple(settings), **fields)
+        elif fields:
+            raise TypeError(f"SSHBackend(settings) takes no other arguments, got {sorted(fields)}")
+        self.settings = settings
+        layout = host_layout(settings)
+        self.users: dict[tuple[str, int], str] = layout.users
+        self.endpoints = layout.endpoints
+        self.spares = layout.spares
+        self.head = layout.head
+        self.declared: dict[tuple[str, int], Inventory] = layout.declared
+        self.user = settings.user
+        self.host_key_policy = layout.policy
+        self.max_parallel = max(1, int(settings.max_parallel))
         self.capabilities = BackendCapabilities(
             name="ssh",
             max_nodes=len(self.endpoints),
@@ -278,30 +171,13 @@ class SSHBackend(Backend):
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> SSHBackend:
         """From a ``sky_ssh`` connection (see ``config.parse_ssh_config``)."""
-        s = parse_ssh_config(config)
-        return cls(
-            s.hosts,
-            user=s.user,
-            port=s.port,
-            head=s.head,
-            private_key=s.private_key,
-            key_file=s.key_file,
-            passphrase=s.passphrase,
-            host_key_policy=s.host_key_policy,
-            known_hosts=s.known_hosts,
-            pinned_host_keys=s.pinned_host_keys,
-            connect_timeout=s.connect_timeout,
-            ready_timeout=s.ready_timeout,
-            max_parallel=s.max_parallel,
-            accelerators=s.accelerators,
-            spare_hosts=s.spare_hosts,
-        )
+        return cls(parse_ssh_config(config))
 
     def test_connection(self) -> str:
         """Every host greets, shows a host key that checks out and accepts the key; nothing is run."""
 
         def one(endpoint: tuple[str, int]) -> None:
-            wait_for_ssh(*endpoint, self.connect_timeout, max_delay=0.5)
+            wait_for_ssh(*endpoint, self.settings.connect_timeout, max_delay=0.5)
             self._runner_for(*endpoint).connect()
 
         results = self._map(one, self.endpoints)
@@ -320,23 +196,27 @@ class SSHBackend(Backend):
     # -- connections ------------------------------------------------------------------------------
 
     def _pins_for(self, host: str, port: int) -> tuple[str, ...]:
-        if isinstance(self.pinned, Mapping):
-            v = self.pinned.get(f"{host}:{port}") or self.pinned.get(host) or ()
+        if isinstance(self.settings.pinned_host_keys, Mapping):
+            v = (
+                self.settings.pinned_host_keys.get(f"{host}:{port}")
+                or self.settings.pinned_host_keys.get(host)
+                or ()
+            )
             return (v,) if isinstance(v, str) else tuple(v)
-        return tuple(self.pinned)
+        return tuple(self.settings.pinned_host_keys)
 
     def _config(self, host: str, port: int) -> SSHNodeConfig:
         return SSHNodeConfig(
             host,
             user=self.users.get((host, port), self.user),
             port=port,
-            private_key=self.private_key,
-            key_file=self.key_file,
-            passphrase=self.passphrase,
+            private_key=self.settings.private_key,
+            key_file=self.settings.key_file,
+            passphrase=self.settings.passphrase,
             host_key_policy=self.host_key_policy,
-            known_hosts=self.known_hosts,
+            known_hosts=self.settings.known_hosts,
             pinned_host_keys=self._pins_for(host, port),
-            connect_timeout=self.connect_timeout,
+            connect_timeout=self.settings.connect_timeout,
         )
 
     def _runner_for(self, host: str, port: int) -> SSHRunner:
@@ -457,10 +337,10 @@ class SSHBackend(Backend):
 
     def _probe_now(self, endpoint: tuple[str, int]) -> HostProbe:
         host, port = endpoint
-        wait_for_ssh(host, port, self.ready_timeout)
+        wait_for_ssh(host, port, self.settings.ready_timeout)
         declared = self.declared.get(endpoint)
         script = _HOME_SCRIPT if declared is not None else _HOME_SCRIPT + "\n" + DETECT_SCRIPT
-        res = self._runner_for(host, port).run_script(script, timeout=self.connect_timeout + 40)
+        res = self._runner_for(host, port).run_script(script, timeout=self.settings.connect_timeout + 40)
         if res.returncode != 0:
             raise BackendError(f"{self._name(endpoint)}: probe failed: {res.error_text}")
         lines = res.text.split("\n")
@@ -471,11 +351,8 @@ class SSHBackend(Backend):
     def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
         """Check every host answers and authenticates before anything runs; keep a stored rank order."""
         runtime.check_job_id(name)
-        if spec.num_nodes > len(self.endpoints):
-            raise BackendError(
-                f"num_nodes: the task asks for {spec.num_nodes} nodes but the SSH connection has "
-                f"{len(self.endpoints)} hosts; add hosts or lower num_nodes"
-            )
+        if (problem := num_nodes_problem(spec.num_nodes, connection_hosts(len(self.endpoints)))) is not None:
+            raise BackendError(f"{FIELD}: {problem}")
         return self._wait_out_teardown(lambda: self._provision_once(name, spec, holder), 0.5)
 
     def _probe_all(self, endpoints: Sequence[tuple[str, int]]) -> list[HostProbe]:
@@ -527,8 +404,6 @@ class SSHBackend(Backend):
         rest = self._map(self._probe, order[num_nodes:])
         probes: list[HostProbe | Exception] = [*first, *rest]
         fitting = [p for p in probes if isinstance(p, HostProbe) and not self._misfit(res, p)]
-        if len(fitting) >= num_nodes:
-            return fitting[:num_nodes]
         fields: list[str] = []
         lines = []
         for ep, p in zip(order, probes, strict=True):
@@ -539,11 +414,10 @@ class SSHBackend(Backend):
             if misfit and misfit[0] not in fields:
                 fields.append(misfit[0])
             lines.append(f"{self._name(ep)}: {misfit[1] if misfit else 'fits'} ({p.describe()})")
-        raise _NoFit(
-            ", ".join(fields) or "resources",
-            f"the task asks for {num_nodes} node(s) with {_asked(res)}; {len(fitting)} of "
-            f"{len(order)} hosts have it, so nothing was started: " + "; ".join(lines),
-        )
+        bound = fitting_hosts(len(fitting), len(order), _asked(res), "; ".join(lines))
+        if (problem := num_nodes_problem(num_nodes, bound)) is not None:
+            raise _NoFit(", ".join(fields) or "resources", problem)
+        return fitting[:num_nodes]
 
     def _existing_fits(self, name: str, record: Mapping[str, Any], res: Resources) -> list[HostProbe]:
         """The probes of an existing cluster's hosts, which must have what ``res`` asks for."""
@@ -741,7 +615,9 @@ class SSHBackend(Backend):
 
         def one(node: Node) -> None:
             # a hung node must not hang the teardown: it has to greet within the connect timeout
-            wait_for_ssh(node.extra["host"], int(node.extra["port"]), self.connect_timeout, max_delay=0.5)
+            wait_for_ssh(
+                node.extra["host"], int(node.extra["port"]), self.settings.connect_timeout, max_delay=0.5
+            )
             args = [owner, f"{grace:.3f}", node.root]
             res = self.runner(node).run_script(script, args, timeout=grace + 60)
             if res.returncode != 0:

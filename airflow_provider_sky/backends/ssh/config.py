@@ -11,7 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from airflow_provider_sky.accelerators import Inventory, declared_inventory
 from airflow_provider_sky.backends.base import BackendError
+from airflow_provider_sky.runners.ssh.config import HostKeyPolicy, is_policy
 
 #: default bound on hosts contacted at once (connections are then reused)
 DEFAULT_MAX_PARALLEL = 32
@@ -181,3 +183,116 @@ def merge_ssh_connection(config: Mapping[str, Any], ssh_conn: Any) -> dict[str, 
     merged = {k: v for k, v in theirs.items() if _given(v)}
     merged.update({k: v for k, v in config.items() if _given(v)})
     return merged
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """The hosts of :class:`SSHSettings` as endpoints: what the backend addresses, checked once."""
+
+    #: ``(host, port)`` in rank order, head first unless ``head`` says otherwise
+    endpoints: list[tuple[str, int]]
+    #: the user of every endpoint (hosts and spares: ``user@host`` or the connection's login)
+    users: dict[tuple[str, int], str]
+    spares: list[tuple[str, int]]
+    head: tuple[str, int]
+    #: the GPUs declared per endpoint (the ``accelerators`` extra)
+    declared: dict[tuple[str, int], Inventory]
+    #: ``host_key_policy``, checked
+    policy: HostKeyPolicy
+
+
+def _split_user(entry: str, default_user: str) -> tuple[str, str]:
+    """``user@host...`` → (user, rest); hosts may each have their own user."""
+    entry = entry.strip()
+    if "@" in entry:
+        user, _, rest = entry.partition("@")
+        return user, rest
+    return default_user, entry
+
+
+def _split_host(entry: str, default_port: int) -> tuple[str, int]:
+    """``host``, ``host:port``, ``[v6]:port`` → (host, port)."""
+    entry = entry.strip()
+    if entry.startswith("["):
+        host, _, rest = entry[1:].partition("]")
+        return host, int(rest[1:]) if rest.startswith(":") else default_port
+    if entry.count(":") == 1:
+        host, port = entry.split(":")
+        return host, int(port)
+    return entry, default_port
+
+
+def host_layout(s: SSHSettings) -> HostLayout:
+    """Split every ``[user@]host[:port]`` entry of ``s``; an error names the field and the fix (no user, a
+    host listed twice, a head that is not a host, an unknown host-key policy, two keys, bad GPUs)."""
+    if not s.hosts:
+        raise BackendError("hosts: the SSH connection lists no hosts; give them head first, comma-separated")
+    users: dict[tuple[str, int], str] = {}
+    endpoints: list[tuple[str, int]] = []
+    names: dict[str, tuple[str, int]] = {}  # every way the accelerators extra may name a host
+    for entry in s.hosts:
+        host_user, rest = _split_user(entry, s.user)
+        endpoint = _split_host(rest, s.port)
+        if not host_user:
+            raise BackendError(
+                f"login: no user for host {rest!r}; set the connection's login or write user@host"
+            )
+        if endpoint in users:
+            raise BackendError(
+                f"hosts: {rest!r} is listed twice; list each host once (one rank runs per host)"
+            )
+        users[endpoint] = host_user
+        endpoints.append(endpoint)
+        for alias in (
+            entry.strip(),
+            rest,
+            endpoint[0],
+            f"{endpoint[0]}:{endpoint[1]}",
+            f"{host_user}@{rest}",
+        ):
+            names.setdefault(alias, endpoint)
+    spares: list[tuple[str, int]] = []
+    for entry in s.spare_hosts:
+        host_user, rest = _split_user(entry, s.user)
+        try:
+            endpoint = _split_host(rest, s.port)
+        except ValueError:
+            raise BackendError(f"spare_hosts: {entry!r} is not host, host:port or user@host:port") from None
+        if not host_user:
+            raise BackendError(
+                f"spare_hosts: no user for spare host {rest!r}; set the connection's login or write user@host"
+            )
+        if endpoint in users:
+            raise BackendError(
+                f"spare_hosts: {rest!r} is also in hosts (or listed twice); a spare is a host kept aside "
+                "for a lost one, list it once"
+            )
+        users[endpoint] = host_user
+        spares.append(endpoint)
+    head = _split_host(_split_user(s.head, s.user)[1], s.port) if s.head else endpoints[0]
+    if head not in endpoints:
+        raise BackendError(f"head: {s.head!r} is not one of the hosts {list(s.hosts)}")
+    policy = s.host_key_policy
+    if not is_policy(policy):
+        raise BackendError(
+            f"host_key_policy: {s.host_key_policy!r} is not one of verify, accept-new, skip "
+            "(verify is the default; skip turns host-key checks off and logs a warning)"
+        )
+    if s.private_key and s.key_file:
+        raise BackendError(
+            "private key: both a key text (the password field or the private_key extra) and key_file "
+            "are given; keep one (the Airflow SSH provider refuses the same: key_file and private_key "
+            "both provided)"
+        )
+    try:
+        declared = declared_inventory(s.accelerators, "accelerators", tuple(names))
+    except ValueError as exc:
+        raise BackendError(str(exc)) from None
+    by_endpoint: dict[tuple[str, int], Inventory] = {}
+    for key, inv in declared.items():
+        if key == "*":
+            for ep in endpoints:
+                by_endpoint.setdefault(ep, inv)
+        else:
+            by_endpoint[names[key]] = inv  # a host named explicitly wins over "*"
+    return HostLayout(endpoints, users, spares, head, by_endpoint, policy)
