@@ -21,6 +21,13 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from airflow_provider_sky import runtime
+from airflow_provider_sky.agent.client import (
+    AgentClient,
+    AgentError,
+    AgentStatus,
+    AgentUnreachable,
+    node_plan,
+)
 from airflow_provider_sky.aio import CANCEL_WAIT, FANOUT_LIMIT, cancel_bounded, fan_out, run_sync
 from airflow_provider_sky.backends.base import Backend, ClusterHandle, Node, chosen_resources, node_devices
 from airflow_provider_sky.errors import LaunchError as LaunchError
@@ -49,6 +56,8 @@ DEFAULT_LOG_CHUNK = 256 * 1024
 LAUNCH_WATCH_INTERVAL = 0.2
 #: seconds without any poll after which the nodes kill a job (a lost scheduler, a killed ``dags test``)
 DEFAULT_ORPHAN_TIMEOUT = 300.0
+#: a head agent that did not answer is not asked again for this long (the per-node path meanwhile)
+AGENT_RETRY_AFTER = 30.0
 
 
 #: ranks one status or cancel call covers at most: its arguments (a root, a job id of up to 181
@@ -114,6 +123,16 @@ class GangClient:
         #: keep the run's secrets on the nodes (0600) until the job is over: a gang with retries
         #: starts its later attempts from the nodes' files (``runtime_retry``)
         self.keep_secrets = False
+        #: the cluster's head agent (``docs/node-agent.md``), when it runs them: start, status and
+        #: cancel are then one call each; None until asked, or when the cluster has none
+        self._agent: AgentClient | None = None
+        self._agent_asked = False
+        self._agent_off_until = 0.0
+        #: jobs the head does not know (started the per-node way): read the per-node way
+        self._per_node_jobs: set[str] = set()
+        #: calls made to the head agent, and per-node status calls (counted for the benchmarks)
+        self.agent_calls = 0
+        self.node_calls = 0
 
     def runner(self, node: Node) -> CommandRunner:
         if node.node_id not in self._runners:
@@ -124,6 +143,110 @@ class GangClient:
         for r in self._runners.values():
             r.close()
         self._runners.clear()
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
+            self._agent_asked = False
+
+    # -- the node agents ------------------------------------------------------------------------
+
+    async def agent(self) -> AgentClient | None:
+        """The head agent's client, when the cluster runs agents and the head answered lately."""
+        if time.monotonic() < self._agent_off_until:
+            return None
+        if not self._agent_asked:
+            self._agent_asked = True
+            if type(self.backend).agent_endpoint is Backend.agent_endpoint:
+                return None  # a backend without agents: no thread hop per client
+            try:
+                found = await asyncio.to_thread(self.backend.agent_endpoint, self.handle)
+            except Exception as exc:  # the per-node path is always there
+                log.info("The node agent of cluster %s cannot be used: %s", self.handle.name, exc)
+                found = None
+            if found is not None:
+                self._agent = AgentClient(*found, timeout=self.status_timeout)
+        return self._agent
+
+    def _agent_down(self, exc: Exception) -> None:
+        """The head agent did not answer: the per-node path for :data:`AGENT_RETRY_AFTER`, then the
+        endpoint (and token) are asked afresh."""
+        log.warning(
+            "The head agent of cluster %s did not answer (%s): using the per-node path for %.0fs",
+            self.handle.name,
+            exc,
+            AGENT_RETRY_AFTER,
+        )
+        self._agent_off_until = time.monotonic() + AGENT_RETRY_AFTER
+        if self._agent is not None:
+            self._agent.close()
+        self._agent, self._agent_asked = None, False
+        try:
+            self.backend.forget_agent(self.handle)
+        except Exception:  # a courtesy: the next ask reads the endpoint again anyway
+            log.debug("forget_agent failed", exc_info=True)
+
+    async def _once(self, coro: Awaitable[T]) -> T:
+        """A sync call's coroutine (its own event loop): the head agent's connection, which belongs
+        to that loop, is closed with it."""
+        try:
+            return await coro
+        finally:
+            if self._agent is not None:
+                await self._agent.aclose()
+
+    async def _agent_launch(
+        self,
+        agent: AgentClient,
+        spec: TaskSpec,
+        job_id: str,
+        stage: str,
+        orphan_timeout: float,
+        idle_down: float,
+        grace: float,
+    ) -> dict[int, str]:
+        """The gang start through the head: one call; every node's agent runs that node's launch
+        script (the one the per-node path runs). The dead-man's switch moves to the head (nothing
+        marks the nodes' poll files on this path). Raises :class:`AgentUnreachable` (nothing started)."""
+        launches = self.rank_launches(spec, job_id, stage)
+        by_node: dict[str, list[tuple[str, runtime.RankLaunch, runtime.Guard]]] = {}
+        for rl in launches:
+            node = self.node_of(rl.rank)
+            by_node.setdefault(node.node_id, []).append((node.root, rl, self.guard(rl.rank, 0, idle_down)))
+        plan = {nid: node_plan(job_id, items, grace) for nid, items in by_node.items()}
+        self.agent_calls += 1
+        res = await agent.start(
+            job_id, plan, grace=grace, orphan_timeout=orphan_timeout, timeout=60 + len(launches) / 8
+        )
+        errors = res.errors()
+        words = res.words()
+        missing = [r for r in range(self.num_ranks) if words.get(r) not in ("STARTED", "EXISTS", "CANCELLED")]
+        if errors or missing:
+            await self.acancel(job_id, grace=1.0, reason="the gang start failed")
+            why = [f"node {n}: launch failed: {e}" for n, e in errors.items()]
+            if missing and not errors:
+                why.append(f"the rank wrapper of ranks {_span(missing)} did not start")
+            raise LaunchError("; ".join(why))
+        if res.state == "failed":
+            log.info("A rank of job %s failed during the gang start (the head cancelled the gang)", job_id)
+        return words
+
+    async def _agent_status(self, job_id: str, mark: bool = True) -> AgentStatus | None:
+        """The gang's status from its head (one call), or None: no agent, or the head does not know
+        this job (then the per-node path reads it, from now on)."""
+        if job_id in self._per_node_jobs:
+            return None
+        agent = await self.agent()
+        if agent is None:
+            return None
+        self.agent_calls += 1
+        try:
+            return await agent.status(job_id, touch=mark)
+        except AgentUnreachable as exc:
+            self._agent_down(exc)
+        except AgentError as exc:
+            log.info("Job %s is read the per-node way: %s", job_id, exc)
+            self._per_node_jobs.add(job_id)
+        return None
 
     @property
     def num_ranks(self) -> int:
@@ -219,6 +342,15 @@ class GangClient:
         for that long (0: never).
         """
         runtime.check_job_id(job_id)
+        agent = await self.agent()
+        if agent is not None:
+            try:
+                return await self._agent_launch(agent, spec, job_id, stage, orphan_timeout, idle_down, grace)
+            except AgentUnreachable as exc:  # the launch scripts are idempotent: ranks started say EXISTS
+                self._agent_down(exc)
+            except AgentError as exc:
+                log.warning("The head agent refused the start of job %s (%s): the per-node path", job_id, exc)
+            self._per_node_jobs.add(job_id)
         launches = self.rank_launches(spec, job_id, stage)
         by_rank = {rl.rank: rl for rl in launches}
         chunks = self._calls(job_id, list(by_rank), LAUNCH_RANKS)
@@ -403,7 +535,7 @@ class GangClient:
         return out
 
     def launch(self, spec: TaskSpec, job_id: str, stage: str = "run", **guards: float) -> dict[int, str]:
-        return run_sync(self.alaunch(spec, job_id, stage, **guards))
+        return run_sync(self._once(self.alaunch(spec, job_id, stage, **guards)))
 
     # -- status ---------------------------------------------------------------------------------
 
@@ -426,12 +558,16 @@ class GangClient:
         """
         offsets = offsets or {}
         wanted = list(range(self.num_ranks)) if ranks is None else list(ranks)
+        started = time.time()
+        found = await self._agent_status(job_id, mark)
+        if found is not None:
+            return await self._agent_poll(found, job_id, offsets, max_log, wanted, started)
         calls = self._calls(job_id, wanted)
 
         async def one(chunk: list[int]) -> dict[int, runtime.RawRankStatus | RunnerError]:
             return await self._status_many(job_id, chunk, offsets, max_log, mark=mark)
 
-        started = time.time()
+        self.node_calls += len(calls)
         results = await self._bounded(one, calls)
         now = started  # a node that answers late is judged from when we asked
         by_rank: dict[int, runtime.RawRankStatus | BaseException] = {}
@@ -455,6 +591,83 @@ class GangClient:
             if raw.log_chunk:
                 poll.chunks[rank] = (raw.log_offset, raw.log_chunk)
         return poll
+
+    async def _agent_poll(
+        self,
+        found: AgentStatus,
+        job_id: str,
+        offsets: Mapping[int, int],
+        max_log: int,
+        wanted: list[int],
+        at: float,
+    ) -> Poll:
+        """A poll from the head's answer: every rank's state read the way the status script's is read
+        (``AgentRank.to_raw``, ``classify``); log bytes only of ranks whose log grew past ``offsets``
+        (their nodes' sizes come with the agents' heartbeats), one call per machine of those."""
+        poll = Poll(GangStatus(job_id), at=at)
+        by_rank = {r.rank: r for r in found.ranks}
+        grown: list[int] = []
+        for rank in wanted:
+            ip = self.node_of(rank).ip
+            ar = by_rank.get(rank)
+            if ar is None:
+                poll.status.ranks.append(RankStatus(rank, ip, UNKNOWN, reason="not in the head's answer"))
+                poll.unreachable[rank] = "not in the head's answer"
+                continue
+            raw = ar.to_raw(job_id)
+            poll.status.ranks.append(classify(raw, ip, at))
+            poll.status.cancel_requested |= raw.cancel_requested
+            if raw.cancel_requested:
+                poll.cancel_seen.add(rank)
+            if raw.cancel_reason and not poll.status.cancel_reason:
+                poll.status.cancel_reason = raw.cancel_reason
+            if max_log > 0 and (ar.log_size or 0) > offsets.get(rank, 0):
+                grown.append(rank)
+        if grown:
+            calls = self._calls(job_id, grown)
+            self.node_calls += len(calls)
+
+            async def one(chunk: list[int]) -> dict[int, runtime.RawRankStatus | RunnerError]:
+                return await self._status_many(job_id, chunk, offsets, max_log, mark=False)
+
+            for res in await self._bounded(one, calls):
+                if isinstance(res, BaseException):
+                    log.info("Reading new log bytes of job %s failed (next poll): %s", job_id, res)
+                    continue
+                for rank, got in res.items():
+                    if not isinstance(got, BaseException) and got.log_chunk:
+                        poll.chunks[rank] = (got.log_offset, got.log_chunk)
+        return poll
+
+    async def _agent_cancel(self, job_id: str, grace: float, wait: bool, reason: str) -> bool:
+        """Cancel the whole gang through its head: one call (the head tells every agent at once, each
+        stops its ranks as the node runtime's cancel does). ``wait``: then until the head says every
+        rank ended (a call each 0.2 s, up to ``grace`` + 10 s). False: not done this way (no agent,
+        the head did not answer or does not know the job, or ranks outlived the wait): the caller
+        cancels the per-node way."""
+        agent = await self.agent()
+        if agent is None:
+            return False
+        try:
+            self.agent_calls += 1
+            await agent.cancel(job_id, reason or "cancelled")
+            if not wait:
+                return True
+            deadline = time.monotonic() + grace + 10
+            while time.monotonic() < deadline:
+                self.agent_calls += 1
+                if (await agent.status(job_id)).done:
+                    return True
+                await asyncio.sleep(0.2)
+            log.warning(
+                "Ranks of job %s outlived the head's cancel: cancelling them the per-node way", job_id
+            )
+        except AgentUnreachable as exc:
+            self._agent_down(exc)
+        except AgentError as exc:
+            log.info("Cancelling job %s the per-node way: %s", job_id, exc)
+            self._per_node_jobs.add(job_id)
+        return False
 
     def _calls(self, job_id: str, ranks: Sequence[int], most: int = 0) -> list[list[int]]:
         """``ranks`` grouped by machine (``Backend.machine_of``), each group cut into chunks of at most
@@ -577,13 +790,13 @@ class GangClient:
     def poll(
         self, job_id: str, offsets: Mapping[int, int] | None = None, max_log: int = DEFAULT_LOG_CHUNK
     ) -> Poll:
-        return run_sync(self.apoll(job_id, offsets, max_log))
+        return run_sync(self._once(self.apoll(job_id, offsets, max_log)))
 
     def peek(self, job_id: str, ranks: Sequence[int] | None = None) -> GangStatus:
         """Every rank's state now (or only ``ranks``': a rank task looking at its own rank costs one
         call), without log bytes and without a mark: a one-off look is no watcher (it must neither
         keep an abandoned job alive nor make the bridge step back)."""
-        return run_sync(self.apoll(job_id, max_log=0, ranks=ranks, mark=False)).status
+        return run_sync(self._once(self.apoll(job_id, max_log=0, ranks=ranks, mark=False))).status
 
     async def aread_log(self, job_id: str, rank: int, offset: int, nbytes: int) -> bytes:
         """Up to ``nbytes`` of a rank's log from ``offset``, and never more than 4 MiB: read in a loop.
@@ -635,6 +848,14 @@ class GangClient:
         already runs the machine's own cancel (it covers every rank there) is left to it.
         """
         wanted = list(range(self.num_ranks)) if ranks is None else list(ranks)
+        if fail_fast and job_id not in self._per_node_jobs and self._agent is not None:
+            return  # the head cancels the gang itself on a rank's failure, on every node at once
+        if (
+            ranks is None
+            and job_id not in self._per_node_jobs
+            and await self._agent_cancel(job_id, grace, wait, reason)
+        ):
+            return
         flags = self._gang_flags(job_id) if fail_fast and not wait and self.num_ranks > 1 else {}
 
         async def one(chunk: list[int]) -> None:
@@ -655,4 +876,4 @@ class GangClient:
     def cancel(
         self, job_id: str, ranks: Sequence[int] | None = None, grace: float = 3.0, *, reason: str = ""
     ) -> None:
-        run_sync(self.acancel(job_id, ranks, grace, reason=reason))
+        run_sync(self._once(self.acancel(job_id, ranks, grace, reason=reason)))

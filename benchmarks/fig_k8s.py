@@ -343,9 +343,10 @@ class Scanner:
     WANTED = (SLEEP_CMD, FAIL_CMD)
     SETTLE = 5.0
 
-    def __init__(self, job_id: str) -> None:
+    def __init__(self, job_id: str, fail_cmd: bytes = FAIL_CMD) -> None:
         self.marker = f"SKYPILOT_TASK_ID={job_id}".encode()
         self.boring: set[int] = set()
+        self.wanted = (SLEEP_CMD, fail_cmd)
 
     def scan(self) -> dict[int, Proc]:
         now = boottime()
@@ -370,7 +371,7 @@ class Scanner:
                 if now - st[1] / HZ > self.SETTLE:
                     self.boring.add(pid)
                 continue
-            if cmd not in self.WANTED or st[0] == "Z":
+            if cmd not in self.wanted or st[0] == "Z":
                 continue
             rank = next((int(e[19:]) for e in env if e.startswith(b"SKYPILOT_NODE_RANK=")), -1)
             found[pid] = Proc(pid, st[1], rank, cmd)
@@ -447,13 +448,16 @@ class ExitTracker(threading.Thread):
     counts as gone then. ``last_gone``: the latest sibling exit.
     """
 
-    def __init__(self, job_id: str, n: int, fail_rank: int, limit: float = 300.0) -> None:
+    def __init__(
+        self, job_id: str, n: int, fail_rank: int, limit: float = 300.0, fail_cmd: bytes = FAIL_CMD
+    ) -> None:
         super().__init__(daemon=True, name=f"exit-tracker-{job_id}")
+        self.fail_cmd = fail_cmd
         self.job_id = job_id
         self.n = n
         self.fail_rank = fail_rank
         self.limit = limit
-        self.scanner = Scanner(job_id)
+        self.scanner = Scanner(job_id, fail_cmd)
         self.stop_flag = threading.Event()
         self.known: set[int] = set()
         self.sibling_ranks: set[int] = set()
@@ -466,7 +470,7 @@ class ExitTracker(threading.Thread):
         self._ep = select.epoll()
 
     def _gone(self, proc: Proc, at: float) -> None:
-        if proc.cmd == FAIL_CMD:
+        if proc.cmd == self.fail_cmd:
             self.fail_gone = at
         else:
             self.gone_count += 1
@@ -497,7 +501,7 @@ class ExitTracker(threading.Thread):
                     for pid, proc in self.scanner.scan().items():
                         if pid in self.known:
                             continue
-                        if proc.cmd == FAIL_CMD and proc.rank == self.fail_rank:
+                        if proc.cmd == self.fail_cmd and proc.rank == self.fail_rank:
                             self.fail_seen = True
                         elif proc.cmd == SLEEP_CMD and proc.rank != self.fail_rank:
                             self.sibling_ranks.add(proc.rank)
@@ -682,16 +686,17 @@ async def _to_end(client: Any, job_id: str, polls: list[Any]) -> None:
         polls.append(poll)
 
 
-def ours_failfast(client: Any, n: int, log: Log) -> dict[str, Any]:
-    """Rank N-1 ``sleep 2; exit 1``, the others ``sleep 10000``: launch, then ``watch.watch`` to the end
-    (given up after :data:`WATCH_LIMIT`: an invalid sample saying what the watch saw)."""
+def ours_failfast(client: Any, n: int, log: Log, after: int = FAIL_AFTER) -> dict[str, Any]:
+    """Rank N-1 ``sleep 2; exit 1`` (``after`` seconds), the others ``sleep 10000``: launch, then
+    ``watch.watch`` to the end (given up after :data:`WATCH_LIMIT`: an invalid sample saying what the
+    watch saw)."""
     from airflow_provider_sky.jobs import GangClient
     from airflow_provider_sky.spec import task_from_args
 
     job = _job("ff", n)
     fail = n - 1
-    spec = task_from_args(num_nodes=n, run=FAIL_RUN.format(rank=fail, after=FAIL_AFTER))
-    tracker = ExitTracker(job, n, fail)
+    spec = task_from_args(num_nodes=n, run=FAIL_RUN.format(rank=fail, after=after))
+    tracker = ExitTracker(job, n, fail, fail_cmd=f"sleep\x00{after}\x00".encode())
     cancels: list[tuple[float, int, str]] = []
     polls: list[Any] = []
     original = GangClient.acancel
@@ -1107,3 +1112,202 @@ def _rows(n: int, got: dict[str, list[Any]], failures: list[str], info: dict[str
         ),
     ]
     return rows
+
+
+# ---------------------------------------------------------------------------------- the node agents
+
+#: the image of the agent figures: busybox + this machine's python3 (k8s-local.sh ``images``)
+PYTHON_IMAGE = "docker.io/library/busybox-python:local"
+#: steady state: how long a running gang is watched while the client's calls are counted
+STEADY = 10.0
+
+
+def _steady_calls(client: Any, n: int, log: Log) -> dict[str, Any]:
+    """Control-plane calls per second while ``watch.watch`` (poll 0.5 s) watches a running gang of quiet
+    ranks, counted on the client: calls to the head agent and per-node (exec) calls."""
+    from airflow_provider_sky.spec import task_from_args
+    from airflow_provider_sky.watch import watch
+
+    job = _job("steady", n)
+    spec = task_from_args(num_nodes=n, run="sleep 10000")
+    try:
+        client.launch(spec, job)
+        counts: dict[str, float] = {}
+
+        async def go() -> None:
+            polls = 0
+            a0 = n0 = t0 = None
+            async for _ in watch(client, job, poll_interval=POLL, grace=GRACE):
+                polls += 1
+                if polls == 3:  # past the first polls (the logs' first lines)
+                    a0, n0, t0 = client.agent_calls, client.node_calls, time.monotonic()
+                elif t0 is not None and time.monotonic() - t0 >= STEADY:
+                    dt = time.monotonic() - t0
+                    counts.update(
+                        agent=(client.agent_calls - a0) / dt,
+                        node=(client.node_calls - (n0 or 0)) / dt,
+                        polls=polls,
+                    )
+                    return
+
+        asyncio.run(asyncio.wait_for(go(), STEADY + 60))
+        client.cancel(job, grace=1.0)
+        log(
+            f"  fig6-agent N={n} steady state: {counts['agent']:.2f} head-agent calls/s, "
+            f"{counts['node']:.2f} per-node calls/s"
+        )
+        return {
+            "agent_per_s": counts["agent"],
+            "node_per_s": counts["node"],
+            "total_per_s": counts["agent"] + counts["node"],
+        }
+    finally:
+        _cleanup(job, log)
+
+
+def _after_start(n: int) -> int:
+    """When the failing rank fails in the "every rank running" sample: well after the whole gang started
+    on this 2-core machine (128 pods: ~5-20 s under load), so the figure is the cross-pod cancel alone."""
+    return max(FAIL_AFTER, 5 + n // 4)
+
+
+def run_agent(plan: Any, log: Log, ns: tuple[int, ...] = ()) -> list[Row]:
+    """Figure 6 on the agent path: pods of an image with python3 run the node agent (the pod's own
+    process); the gang's start, status and cancel are calls to the head agent. Per N (default 4, 32,
+    128): the gang start vs the ``kubectl exec`` fan-out, fail-fast (exit -> last sibling gone, /proc),
+    and calls per second at steady state, counted on the client."""
+    from airflow_provider_sky.backends.kubernetes import agents
+    from airflow_provider_sky.backends.registry import by_kind
+    from airflow_provider_sky.jobs import GangClient
+
+    sizes = ns or (4, 32, 128)
+    reps = 1 if plan.quick else 2
+    rows: list[Row] = []
+    info: dict[str, Any] = {}
+    try:
+        with test_cluster(log) as cl:
+            # the python image on every node, and pod routes across the nodes (k8s-local.sh images)
+            proc = _k8s_module()._script("images", timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"k8s-local.sh images: {(proc.stdout + proc.stderr)[-500:]}")
+            info.update(cl.info, namespace=cl.namespace, sizes=list(sizes), image=PYTHON_IMAGE)
+            backend = by_kind("kubernetes").make(
+                {
+                    "kube_config_path": cl.kubeconfig,
+                    "context": CONTEXT,
+                    "namespace": cl.namespace,
+                    "image": PYTHON_IMAGE,
+                    "image_pull_policy": "Never",
+                    "provision_timeout": 600,
+                }
+            )
+            try:
+                for n in sizes:
+                    got: dict[str, list[Any]] = {
+                        k: [] for k in ("prov", "start", "kstart", "ff", "ffr", "steady")
+                    }
+                    for i in range(reps):
+                        name = f"bench-agt{n}-{i}"
+                        p = provision(backend, name, n)
+                        got["prov"].append(p.total)
+                        has = agents.endpoint(p.handle.extra) is not None
+                        log(f"  fig6-agent N={n} #{i + 1}: provisioned in {p.total:.1f}s, agents: {has}")
+                        client = GangClient(backend, p.handle)
+                        pods = [node.extra["pod"] for node in p.handle.nodes]
+                        try:
+                            if not has:
+                                raise RuntimeError("the cluster has no agents (see the log)")
+                            for key, fn, args in (
+                                ("start", ours_start, (client, n, log)),
+                                ("kstart", kubectl_start, (cl, pods, n, log)),
+                                ("ff", ours_failfast, (client, n, log)),
+                                ("ffr", ours_failfast, (client, n, log, _after_start(n))),
+                                ("steady", _steady_calls, (client, n, log)),
+                            ):
+                                try:
+                                    got[key].append({**fn(*args), "rep": i})
+                                except Exception as exc:
+                                    got[key].append({"rep": i, "error": f"{type(exc).__name__}: {exc}"})
+                                    log(f"  fig6-agent N={n} #{i + 1} {key} FAILED: {exc}")
+                        finally:
+                            client.close()
+                            td, unclean = teardown(backend, name)
+                            if unclean:
+                                wait_pods_gone(cl, name)
+                    rows += _agent_rows(n, got, info if n == sizes[0] else {})
+            finally:
+                backend.close()
+    finally:
+        info["exec_threads_at_end"] = unstick_exec_threads(log)
+    return rows
+
+
+def _agent_rows(n: int, got: dict[str, list[Any]], info: dict[str, Any]) -> list[Row]:
+    def col(key: str, field: str) -> list[float]:
+        return [s[field] for s in got[key] if not s.get("error") and s.get(field) is not None]
+
+    by_rep = {k["rep"]: k for k in got["kstart"] if not k.get("error")}
+    ratio = [
+        o["last_start"] / by_rep[o["rep"]]["last_start"]
+        for o in got["start"]
+        if not o.get("error") and o["rep"] in by_rep
+    ]
+    gone = col("ff", "gone")
+    gone_running = col("ffr", "gone")
+    calls = col("steady", "total_per_s")
+    return [
+        Row(
+            "6a provision (python image, agents joined)",
+            n,
+            got["prov"],
+            extra={"cluster": info} if info else {},
+        ),
+        Row(
+            "6a start: launch -> last rank's sleep (/proc)",
+            n,
+            col("start", "last_start"),
+            extra={"samples": got["start"]},
+        ),
+        Row(
+            "6a kubectl exec fan-out -> last sleep (/proc)",
+            n,
+            col("kstart", "last_start"),
+            extra={"samples": got["kstart"]},
+        ),
+        Row(
+            "6a ratio start agent/kubectl (-> last sleep)",
+            n,
+            ratio,
+            "x",
+            "<= 0.5x",
+            bool(ratio) and statistics.median(ratio) <= 0.5,
+        ),
+        Row(
+            "6a fail-fast: exit -> last sibling gone (/proc)",
+            n,
+            gone,
+            "s",
+            "< 0.5 s" if n >= 128 else "",
+            (bool(gone) and statistics.median(gone) < 0.5) if n >= 128 else None,
+            extra={"samples": got["ff"]},
+        ),
+        Row(
+            "6a fail-fast, every rank running: exit -> last sibling gone (/proc)",
+            n,
+            gone_running,
+            "s",
+            "< 0.5 s" if n >= 128 else "",
+            (bool(gone_running) and statistics.median(gone_running) < 0.5) if n >= 128 else None,
+            note=f"rank N-1 fails {_after_start(n)} s after its start",
+            extra={"samples": got["ffr"]},
+        ),
+        Row("6a stop N sleeps: cancel (one call) -> gone", n, col("start", "cancel_gone")),
+        Row(
+            "6a calls per gang per second, steady state (client)",
+            n,
+            calls,
+            "/s",
+            "independent of N",
+            extra={"samples": got["steady"]},
+        ),
+    ]

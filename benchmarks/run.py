@@ -63,6 +63,7 @@ class Plan:
     #: fig 5: ``[triggerer] max_trigger_to_select_per_loop`` of its stack (None: Airflow's default, 50)
     trigger_select: int | None = None
     k8s_ns: tuple[int, ...] = ()  # fig 6: gang sizes on Kubernetes (empty: 4 + the largest the cluster holds)
+    k8s_agent: bool = False  # fig 6 on the node-agent path (pods with python3; sizes 4, 32, 128)
 
     @classmethod
     def make(cls, quick: bool) -> Plan:
@@ -477,6 +478,15 @@ class Bench:
             "(poll 0.5 s, grace 3 s) vs the failing rank's attached kubectl exec returning, then a `kubectl exec "
             "kill` fan-out. Status timestamps are whole seconds in this image."
         )
+        if self.plan.k8s_agent:
+            self.notes.append(
+                "fig 6a: the node-agent path: pods of busybox + this machine's python3 run the agent as their "
+                "own process; launch/status/cancel are calls to the head agent. Start vs the kubectl exec "
+                "fan-out, fail-fast as in fig 6 (watch.watch polls 0.5 s, the head cancels on its own), calls "
+                f"per second counted on the client over {fig_k8s.STEADY:g} s of watching quiet ranks."
+            )
+            self.rows += fig_k8s.run_agent(self.plan, say, self.plan.k8s_ns)
+            return
         self.rows += fig_k8s.run(self.plan, say, self.plan.k8s_ns)
 
     # -- figure 7
@@ -529,6 +539,11 @@ def main(argv: list[str] | None = None) -> int:
         help="figure 5: runs of each DAG per N (default 1), e.g. 10 with --scale-ns 64 for issue 15's ten in a row",
     )
     ap.add_argument(
+        "--k8s-agent",
+        action="store_true",
+        help="figure 6 on the node-agent path (sizes 4, 32, 128 by default)",
+    )
+    ap.add_argument(
         "--k8s-ns", default="", help="figure 6's gang sizes instead of 4 + the probed largest, e.g. 4,64"
     )
     ap.add_argument(
@@ -561,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.scale_reps is not None:
         plan = dataclasses.replace(plan, scale_reps=args.scale_reps)
+    if args.k8s_agent:
+        plan = dataclasses.replace(plan, k8s_agent=True)
     if args.k8s_ns:
         plan = dataclasses.replace(plan, k8s_ns=tuple(int(x) for x in args.k8s_ns.split(",") if x.strip()))
     if args.trigger_select is not None:

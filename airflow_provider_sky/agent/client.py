@@ -78,6 +78,11 @@ class AgentRank:
     own: bool = False
     #: a watcher found it hung (its ``hang/`` directory)
     hung: bool = False
+    #: its log's size as its node last said (heartbeats while it runs, its exit record's read at the
+    #: end); None: not known yet
+    log_size: int | None = None
+    #: its progress file's mtime (node clock, whole seconds), None without one
+    progress: float | None = None
 
     @property
     def terminal(self) -> bool:
@@ -99,7 +104,7 @@ class AgentRank:
             exit_code=self.exit_code,
             start=self.start,
             end=self.end,
-            log_size=0,
+            log_size=self.log_size or 0,
             cancel_requested=bool(self.why),
             log_offset=0,
             log_chunk=b"",
@@ -107,6 +112,7 @@ class AgentRank:
             cancel_reason=self.reason,
             oom=self.oom,
             hung=self.hung,
+            progress=self.progress,
         )
 
 
@@ -169,6 +175,8 @@ def _rank(rec: Mapping[str, Any]) -> AgentRank:
         orphaned=bool(rec.get("orphaned")),
         own=bool(rec.get("own")),
         hung=bool(rec.get("hung")),
+        log_size=int(rec["log"]) if isinstance(rec.get("log"), int) else None,
+        progress=float(rec["progress"]) if isinstance(rec.get("progress"), (int, float)) else None,
     )
 
 
@@ -183,6 +191,7 @@ class AgentClient:
         self.timeout = timeout
         self._chan: Channel | None = None
         self._lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
 
     def __repr__(self) -> str:  # no token in any repr or log line
@@ -207,6 +216,16 @@ class AgentClient:
     ) -> dict[str, Any]:
         """One request, one answer. A connection found broken is made again once (``retry``: only for
         calls that may be sent twice)."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            # a sync caller runs each call on a loop of its own: a connection (and the lock) belong
+            # to the loop that made them
+            if self._chan is not None:
+                try:
+                    self._chan.close()
+                except RuntimeError:  # its loop is closed: the socket goes with the transport
+                    pass
+            self._chan, self._lock, self._loop = None, asyncio.Lock(), loop
         async with self._lock:
             for attempt in (0, 1):
                 chan = await self._connect()
@@ -258,9 +277,10 @@ class AgentClient:
         )
         return StartResult(state=str(reply.get("state")), nodes=dict(reply.get("nodes") or {}))
 
-    async def status(self, job_id: str) -> AgentStatus:
-        """Every rank of the gang and the head's decision: one call at any number of nodes."""
-        reply = await self.call("status", job=job_id)
+    async def status(self, job_id: str, touch: bool = True) -> AgentStatus:
+        """Every rank of the gang and the head's decision: one call at any number of nodes. ``touch``
+        False: a look that does not count as a watcher's poll for the head's dead-man's switch."""
+        reply = await self.call("status", job=job_id, **({} if touch else {"peek": True}))
         cause = reply.get("cause")
         return AgentStatus(
             job_id=job_id,
@@ -282,6 +302,12 @@ class AgentClient:
     async def nodes(self) -> dict[str, dict[str, Any]]:
         """The agents the head hears from: node -> ``up``, seconds since last ``heard``."""
         return dict((await self.call("nodes")).get("nodes") or {})
+
+    def close(self) -> None:
+        """Close the connection (sync: a closed transport needs no await)."""
+        if self._chan is not None:
+            self._chan.close()
+            self._chan = None
 
     async def aclose(self) -> None:
         if self._chan is not None:

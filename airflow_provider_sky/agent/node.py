@@ -227,6 +227,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
 def read_rank(d: str) -> dict[str, Any]:
     """A rank's state from its directory, read the way the node runtime's status script reads it.
 
@@ -260,6 +267,7 @@ def read_rank(d: str) -> dict[str, Any]:
         rec["state"], rec["own"] = "badexit", not rec["why"]
         return rec
     rec["state"], rec["code"] = "exited", int(code)
+    rec["log"] = _size(os.path.join(d, "log"))  # its whole output: the control plane reads what it has not
     end = _read(os.path.join(d, "end"))
     rec["end"] = _num(end) if end is not None else _num(lines[1] if len(lines) > 1 else None)
     why = (cancel or "").strip() or (lines[2].strip() if len(lines) > 2 else "")
@@ -456,6 +464,27 @@ class NodeWork:
     def state(self) -> dict[str, list[dict[str, Any]]]:
         return {job: list(nj.recs.values()) for job, nj in self.jobs.items()}
 
+    def log_sizes(self) -> dict[str, dict[str, Any]]:
+        """The log size of every running rank (one ``stat`` each; ``[size, mtime]`` when it has a
+        progress file, ``SKY_PROGRESS_FILE``), sent with the heartbeat: the control plane then reads a
+        log only when it grew, so a quiet gang's poll is one call at any size."""
+        out: dict[str, dict[str, Any]] = {}
+        for job, nj in self.jobs.items():
+            if nj.done:
+                continue
+            sizes: dict[str, Any] = {}
+            for r, d in nj.dirs.items():
+                if (nj.recs.get(r) or {}).get("state") != "running":
+                    continue
+                size = _size(os.path.join(d, "log"))
+                try:
+                    sizes[str(r)] = [size, int(os.stat(os.path.join(d, "progress")).st_mtime)]
+                except OSError:
+                    sizes[str(r)] = size
+            if sizes:
+                out[job] = sizes
+        return out
+
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
@@ -563,6 +592,7 @@ class HeadJob:
         self.orphan_timeout = orphan_timeout
         self.contact = now
         self.started: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self.logs: dict[int, Any] = {}  # rank -> its log's size (or [size, progress mtime]), from the beats
 
     def done(self) -> bool:
         for r, n in self.node_of.items():
@@ -611,6 +641,21 @@ class Head:
             ok = all(hj.ranks.get(r, {}).get("code") == 0 for r in hj.node_of)
             hj.state = "succeeded" if ok else "failed"
 
+    def on_logs(self, node: str, logs: Any) -> None:
+        """Log sizes from a node's heartbeat (its own ranks only)."""
+        if not isinstance(logs, dict):
+            return
+        for job, sizes in logs.items():
+            hj = self.jobs.get(str(job))
+            if hj is None or not isinstance(sizes, dict):
+                continue
+            for r, size in sizes.items():
+                ok = isinstance(size, int) or (
+                    isinstance(size, list) and len(size) == 2 and all(isinstance(x, int) for x in size)
+                )
+                if ok and str(r).isdigit() and hj.node_of.get(int(r)) == node:
+                    hj.logs[int(r)] = size
+
     def decide(self, hj: HeadJob, state: str, reason: str, cancel: str, orphaned: bool = False) -> None:
         """The gang's fate, once: every agent is told to cancel at once (the head's own node first)."""
         if hj.cancel is not None:
@@ -653,6 +698,7 @@ class Head:
 
     def housekeep(self) -> None:
         now = time.monotonic()
+        self.on_logs(self.node, self.work.log_sizes())
         for hj in self.jobs.values():
             if hj.state == "running":
                 for node in hj.nodes:
@@ -739,15 +785,19 @@ class Head:
         hj.contact = time.monotonic()
         return {"ok": True, "job": job, "nodes": results, "state": hj.state}
 
-    def status(self, job: str) -> dict[str, Any]:
+    def status(self, job: str, touch: bool = True) -> dict[str, Any]:
         hj = self.jobs.get(job)
         if hj is None:
             return {"ok": False, "error": f"no job {job} on this head"}
-        hj.contact = time.monotonic()
+        if touch:  # a watcher's poll keeps the dead-man's switch away; a one-off look (peek) does not
+            hj.contact = time.monotonic()
         ranks = []
         for r in sorted(hj.node_of):
             rec = dict(hj.ranks.get(r) or {"rank": r, "state": "pending"})
             rec["node"] = hj.node_of[r]
+            if "log" not in rec and r in hj.logs:
+                size = hj.logs[r]
+                rec["log"], rec["progress"] = (size[0], size[1]) if isinstance(size, list) else (size, None)
             if rec["node"] in hj.lost and rec.get("state") not in TERMINAL:
                 rec["state"], rec["why"] = "lost", f"node {rec['node']} lost: {hj.lost[rec['node']]}"
             ranks.append(rec)
@@ -900,6 +950,7 @@ class Server:
                 link.heard = time.monotonic()
                 op = msg["op"]
                 if op == "beat":
+                    self.head.on_logs(node, msg.get("logs"))
                     await chan.send({"op": "ack"})
                 elif op == "report":
                     recs = msg.get("ranks")
@@ -918,7 +969,7 @@ class Server:
             if op == "start":
                 reply = await self.head.start(msg)
             elif op == "status":
-                reply = self.head.status(str(msg.get("job")))
+                reply = self.head.status(str(msg.get("job")), not msg.get("peek"))
             elif op == "cancel":
                 reply = self.head.cancel(str(msg.get("job")), str(msg.get("reason") or ""))
             elif op == "nodes":
@@ -1008,7 +1059,7 @@ class Worker:
     async def _beats(self, chan: Channel) -> None:
         while True:
             await asyncio.sleep(self.beat)
-            await self._send(chan, {"op": "beat"})
+            await self._send(chan, {"op": "beat", "logs": self.work.log_sizes()})
 
     async def watchdog(self) -> None:
         while True:

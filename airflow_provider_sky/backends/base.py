@@ -199,6 +199,15 @@ class Backend(ABC):
         by a spot interruption); None when it cannot. Called once per lost rank, off the event loop."""
         return None
 
+    def agent_endpoint(self, handle: ClusterHandle) -> tuple[str, int, bytes] | None:
+        """Where the cluster's head agent listens and its token (``docs/node-agent.md``), when the
+        cluster runs node agents; None: the per-node path only. Called off the event loop (it may ask
+        the head node for the token once)."""
+        return None
+
+    def forget_agent(self, handle: ClusterHandle) -> None:  # noqa: B027 - optional
+        """The head agent refused or did not answer: drop what :meth:`agent_endpoint` cached."""
+
     def replace_nodes(self, handle: ClusterHandle, ranks: Sequence[int]) -> ClusterHandle:
         """Put a new node in place of each lost node of ``ranks`` (the healthy ones are kept) and record
         it, so a teardown covers the new nodes; returns the cluster's handle, rank order unchanged.

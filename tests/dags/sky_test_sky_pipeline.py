@@ -1,5 +1,5 @@
 """sky_pipeline over a two-task SkyPilot pipeline file; FIRST_EXIT (left null in it) given as a DAG param:
-0 runs both tasks, 3 fails the first and stops the pipeline (tests/test_sky_pipeline.py)."""
+0 runs both tasks, 3 fails the first and stops the pipeline (tests/integration/test_sky_pipeline.py)."""
 
 from __future__ import annotations
 

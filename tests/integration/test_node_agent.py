@@ -244,6 +244,59 @@ def test_the_dead_mans_switch_stops_a_gang_nobody_polls(cluster_of: Any) -> None
         )
 
 
+def test_a_peek_does_not_keep_a_gang_nobody_watches_alive_but_a_poll_does(cluster_of: Any) -> None:
+    """The head's dead-man's switch counts a watcher's status call, not a one-off look (``peek``): the
+    gang looked at every 0.3 s is still cancelled as orphaned; the one polled every 0.3 s runs on."""
+    c = cluster_of(2)
+    ranks = {"n0": [0], "n1": [1]}
+
+    async def go() -> None:
+        cl = c.client()
+        try:
+            for job in ("peeked", "polled"):
+                await cl.start(job, c.plan(job, ranks, SLEEP), grace=1.0, orphan_timeout=2)
+            for _ in range(12):
+                await cl.status("peeked", touch=False)
+                await cl.status("polled")
+                await asyncio.sleep(0.3)
+            assert (await cl.status("polled")).state == "running"
+            await cl.cancel("polled", "done")
+        finally:
+            await cl.aclose()
+
+    asyncio.run(go())
+    assert _wait_for(lambda: over(c, "peeked", ranks), 10), records(c, "peeked", ranks)
+    assert all(rec["orphaned"] for rec in records(c, "peeked", ranks).values())
+    assert _wait_for(lambda: over(c, "polled", ranks), 10), records(c, "polled", ranks)
+    assert not any(rec["orphaned"] for rec in records(c, "polled", ranks).values())
+
+
+def test_the_status_carries_each_ranks_log_size_so_logs_are_read_only_when_they_grew(cluster_of: Any) -> None:
+    """Running ranks' log sizes come with the agents' heartbeats (the head's own node's too), an ended
+    rank's from its exit record: a status says which logs grew without a call to any node."""
+    c = cluster_of(2)
+    ranks = {"n0": [0], "n1": [1]}
+    run = 'echo "line of rank $SKYPILOT_NODE_RANK"; sleep 2.5; echo more; sleep 1'
+
+    async def go() -> tuple[AgentStatus, AgentStatus]:
+        cl = c.client()
+        try:
+            await cl.start("job", c.plan("job", ranks, run), grace=1.0)
+            await asyncio.sleep(1.8)  # past a heartbeat (1 s) after the first line
+            first = await cl.status("job")
+            while not (last := await cl.status("job")).done:
+                await asyncio.sleep(0.2)
+            return first, last
+        finally:
+            await cl.aclose()
+
+    first, last = asyncio.run(go())
+    for r in (0, 1):
+        size = Path(c.rank_dir(f"n{r}", "job", r), "log").stat().st_size
+        assert first.by_rank(r).log_size == len(f"line of rank {r}\n"), first.by_rank(r)
+        assert last.by_rank(r).log_size == size == len(f"line of rank {r}\nmore\n"), last.by_rank(r)
+
+
 def test_a_start_naming_a_node_the_head_does_not_hear_starts_nothing(cluster_of: Any) -> None:
     """Where the nodes cannot reach the head, the start says which: the control plane then uses the
     per-node path; nothing was started."""

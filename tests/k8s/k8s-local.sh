@@ -14,7 +14,7 @@ Usage: L=/some/dir k8s-local.sh COMMAND
   addnode N   extra real node "127.0.0.N" (N in 2..9), its own containerd and kubelet; waits for it Ready
   up          ensure + start + addnode 2 (nothing when both nodes are already Ready)
   status      exit 0 when every daemon started is alive, the API server is ready and every node is Ready
-  images      build the pause and busybox image tarballs if missing, import them on every running node
+  images      build the pause, busybox and busybox-python image tarballs if missing, import them on every running node
   stop        kill what start/addnode started (pid files), unmount, remove bridges, restore sysctls
 EOF
 }
@@ -148,12 +148,29 @@ EOF
   python3 mkimage.py bb docker.io/library/busybox:local busybox.tar.tmp sh && mv busybox.tar.tmp busybox.tar
 }
 
+build_python_image() {  # busybox + this machine's own python3 (Debian's, with its libraries): pods that have Python
+  mkdir -p $L/images && cd $L/images; [ -f python.tar ] && return 0; build_images; cd $L/images
+  local py lib f; py=$(readlink -f /usr/bin/python3); lib=/usr/lib/$(basename $py)
+  rm -rf py && cp -a bb py && mkdir -p py/usr/bin py/usr/lib && cp $py py/usr/bin/ && ln -s $(basename $py) py/usr/bin/python3
+  cp -a $lib py/usr/lib/ && rm -rf py$lib/test py$lib/idlelib py$lib/tkinter py$lib/ensurepip py$lib/site-packages
+  for f in $(ldd $py $lib/lib-dynload/*.so | awk '/=>/{print $3} /ld-linux/{print $1}' | sort -u); do
+    mkdir -p py$(dirname $f) && cp -L $f py$f; done
+  python3 mkimage.py py docker.io/library/busybox-python:local python.tar.tmp sh && mv python.tar.tmp python.tar
+}
+
+pod_routes() {  # pods reach the pods of every node (10.244.0.0/16 through their bridge), as Kubernetes' network
+  # model wants: a node agent talks to its head pod on another node. Also for a cluster started by an
+  # older copy of this script (only pods created afterwards get the route).
+  sed -i 's|"routes": \[{"dst": "10.244.[0-9]*.0/24"}\]|"routes": [{"dst": "10.244.0.0/16"}]|' $L/cni/10-local.conflist $L/node*/cni/10-local.conflist 2>/dev/null || true
+}
+
 images() {  # build the image tarballs if missing and import them into every running containerd (every node)
-  build_images; local f sock
+  build_images; build_python_image; pod_routes; local f sock
   for f in $R/containerd*.pid; do [ -f $f ] && ours "$(cat $f)" || continue
     sock=$R/$(basename $f .pid)/containerd.sock
     ctr --address $sock -n k8s.io images import $L/images/pause.tar >/dev/null
-    ctr --address $sock -n k8s.io images import $L/images/busybox.tar >/dev/null; echo "images imported into $sock"
+    ctr --address $sock -n k8s.io images import $L/images/busybox.tar >/dev/null
+    ctr --address $sock -n k8s.io images import $L/images/python.tar >/dev/null; echo "images imported into $sock"
   done
 }
 
@@ -186,7 +203,7 @@ EOF
   cat > $L/cni/10-local.conflist <<EOF
 {"cniVersion": "0.4.0", "name": "k8slocal", "plugins": [
   {"type": "bridge", "bridge": "k8slab0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
-   "ipam": {"type": "host-local", "dataDir": "$R/cni-ipam", "ranges": [[{"subnet": "10.244.0.0/24"}]], "routes": [{"dst": "10.244.0.0/24"}]}},
+   "ipam": {"type": "host-local", "dataDir": "$R/cni-ipam", "ranges": [[{"subnet": "10.244.0.0/24"}]], "routes": [{"dst": "10.244.0.0/16"}]}},
   {"type": "loopback"}]}
 EOF
   cat > $L/kubelet.yaml <<EOF
@@ -251,6 +268,7 @@ echo \$! > $R/containerd$n.pid
 for i in \$(seq 120); do ctr --address $R/containerd$n/containerd.sock version >/dev/null 2>&1 && break; sleep 0.5; done
 ctr --address $R/containerd$n/containerd.sock -n k8s.io images import $L/images/pause.tar >/dev/null
 ctr --address $R/containerd$n/containerd.sock -n k8s.io images import $L/images/busybox.tar >/dev/null
+[ -f $L/images/python.tar ] && ctr --address $R/containerd$n/containerd.sock -n k8s.io images import $L/images/python.tar >/dev/null
 exec $B/kubelet --config=$d/kubelet.yaml --kubeconfig=$P/kubelet$n.kubeconfig --root-dir=$R/kubelet$n --hostname-override=$ip \
   --container-runtime=remote --container-runtime-endpoint=unix://$R/containerd$n/containerd.sock
 EOF
@@ -287,6 +305,7 @@ start() {
   # wait until containerd answers, not until its socket file exists: a killed containerd leaves the file behind
   for i in $(seq 120); do $CTR version >/dev/null 2>&1 && break; sleep 0.5; done
   $CTR images import $L/images/pause.tar >/dev/null; $CTR images import $L/images/busybox.tar >/dev/null
+  [ -f $L/images/python.tar ] && $CTR images import $L/images/python.tar >/dev/null
   bg kubelet $B/kubelet --config=$L/kubelet.yaml --kubeconfig=$P/kubelet.kubeconfig --root-dir=$R/kubelet --hostname-override=localhost \
     --container-runtime=remote --container-runtime-endpoint=unix://$R/containerd/containerd.sock
   wait_node localhost 120 $L/logs/kubelet.log

@@ -48,6 +48,11 @@ if TYPE_CHECKING:
 BUSYBOX_IMAGE = "docker.io/library/busybox:local"
 #: the image used on your own cluster (``SKY_TEST_KUBECONFIG``); pulled if not present
 USER_CLUSTER_IMAGE = os.environ.get("SKY_TEST_K8S_IMAGE", "docker.io/library/busybox:1.36")
+#: busybox plus this machine's own python3 (k8s-local.sh ``images`` builds and imports it): pods that
+#: run the node agent
+PYTHON_IMAGE = "docker.io/library/busybox-python:local"
+#: and on your own cluster
+USER_PYTHON_IMAGE = os.environ.get("SKY_TEST_K8S_PYTHON_IMAGE", "docker.io/library/python:3.12-slim")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "k8s" / "k8s-local.sh"
 LOCAL_DIR = Path(os.environ.get("SKY_TEST_K8S_DIR", "/var/cache/k8s-local"))
@@ -368,6 +373,33 @@ def k8s_image(k8s: K8sCluster) -> Image:
     except TimeoutError:
         pytest.fail(f"{BUSYBOX_IMAGE} is missing on nodes {missing()} (k8s-local.sh start imports it)")
     return Image(BUSYBOX_IMAGE, "Never")
+
+
+@pytest.fixture(scope="session")
+def k8s_python_image(k8s: K8sCluster, k8s_image: Image) -> Image:
+    """An image with python3 (the node agent runs in its pods): the local cluster's busybox-python,
+    built from this machine's python3 and imported on every node by ``k8s-local.sh images`` (nothing
+    is downloaded), or ``SKY_TEST_K8S_PYTHON_IMAGE`` on your cluster."""
+    if k8s_image.name != BUSYBOX_IMAGE:
+        return Image(USER_PYTHON_IMAGE, "IfNotPresent")
+
+    def missing() -> list[str]:
+        api = k8s.api()
+        try:
+            return [
+                n.metadata.name
+                for n in api.list_node().items
+                if n.metadata.name in k8s.nodes
+                and not any(PYTHON_IMAGE in (i.names or []) for i in n.status.images or [])
+            ]
+        finally:
+            api.api_client.close()
+
+    try:
+        wait_for(lambda: not missing(), 60, f"{PYTHON_IMAGE} listed on every node")
+    except TimeoutError:
+        pytest.fail(f"{PYTHON_IMAGE} is missing on nodes {missing()} (k8s-local.sh images imports it)")
+    return Image(PYTHON_IMAGE, "Never")
 
 
 @pytest.fixture

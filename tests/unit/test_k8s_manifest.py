@@ -323,3 +323,19 @@ def test_a_label_name_kubernetes_refuses_is_named_before_any_pod() -> None:
     assert (
         err.value.field == "resources.labels.Cost Center" and "whose name is at most 63" in err.value.message
     )
+
+
+@pytest.mark.parametrize(
+    ("given", "on"),
+    [({}, True), ({"node_agent": ""}, True), ({"node_agent": "false"}, False), ({"node_agent": True}, True)],
+)
+def test_node_agents_are_on_unless_the_connection_turns_them_off(given: dict[str, Any], on: bool) -> None:
+    assert parse_kube_config(given).node_agent is on
+
+
+def test_the_entrypoint_becomes_the_agent_only_once_its_run_script_exists() -> None:
+    """The pod's process idles (exit 0 on SIGTERM) until the provisioning exec wrote ``run.sh`` and woke
+    it; then it execs it: the agent is pid 1."""
+    script = ENTRYPOINT[2]
+    assert "trap 'exit 0' TERM INT" in script and "trap : USR1" in script
+    assert '[ -f "$a" ] && exec /bin/sh "$a"' in script and "/.sky_agent/run.sh" in script

@@ -1573,7 +1573,7 @@ def test_a_file_with_one_task_and_empty_documents_loads(tmp_path: Path) -> None:
 
 def test_each_backend_does_with_ports_and_tiers_what_the_readme_says() -> None:
     """Ports run on every backend: nothing to open on local and SSH, a Service on Kubernetes, a
-    security-group rule on EC2 (tests/test_ports.py); disk_tier / network_tier are accepted everywhere,
+    security-group rule on EC2 (tests/integration/test_ports.py); disk_tier / network_tier are accepted everywhere,
     each named as ignored."""
     from benchmarks.compat import capabilities
 

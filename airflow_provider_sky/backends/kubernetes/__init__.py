@@ -67,6 +67,12 @@ BACKEND = BackendInfo(
             "label": "Provision timeout (s)",
             "schema": {"type": ["number", "null"], "default": 300},
         },
+        "node_agent": {
+            "label": "Node agents",
+            "description": "Run a node agent as each pod's process when its image has python3: the gang's "
+            "fail-fast and status then live on its head pod (off: every pod is polled and cancelled by exec)",
+            "schema": {"type": ["boolean", "null"], "default": True},
+        },
     },
     extra_aliases=("affinity", "disable_verify_ssl"),
     linked_conn=(

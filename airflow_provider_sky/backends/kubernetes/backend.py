@@ -14,6 +14,7 @@ the pod.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import logging
@@ -40,6 +41,7 @@ from airflow_provider_sky.backends.base import (
     still_recorded,
 )
 from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
+from airflow_provider_sky.backends.kubernetes import agents
 from airflow_provider_sky.backends.kubernetes.config import KubeSettings, parse_kube_config
 from airflow_provider_sky.backends.kubernetes.manifest import (
     CLUSTER_LABEL,
@@ -87,6 +89,11 @@ NEEDED_PERMISSIONS = (
 #: what only some tasks need, granted by docs/kubernetes-rbac.yaml but not asked by the Test button:
 #: the head pod's Service for ``resources.ports`` (a refusal then names the rule)
 OPTIONAL_PERMISSIONS = (("create", "services", None),)
+#: how long provisioning waits for every pod's agent to join the head's (else: the per-node path)
+AGENT_JOIN_WAIT = 60.0
+#: and how long for the head's agent to answer this control plane at all (pod IPs may be unreachable
+#: from outside the cluster: then the per-node path at once, not after AGENT_JOIN_WAIT)
+AGENT_REACH_WAIT = 10.0
 #: a pod create answered 429 or 5xx is tried this often in all
 CREATE_TRIES = 4
 _POLL = 0.5
@@ -506,26 +513,127 @@ class KubernetesBackend(Backend):
         return dataclasses.replace(handle, extra={**handle.extra, "service": address, "ports": ports})
 
     def _handle(self, name: str, states: list[PodState]) -> ClusterHandle:
-        """Head rank 0, workers by IP; each node's home read from its pod."""
+        """Head rank 0, workers by IP; each node's home read from its pod, and its agent started (in
+        the same exec) where the image has python3."""
         head = head_name(name)
         by_ip = {s.ip: s for s in states if s.ip}
         head_ip = next(s.ip for s in states if s.name == head)
         order = rank_order(list(by_ip), head_ip)
-        nodes = self._handle_nodes(name, [by_ip[ip] for ip in order])
-        return ClusterHandle(name=name, backend=self.kind, nodes=nodes, cloud="kubernetes")
+        agent = (agents.new_token(), head_ip or "", agents.new_port()) if self.settings.node_agent else None
+        nodes, started = self._handle_nodes(name, [by_ip[ip] for ip in order], agent)
+        extra: dict[str, Any] = {}
+        if agent is not None and started:
+            token, _, port = agent
+            if self._agents_joined(name, head_ip or "", port, token, [n.node_id for n in nodes]):
+                extra[agents.EXTRA_KEY] = {"host": head_ip, "port": port}
+                agents.remember(self.namespace, head, port, token)
+        return ClusterHandle(name=name, backend=self.kind, nodes=nodes, cloud="kubernetes", extra=extra)
 
-    def _handle_nodes(self, name: str, ordered: list[PodState]) -> tuple[Node, ...]:
-        """The nodes of running pods, in the order given; each node's home read from its pod."""
+    def _agents_joined(self, name: str, host: str, port: int, token: bytes, pods: list[str]) -> bool:
+        """Whether this control plane reaches the head agent and every pod's agent joined it (within
+        ``AGENT_JOIN_WAIT``): else the cluster keeps the per-node path (found at start, said in the log)."""
+        from airflow_provider_sky.agent.client import AgentClient, AgentError
+        from airflow_provider_sky.aio import run_sync
 
-        def home(state: PodState) -> str:
-            res = self._pod_runner(state.name, state.ip or "").run_script(_HOME_SCRIPT, timeout=60)
+        async def joined() -> list[str]:
+            client = AgentClient(host, port, token, timeout=3.0)
+            start = time.monotonic()
+            deadline = start + AGENT_JOIN_WAIT
+            missing = list(pods)
+            reached = False
+            try:
+                while time.monotonic() < deadline:
+                    try:
+                        up = await client.nodes()
+                        reached = True
+                    except AgentError:
+                        up = {}
+                        if not reached and time.monotonic() - start > AGENT_REACH_WAIT:
+                            break  # this control plane does not reach the pods: no use waiting
+                    missing = [p for p in pods if not (up.get(p) or {}).get("up")]
+                    if not missing:
+                        return []
+                    await asyncio.sleep(0.2)
+            finally:
+                await client.aclose()
+            return missing
+
+        t0 = time.monotonic()
+        missing = run_sync(joined())
+        if not missing:
+            log.info(
+                "cluster %s: %d node agents joined the head's in %.1fs",
+                name,
+                len(pods),
+                time.monotonic() - t0,
+            )
+        else:
+            log.warning(
+                "cluster %s: the node agents of %s did not join the head agent at %s:%s within %ss "
+                "(or this control plane cannot reach it): the cluster uses the per-node path",
+                name,
+                ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""),
+                host,
+                port,
+                AGENT_JOIN_WAIT,
+            )
+        return not missing
+
+    def agent_endpoint(self, handle: ClusterHandle) -> tuple[str, int, bytes] | None:
+        """The head agent's address (the handle's) and the cluster's token: cached in this process,
+        else read from the head pod (one exec)."""
+        where = agents.endpoint(handle.extra)
+        if where is None or not handle.nodes:
+            return None
+        host, port = where
+        head = handle.nodes[0].extra.get("pod") or head_name(handle.name)
+        token = agents.cached(self.namespace, head, port)
+        if token is None:
+            res = self._pod_runner(head, head).run_script(agents.token_script(), timeout=30)
+            if res.returncode != 0 or not res.stdout.strip():
+                log.info(
+                    "cluster %s: the agent token could not be read from %s: %s",
+                    handle.name,
+                    head,
+                    res.error_text,
+                )
+                return None
+            token = res.stdout.strip()
+            agents.remember(self.namespace, head, port, token)
+        return host, port, token
+
+    def forget_agent(self, handle: ClusterHandle) -> None:
+        where = agents.endpoint(handle.extra)
+        if where is not None and handle.nodes:
+            agents.forget(
+                self.namespace, handle.nodes[0].extra.get("pod") or head_name(handle.name), where[1]
+            )
+
+    def _handle_nodes(
+        self, name: str, ordered: list[PodState], agent: tuple[bytes, str, int] | None = None
+    ) -> tuple[tuple[Node, ...], bool]:
+        """The nodes of running pods, in the order given; each node's home read from its pod. With
+        ``agent`` (token, head IP, port) the same exec starts the pod's agent where python3 is: the
+        second value says whether every pod's did."""
+        head = head_name(name)
+
+        def probe(state: PodState) -> tuple[str, bool]:
+            script = _HOME_SCRIPT
+            if agent is not None:
+                token, head_ip, port = agent
+                script = agents.start_script(state.name, token, head_ip, port, state.name == head)
+            res = self._pod_runner(state.name, state.ip or "").run_script(script, timeout=60)
             if res.returncode != 0:
                 raise BackendError(f"pod {state.name}: probe failed: {res.error_text}")
-            return res.text.strip() or "/root"
+            lines = res.text.strip().splitlines() or ["/root"]
+            return lines[0].strip() or "/root", lines[-1].strip() == "AGENT"
 
         with ThreadPoolExecutor(min(16, len(ordered))) as pool:
-            homes = list(pool.map(home, ordered))
-        return tuple(
+            probed = list(pool.map(probe, ordered))
+        homes = [h for h, _ in probed]
+        if agent is not None and not all(a for _, a in probed):
+            log.info("cluster %s: no python3 in the image: no node agents, the per-node path", name)
+        nodes = tuple(
             Node(
                 ip=s.ip or "",
                 node_id=s.name,
@@ -535,6 +643,7 @@ class KubernetesBackend(Backend):
             )
             for s, h in zip(ordered, homes, strict=True)
         )
+        return nodes, agent is not None and all(a for _, a in probed)
 
     # -- replacing a lost pod ------------------------------------------------------------------------------
 
@@ -578,7 +687,7 @@ class KubernetesBackend(Backend):
                 self._create(name, manifest)
                 made[r] = pod
             states = {s.name: s for s in self._wait_running(name, list(made.values()))}
-            new = self._handle_nodes(name, [states[p] for p in made.values()])
+            new, _ = self._handle_nodes(name, [states[p] for p in made.values()], self._agent_of(handle))
         except BaseException:
             self._delete(list(made.values()), grace=0)
             raise
@@ -589,6 +698,11 @@ class KubernetesBackend(Backend):
         found = self.records(name).load(name)
         assert found is not None
         return ClusterHandle.from_dict(found)
+
+    def _agent_of(self, handle: ClusterHandle) -> tuple[bytes, str, int] | None:
+        """(token, head IP, port) for a new pod of a cluster that runs agents: its agent joins the head."""
+        found = self.agent_endpoint(handle)
+        return (found[2], found[0], found[1]) if found is not None else None
 
     def _model(self, name: str, pod: str) -> dict[str, Any]:
         """The manifest of a new worker, from a running worker pod of ours: its labels, annotations and

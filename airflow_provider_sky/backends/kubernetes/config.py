@@ -34,6 +34,8 @@ class KubeSettings:
     provision_timeout: float = DEFAULT_PROVISION_TIMEOUT
     verify_ssl: bool = True
     pods: PodOptions = field(default_factory=lambda: PodOptions(image=DEFAULT_IMAGE))
+    #: start node agents where the image has python3 (``agents.py``); off: the per-node path only
+    node_agent: bool = True
 
 
 def _flag(config: Mapping[str, Any], key: str) -> bool:
@@ -102,6 +104,7 @@ def parse_kube_config(config: Mapping[str, Any]) -> KubeSettings:
         namespace=namespace,
         provision_timeout=provision_timeout,
         verify_ssl=not _flag(config, "disable_verify_ssl"),
+        node_agent=config.get("node_agent") in (None, "") or _flag(config, "node_agent"),
         pods=PodOptions(
             image=name_value(config.get("image"), "image") or DEFAULT_IMAGE,
             image_pull_policy=pull,

@@ -1,8 +1,8 @@
 """Pod manifests of a cluster, as plain dicts (the API accepts them as they are): no I/O, unit-tested.
 
 One pod per node, ``<cluster>-head`` and ``<cluster>-worker<i>``, labelled with the cluster and the role;
-``restartPolicy: Never``; no service-account token unless the connection names a service account; an entrypoint that idles and exits 0 on SIGTERM (the ranks are started later
-through exec); ``/dev/shm`` memory-backed (PyTorch's data loaders and NCCL need more than the runtime's
+``restartPolicy: Never``; no service-account token unless the connection names a service account; an entrypoint that idles and exits 0 on SIGTERM, or becomes the node agent
+(the ranks are started later through exec or the agent); ``/dev/shm`` memory-backed (PyTorch's data loaders and NCCL need more than the runtime's
 64 MiB default). Spreading, resources and GPUs follow SkyPilot's Kubernetes provisioner.
 """
 
@@ -24,8 +24,15 @@ NAME_ANNOTATION = "sky.airflow/cluster-name"
 ACCELERATOR_ANNOTATION = "sky.airflow/accelerators"
 CONTAINER = "node"
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
-#: idles until SIGTERM, then exits 0 (``sleep`` in the background so the trap runs at once)
-ENTRYPOINT = ["/bin/sh", "-c", "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done"]
+#: idles until SIGTERM, then exits 0 (``sleep`` in the background so the trap runs at once); once the
+#: provisioning exec wrote the node agent's ``run.sh`` and woke it (SIGUSR1), it becomes the agent
+#: (``agents.py``; an image without ``python3`` gets no ``run.sh`` and idles on)
+ENTRYPOINT = [
+    "/bin/sh",
+    "-c",
+    "trap 'exit 0' TERM INT; trap : USR1; a=\"${HOME:-/root}/.sky_agent/run.sh\"; "
+    'while :; do [ -f "$a" ] && exec /bin/sh "$a"; sleep 3600 & wait $!; kill $! 2>/dev/null; done',
+]
 ANTI_AFFINITY = ("soft", "hard", "off")
 
 _DNS_BAD = re.compile(r"[^a-z0-9-]+")

@@ -1,0 +1,219 @@
+"""Fail-fast holds with Airflow paused (issue 30), under a real Airflow: on the real Kubernetes cluster
+and on the local backend.
+
+A 4-rank gang runs; every process of the Airflow stack is stopped (SIGSTOP: the api-server, the
+scheduler and its task processes, the dag-processor, the triggerer with its shared poll, the launch-side
+bridge), as a stalled or restarting control plane; then rank 3 exits 1. Its siblings are gone within
+seconds with nothing on the Airflow side running; once Airflow resumes, the run fails, each rank's task
+saying why. On Kubernetes the pods have python3, so their node agents decide on the head pod; on the
+local backend every node is on one machine, whose wrappers cancel their siblings themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from k8s_cluster import Image, K8sCluster, connection_extras
+from leaks import bridges
+
+from airflow_provider_sky.backends.kubernetes import agents
+from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
+from airflow_provider_sky.backends.registry import by_kind
+from airflow_provider_sky.dev.stack import AirflowStack, group_members
+from airflow_provider_sky.operators._spec import default_cluster_name
+
+REPO = Path(__file__).resolve().parents[2]
+DAG_FILE = "sky_agt_paused.py"
+#: the siblings must be gone this soon after rank 3's exit, Airflow stopped: on Kubernetes the head's
+#: decision is a scan and a message, the rest each pod's own cancel on this shared 2-core machine, and
+#: each look at a pod below is an exec (the tight figure is benchmarks/fig_k8s.py's)
+GONE_MARGIN = 5.0
+
+pytestmark = [pytest.mark.airflow_services]
+
+
+@dataclass
+class Stack:
+    airflow: AirflowStack
+    sky: Path
+    extras: dict[str, Any]
+    base: Path
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, k8s: K8sCluster, k8s_python_image: Image
+) -> Iterator[Stack]:
+    base = tmp_path_factory.mktemp("agt-airflow")
+    dags = base / "dags"
+    dags.mkdir()
+    (dags / DAG_FILE).symlink_to(REPO / "tests" / "dags" / DAG_FILE)
+    sky = base / "sky"
+    sky.mkdir()
+    extras = connection_extras(k8s, k8s_python_image)
+    if os.environ.get("SKY_TEST_AGENT_OFF"):  # the same test on the per-node path: it must fail
+        extras["node_agent"] = False
+    env = {
+        "SKY_PROVIDER_HOME": str(sky),
+        "AIRFLOW_CONN_SKY_AGT": json.dumps({"conn_type": "sky_kubernetes", "extra": extras}),
+        "AIRFLOW_CONN_SKY_AGT_LOCAL": json.dumps({"conn_type": "sky_local"}),
+    }
+    with AirflowStack(base / "airflow", dags, env) as airflow:
+        yield Stack(airflow, sky, extras, base)
+
+
+def _stack_processes(stack: Stack) -> list[int]:
+    """Every process of the Airflow stack: each service's process group, every ``airflow ...`` process
+    with its SKY_PROVIDER_HOME (task processes, wherever their session), and the bridges; not the ranks
+    (the local backend's wrappers and keeper run on this machine and stay up, as a node would)."""
+    want = f"SKY_PROVIDER_HOME={stack.sky}".encode()
+    out = {pid for proc in stack.airflow.procs.values() for pid in group_members(proc.pid)}
+    out.update(pid for pid, _ in bridges(stack.sky))
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                cmd = (entry / "cmdline").read_bytes()
+                if cmd.startswith(b"airflow") and want in (entry / "environ").read_bytes().split(b"\0"):
+                    out.add(int(entry.name))
+    return sorted(out)
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _local_sleeps(job_id: str) -> int:
+    """The job's ``sleep 600`` processes on this machine (the local backend's ranks)."""
+    want = f"SKYPILOT_TASK_ID={job_id}".encode()
+    n = 0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if (entry / "cmdline").read_bytes() == b"sleep\x00600\x00" and want in (
+                    entry / "environ"
+                ).read_bytes().split(b"\0"):
+                    n += 1
+    return n
+
+
+@pytest.mark.parametrize("where", ["kubernetes", "local"])
+def test_a_failure_stops_the_siblings_with_airflow_paused_and_the_run_fails_once_resumed(
+    stack: Stack, where: str
+) -> None:
+    airflow = stack.airflow
+    dag_id = "sky_agt_paused" if where == "kubernetes" else "sky_agt_paused_local"
+    fail_file = "/tmp/agt-fail" if where == "kubernetes" else str(stack.base / "agt-fail")
+    b = by_kind("kubernetes").make(stack.extras)
+    assert isinstance(b, KubernetesBackend)
+    run_id = airflow.trigger(dag_id, {"fail_file": fail_file})
+    cluster = default_cluster_name(dag_id, run_id)
+    try:
+
+        def attached() -> bool:
+            tis = {(t["task_id"], t["map_index"]): t["state"] for t in airflow.task_instances(dag_id, run_id)}
+            ranks = [s for (tid, _), s in tis.items() if tid == "g.rank"]
+            return len(ranks) == 4 and all(s == "deferred" for s in ranks)
+
+        deadline = time.monotonic() + 240
+        while not attached():
+            assert time.monotonic() < deadline, airflow.task_instances(dag_id, run_id)
+            assert airflow.dag_run(dag_id, run_id)["state"] in ("queued", "running")
+            time.sleep(1)
+        handle = airflow.xcom(dag_id, run_id, "g.cluster")
+        job_id = str(airflow.xcom(dag_id, run_id, "g.job")[0]["job_id"])
+        sleeping: Callable[[], int]
+        if where == "kubernetes":
+            if not stack.extras.get("node_agent", True):
+                assert agents.EXTRA_KEY not in handle["extra"]
+            else:
+                assert agents.EXTRA_KEY in handle["extra"], airflow.task_log(dag_id, run_id, "g.cluster")
+            pods = [n["extra"]["pod"] for n in handle["nodes"]]
+
+            def sleeping() -> int:
+                script = "ps -o args | grep -c '^sleep 600' || true"
+                return sum(
+                    int(b._pod_runner(p, p).run_script(script, timeout=30).text.strip() or 0)
+                    for p in pods[:3]
+                )
+
+            def fail() -> None:
+                b._pod_runner(pods[3], pods[3]).run_script(f"touch {fail_file}", timeout=30)
+
+            def end(rank: int) -> float:
+                pod = pods[rank]
+                d = f"{handle['nodes'][rank]['root']}/jobs/{job_id}/{rank}"
+                script = f'cat "{d}/end" 2>/dev/null || sed -n 2p "{d}/exit"'
+                return float(b._pod_runner(pod, pod).run_script(script, timeout=30).text.split()[0])
+        else:
+
+            def sleeping() -> int:
+                return _local_sleeps(job_id)
+
+            def fail() -> None:
+                Path(fail_file).touch()
+
+            def end(rank: int) -> float:
+                d = Path(handle["nodes"][rank]["root"], "jobs", job_id, str(rank))
+                text = (
+                    (d / "end").read_text()
+                    if (d / "end").exists()
+                    else (d / "exit").read_text().split("\n")[1]
+                )
+                return float(text.split()[0])
+
+        assert sleeping() == 3
+
+        paused = _stack_processes(stack)
+        assert len(paused) >= 4, paused
+        _signal(paused, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            fail()
+            gone_at = None
+            while time.monotonic() - t0 < 60:
+                if sleeping() == 0:
+                    gone_at = time.monotonic() - t0
+                    break
+                time.sleep(0.05)
+            assert gone_at is not None, "the siblings still ran 60 s after rank 3 failed, Airflow paused"
+            # the ranks' own records (one clock: every node is on this machine); whole seconds in the
+            # busybox image (its date has no %N), so the look above bounds it too
+            ends = [end(r) for r in range(4)]
+            latency = max(ends[:3]) - ends[3]
+            print(
+                f"\n{where}: rank 3 exit -> last sibling gone, Airflow paused: {latency:.2f}s (records), seen {gone_at:.2f}s after the fail file"
+            )
+            assert latency < GONE_MARGIN and gone_at < GONE_MARGIN + 1, (ends, gone_at)
+            stopped = [p for p in paused if Path(f"/proc/{p}").exists()]
+            assert all(
+                Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for p in stopped
+            )
+        finally:
+            _signal(paused, signal.SIGCONT)
+
+        assert airflow.wait_run(dag_id, run_id, timeout=180) == "failed"
+        states = {
+            t["map_index"]: t["state"]
+            for t in airflow.task_instances(dag_id, run_id)
+            if t["task_id"] == "g.rank"
+        }
+        assert states == dict.fromkeys(range(4), "failed"), states
+        ip3 = handle["nodes"][3]["ip"]
+        assert f"rank 3 ({ip3}) exited with code 1" in airflow.task_log(dag_id, run_id, "g.rank", 3)
+        log0 = airflow.task_log(dag_id, run_id, "g.rank", 0)
+        assert "cancelled" in log0 and "rank 3" in log0, log0
+    finally:
+        if where == "kubernetes":
+            b.terminate(cluster)
+        b.close()
