@@ -213,7 +213,7 @@ if [ -f "$d/cancel" ] || { [ -n "$gf" ] && [ -s "$gf" ]; }; then
 fi
 out="$d/log"
 if [ -f "$d/mask" ]; then
-  rm -f "$d/out" "$d/filter.done"
+  [ ! -e "$d/out" ] && [ ! -e "$d/filter.done" ] || rm -f "$d/out" "$d/filter.done"
   if mkfifo -m 600 "$d/out" 2>/dev/null; then
     exec 3<"$d/mask"
     # the result file is masked like the log once the command ended (RESULT below): keep the mask open
