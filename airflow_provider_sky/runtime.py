@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from airflow_provider_sky.exitcodes import describe_exit
 from airflow_provider_sky.node_scripts import CANCEL_SCRIPT as CANCEL_SCRIPT
 from airflow_provider_sky.node_scripts import CLAIM_FUNC as CLAIM_FUNC
-from airflow_provider_sky.node_scripts import CLOCK_FUNC, CMD_PROLOGUE, KEEPER_SCRIPT, WRAPPER
+from airflow_provider_sky.node_scripts import CMD_PROLOGUE, KEEPER_SCRIPT, WRAPPER
 from airflow_provider_sky.node_scripts import MARKED_FUNCS as MARKED_FUNCS
 from airflow_provider_sky.node_scripts import NEVER_STARTED_SCRIPT as NEVER_STARTED_SCRIPT
 from airflow_provider_sky.node_scripts import STATUS_SCRIPT as STATUS_SCRIPT
 from airflow_provider_sky.node_scripts import TEARDOWN_SCRIPT as TEARDOWN_SCRIPT
 from airflow_provider_sky.node_scripts import teardown_script as teardown_script
+from airflow_provider_sky.scripts import load
 
 JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,180}")
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -186,57 +187,21 @@ def launch_script(
 #: machine its answer came tenths of a second before the uptime read after it, and every rank that call
 #: started told its times that much early (a sibling "ended" 0.3 s before the failure that ended it).
 #: So the uptime is read on both sides, and the tightest of three tries is kept.
-CLOCK_BASE = (
-    """cb=''; cu=''
-if [ -r /proc/uptime ]; then
-  w_=''; i_=0
-  while [ "$i_" -lt 3 ]; do
-    i_=$((i_ + 1))
-    read -r u1_ x_ < /proc/uptime
-    e_=$(date +%s%N 2>/dev/null) || e_=''
-    read -r u2_ x_ < /proc/uptime
-    case "$e_" in ''|*[!0-9]*) break;; esac
-    u1_=${u1_%.*}${u1_#*.}; u1_=${u1_#"${u1_%%[!0]*}"}; u2_=${u2_%.*}${u2_#*.}; u2_=${u2_#"${u2_%%[!0]*}"}
-    d_=$((${u2_:-0} - ${u1_:-0}))
-    if [ -z "$w_" ] || [ "$d_" -lt "$w_" ]; then w_=$d_; cu=$(((${u1_:-0} + ${u2_:-0}) / 2)); cb=$((e_ / 10000000)); fi
-    [ "$d_" -gt 1 ] || break
-  done
-fi
-"""
-    + CLOCK_FUNC
-)
+CLOCK_BASE = load("clock_base.sh")
 
 
 #: ``never RANK`` (``$d`` its directory): a launcher's record of a rank it does not start because a
 #: rank of its machine failed, cancelled with that rank's failure as the reason (as
 #: :data:`NEVER_STARTED_SCRIPT` records them for the launch side); prints ``CANCELLED``, or ``EXISTS``
 #: when another launcher claimed the rank first.
-_NEVER_FUNC = r"""why_=''
-never() {
-  if [ -z "$why_" ]; then fr=; fc=; { read -r fr fc < "$gf"; } 2>/dev/null || :; why_="@rank-failed $fr $fc"; fi
-  [ -d "$d" ] || mkdir -p "$d"
-  if claim "$d"; then
-    clock
-    printf '%s\n' "$why_" > "$d/cancel"; printf '%s\n' "$T" > "$d/start"; printf '%s\n' "$T" > "$d/end"
-    printf '143\n' > "$d/exit"
-    echo "CANCELLED $1"
-  else
-    echo "EXISTS $1"
-  fi
-}"""
+_NEVER_FUNC = load("never.sh").rstrip("\n")
 
 
 #: With ``$gf`` (a machine's gang flag) and ``$g`` (the cancel grace) set: the flag's directory with what
 #: the machine's own fail-fast needs (``.grace``, and ``.cancel.sh``: one copy per machine and job, written
 #: aside and renamed so a wrapper never reads half of it); ``$gj`` is that directory. The gang start and
 #: a retry's relaunch both run it.
-FLAG_DIR = (
-    'gj="${gf%/*}"; [ -d "$gj" ] || mkdir -p "$gj"\n'
-    'printf "%s\\n" "$g" > "$gj/.grace"\n'
-    '[ -f "$gj/.cancel.sh" ] || { '
-    + _write('"$gj/.cancel.sh.$$"', CANCEL_SCRIPT)
-    + ' && mv "$gj/.cancel.sh.$$" "$gj/.cancel.sh"; }'
-)
+FLAG_DIR = load("flag_dir.sh").rstrip("\n")
 
 
 def flag_failure(flag: str, rank: int, code: int | None) -> str:
