@@ -14,7 +14,7 @@ from airflow_provider_sky.scripts import load
 #: session (``setsid``, double forks, ``nohup``). ``marked MARK...`` prints the pids whose environment
 #: holds one of the marks (a prefix: ``<root>/jobs/`` is every process of a cluster's node). No single
 #: quote in it: it is embedded in single-quoted helper scripts. The patterns go to ``grep -f -`` on
-#: stdin: building ``-e`` arguments one ``set --`` at a time is quadratic (6 s for 1,024 marks).
+#: stdin: building ``-e`` arguments one ``set --`` at a time is quadratic in the number of marks.
 MARKED_FUNCS = load("marked.sh")
 
 #: ``clock`` sets ``$T`` to the time now (epoch seconds, to the hundredth) without a fork: /proc/uptime
@@ -34,15 +34,15 @@ MASK_PY = load("mask_filter.py")
 
 #: The same in ``awk`` for nodes without Python (a busybox image): line by line, flushed per line
 #: (mawk needs ``-W interactive`` for that, or it waits to fill its buffer), leftmost and longest first;
-#: a line is held whole until its end. Its own cost per line bounds it (busybox: 12-35 MiB/s), still 5-15
-#: times ``sed -u``; busybox's ``sed`` is faster but flushes only when its buffer is full.
+#: a line is held whole until its end. Its cost per line bounds its speed (``sed -u`` reads a byte per
+#: call; busybox's ``sed`` flushes only when its buffer is full).
 MASK_AWK = load("mask.awk")
 
 #: ``maskfilter``: stdin to stdout with every value of the mask file open on fd 3 (one a line, longest
-#: first) replaced by ``***``. ``maskpy`` where the node has Python (it keeps up with a rank writing
-#: 100s of MB/s; ``sed -u`` read a byte per call, 2.3 MB/s, and held a whole line twice): the system's
-#: first, which starts in 15 ms where a ``pyenv`` shim first in PATH takes 10 times that. Else, or
-#: should Python fail, ``maskawk`` goes on with the rest (it opens the mask anew through /dev/fd/3).
+#: first) replaced by ``***``. ``maskpy`` where the node has Python (it keeps up with a fast rank, in
+#: bounded memory): the system's first, which starts far sooner than a ``pyenv`` shim first in PATH.
+#: Else, or should Python fail, ``maskawk`` goes on with the rest (it opens the mask anew through
+#: /dev/fd/3). Figure 9 of ``benchmarks/`` measures both.
 MASK_FUNC = load("mask.sh")
 
 #: The wrapper. It runs the user's command in a child shell (its own session and process group,
@@ -57,7 +57,7 @@ CMD_PROLOGUE = load("cmd_prologue.sh")
 
 #: One call per machine per poll, covering every rank there (each with its own node root), so it
 #: forks as little as it can: ``read`` (a builtin) for the small files, one ``wc`` for every log's size,
-#: ``tail | head`` only when there are new log bytes. At 1,024 ranks on one machine a fork per rank
+#: ``tail | head`` only when there are new log bytes: with many ranks on one machine, a fork per rank
 #: per poll is seconds of CPU every interval. The poller's clock (``now``, or ``-``) is left in
 #: ``polled``: the node's dead-man's switch and other watchers read it. Arguments: ``now``, then
 #: ``root job rank offset max`` per rank. Per rank: a header line, then ``n`` log bytes, ``xn`` bytes
@@ -81,21 +81,19 @@ KILLER = load("killer.sh")
 #: ``mode``: ``wait`` (until they are gone), ``nowait`` (return after the SIGTERMs), ``after:JOBDIR``
 #: (``nowait``, unless the machine's own fail-fast claimed the cancel in JOBDIR), ``first`` (the
 #: machine's own fail-fast: ``nowait``, and a rank with a process group is signalled before any reason
-#: is written, since 1,000 reason files take the disk most of a second: its wrapper writes the reason
+#: is written, since a reason file per rank is slow to create for many ranks: its wrapper writes the reason
 #: itself from the job's ``.cancelling/reason`` before its exit code, see :data:`WRAPPER`).
 CANCEL_SCRIPT = load("cancel.sh")
 
 #: ``claim RANKDIR``: true for the first caller only, for a rank directory made beforehand. The claim is
-#: a file made with noclobber (``set -C``: an ``O_EXCL`` open, a builtin redirection) where it was the
-#: rank directory's ``mkdir``: an exec per rank, and a 1,024-rank start spent a fourth of its CPU in
-#: ``mkdir``. The gang start's launchers and the never-started records claim the same way.
+#: a file made with noclobber (``set -C``: an ``O_EXCL`` open, a builtin redirection), not the rank
+#: directory's ``mkdir``: that is an exec per rank, a large share of a big gang's start. The gang start's launchers and the never-started records claim the same way.
 CLAIM_FUNC = load("claim.sh").rstrip("\n")
 
 #: Ranks the gang start skips because a sibling already failed: each record says cancelled (exit 143,
 #: the reason in ``cancel``) without anything having run. ``job reason`` then ``root rank`` pairs; an
 #: rank claimed already (by a launcher: :data:`CLAIM_FUNC`) is left alone (``EXISTS <rank>``, else
-#: ``CANCELLED <rank>``). The rank directory's ``mkdir`` is its only fork per rank: 1,000 skipped ranks
-#: are recorded in a second. The exit file is written in place (the status reads an empty one as not
+#: ``CANCELLED <rank>``). The rank directory's ``mkdir`` is its only fork per rank. The exit file is written in place (the status reads an empty one as not
 #: written yet).
 NEVER_STARTED_SCRIPT = load("never_started.sh")
 

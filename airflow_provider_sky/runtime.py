@@ -163,7 +163,7 @@ def _keeper_start(roots: Sequence[str], tick: float) -> str:
 
 def _write(path: str, content: str) -> str:
     """Write ``content`` verbatim to ``path`` with the shell's builtin ``printf`` (no fork: a gang
-    start of 1,024 local ranks writes thousands of files)."""
+    start of a big local gang writes thousands of files)."""
     if not content.endswith("\n"):
         content += "\n"
     return f"printf '%s' {shlex.quote(content)} > {path}"
@@ -210,7 +210,7 @@ def flag_failure(flag: str, rank: int, code: int | None) -> str:
 
     They end the script when a rank of the machine has claimed its own cancel (``.cancelling``, see
     :data:`~airflow_provider_sky.node_scripts.WRAPPER`): that cancel covers every rank started there,
-    and thirty start calls each cancelling their ranks again took the CPU it needed (1,024 ranks)."""
+    and every start call cancelling its ranks again takes the CPU that cancel needs."""
     return (
         f"gf={shlex.quote(flag)}\n"
         '[ -d "${gf%/*}" ] || mkdir -p "${gf%/*}"\n'
@@ -249,8 +249,8 @@ def launch_many_script(
     never started (``CANCELLED <rank>``, :data:`NEVER_STARTED_SCRIPT`'s record), the ranks this script
     started are cancelled on the node once it has waited for their pids (one may have slipped past the
     failing rank's own cancel), and the script ends with ``GANGFAILED rank=R code=C``, the first failure
-    written there. A 1,024-rank start
-    takes seconds; without it, a rank failing in its first second let the others start for nothing.
+    written there. A big gang's start takes seconds; without it, a rank failing in its first second
+    would let the others start for nothing.
 
     With ``flag``, the machine also cancels by itself (fail-fast on the node): each started rank is
     listed in the flag's directory (``.ranks``, ``rank root`` lines) beside the cancel script
@@ -278,7 +278,7 @@ def launch_many_script(
             raise ValueError(f"node root {root!r} contains a newline")
     # every rank directory of the call in one `mkdir -p` (the claim is a file in it, see CLAIM_FUNC):
     # each local node has a root of its own, and three `mkdir`s per rank (root, job, rank) were three
-    # of its seven execs, a fourth of a 1,024-rank start's CPU (perf)
+    # of its seven execs, a large share of a big gang's start
     rank_dirs = " ".join(f"{q(root)}/jobs/{q(job_id)}/{int(rl.rank)}" for root, rl, _ in items)
     if rank_dirs:
         parts.append(f"mkdir -p -- {rank_dirs}")
@@ -360,8 +360,8 @@ def launch_many_script(
         # never-started records and the failed rank stay as they are). Not when a rank of the machine
         # claimed the cancel (.cancelling, made before it set the flag): it reads the list after the
         # flag is set, so it covers every rank listed by then, and a rank listed later saw the flag and
-        # never ran. Thirty launchers each cancelling again took the CPU that cancel needed while a
-        # 1,024-rank gang was still starting.
+        # never ran. Every launcher cancelling again would take the CPU that cancel needs while a big
+        # gang is still starting.
         '  g=3; { read -r g < "$gj/.grace"; } 2>/dev/null || :\n'
         f'  [ ! -f "$gj/.cancel.sh" ] || [ -d "$gj/.cancelling" ] || sh "$gj/.cancel.sh" "$g" nowait "@rank-failed $fr $fc" {triples} '
         ">/dev/null 2>&1 </dev/null || :\n"

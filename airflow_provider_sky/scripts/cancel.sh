@@ -4,8 +4,8 @@
 
 grace=$1; mode=$2; reason=$3; shift 3
 # "after:JOBDIR" (a watcher's fail-fast): nothing to do once a rank of this machine claimed the machine's
-# own cancel there; it covers every rank of the machine, and a second cancel of 1,000 ranks writes 1,000
-# reason files while the first one's victims need the CPU
+# own cancel there; it covers every rank of the machine, and a second cancel writes a reason file per
+# rank while the first one's victims need the CPU
 case "$mode" in
   after:*) [ ! -d "${mode#after:}/.cancelling" ] || exit 0; mode=nowait;;
 esac
@@ -35,7 +35,7 @@ while [ $# -ge 3 ]; do
   case "${SKY_SIGNALLED:-} " in *" -$pg "*) ;; *) term="$term $pg";; esac
   echo "C $d"
 done
-# every reason first, then every group in one kill: 1,000 ranks signalled one by one would wake and
+# every reason first, then every group in one kill: many ranks signalled one by one would wake and
 # take the CPU this loop needs before the last one is signalled (a group gone already: its pid, as is)
 if [ -n "$term" ]; then
   neg=''

@@ -5,8 +5,7 @@ grace=$1; shift
 nl="
 "
 roots=''
-# one keeper guards every root of a machine: each pid is looked at once (a `tr` per root was a fork
-# per node, a second of CPU for 1,024 local nodes)
+# one keeper guards every root of a machine: each pid is looked at once (not a `tr`, a fork, per node)
 seen=' '
 for root in "$@"; do
   roots="$roots$root$nl"

@@ -6,8 +6,8 @@ cwd=$2
 # the machine's gang-start flag: a rank that fails on its own appends "rank code" to it, and the
 # machine's launchers stop starting its siblings (runtime.launch_many_script)
 gf=${3:-}
-# Nothing below forks but the command's own start: 1,000 ranks of one machine start together, and a
-# cancel wakes them all at once, where a `date` or `mv` each took seconds of CPU. The clock is
+# Nothing below forks but the command's own start: all ranks of one machine start together, and a
+# cancel wakes them all at once, where a `date` or `mv` each would cost a fork. The clock is
 # /proc/uptime (monotonic, centiseconds, read with a builtin) counted from the base the launcher read
 # once (arguments 4 and 5: epoch and uptime in centiseconds); `date` where either is missing.
 cb=${4:-}; cu=${5:-}
@@ -129,8 +129,8 @@ if [ "$rc" = 0 ] && [ -f "$d/result_file" ]; then
   fi
 fi
 # code, end and a fail-fast reason in one new file, one write (STATUS_SCRIPT reads all three from it):
-# 1,000 ranks cancelled at once each create it together, and on ext4 a new inode costs a scan of the
-# inodes deleted in the last minutes (the last teardown's); three files a rank took most of a second
+# ranks cancelled at once each create it together, and on ext4 a new inode costs a scan of the
+# inodes deleted in the last minutes (the last teardown's)
 if [ -n "$cr" ]; then printf '%s\n%s\n%s\n' "$rc" "$te" "$cr" > "$d/exit"; else printf '%s\n%s\n' "$rc" "$te" > "$d/exit"; fi
 if [ "$rc" != 0 ] && [ -n "$gf" ] && [ -z "$cr" ] && [ ! -f "$d/cancel" ]; then
   # fail-fast on the node: the machine's first rank to fail on its own cancels every sibling listed
@@ -147,7 +147,7 @@ if [ "$rc" != 0 ] && [ -n "$gf" ] && [ -z "$cr" ] && [ ! -f "$d/cancel" ]; then
     nl='
 '
     # every sibling group in .pgids whose rank has not ended (an ended rank's group number may be
-    # another's by now) gets its signal at once: reading 1,023 pgid files first took 0.1-0.3 s
+    # another's by now) gets its signal at once, before a file per rank is read
     early=$(awk -v me="$me" -v job="$job" '
       NR == FNR { r = $1; sub(/^[^ ]* /, ""); root[r] = $0; next }
       $1 != me && ($1 in root) && $2 ~ /^[0-9]+$/ && !(("-" $2) in seen) {
@@ -163,8 +163,7 @@ if [ "$rc" != 0 ] && [ -n "$gf" ] && [ -z "$cr" ] && [ ! -f "$d/cancel" ]; then
       for pg in $early; do kill -0 "$pg" 2>/dev/null || kill -TERM "${pg#-}" 2>/dev/null; done
     fi
     # then the rest (ranks not started yet, escaped processes, SIGKILL after the grace); no group twice.
-    # "root job rank" lines for every other rank listed: one awk, where a `read` loop (a read(2) per
-    # byte) took most of a second while the machine was busy starting the rest of a 1,024-rank gang
+    # "root job rank" lines for every other rank listed: one awk (a `read` loop makes a read(2) per byte)
     ts=$(awk -v me="$me" -v job="$job" '{ r = $1; sub(/^[^ ]* /, ""); if (r != me) { print; print job; print r } }' "$j/.ranks" 2>/dev/null) || {
       ts=''
       while read -r r rt; do [ "$r" = "$me" ] || ts="$ts$rt$nl$job$nl$r$nl"; done < "$j/.ranks"
