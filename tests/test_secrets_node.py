@@ -78,6 +78,27 @@ def test_no_secret_stays_on_disk_while_or_after_the_rank_runs(sky_home: Path) ->
     b.terminate("c")
 
 
+def test_a_rank_whose_leftover_holds_its_output_ends_and_the_leftover_stays_masked(sky_home: Path) -> None:
+    """The command exits while a process it left holds the mask filter's pipe open: the rank still ends
+    (the wrapper waits for the filter at most ~2 s, here long before the leftover ends), and what the
+    leftover prints later still goes through the mask."""
+    secret = "leftover-secret-value-44"
+    run = 'echo "first $TOK"; (sleep 6; echo "late $TOK"; sleep 14) & exit 3'
+    b, client, _ = _run(sky_home, run, secrets={"TOK": secret})
+    rank_dir = Path(client.node_of(0).root) / "jobs" / "job" / "0"
+    poll = wait_done(client, timeout=60)
+    assert poll.status.ranks[0].exit_code == 3
+    took = (rank_dir / "exit").stat().st_mtime - (rank_dir / "start").stat().st_mtime
+    # the leftover holds the pipe for 20 s; the wrapper's bound is 2 s (10 s of margin for a loaded machine)
+    assert took < 12, f"the rank took {took:.1f} s to end"
+    deadline = time.time() + 30
+    while b"late" not in _log(client) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _log(client) == b"first ***\nlate ***\n"
+    assert not _on_disk(sky_home, secret.encode())
+    b.terminate("c")
+
+
 def test_a_rank_that_fails_at_once_leaves_no_secret(sky_home: Path) -> None:
     b, client, _ = _run(sky_home, "exit 7", secrets={"TOK": "very-secret-value-43"})
     poll = wait_done(client)

@@ -15,7 +15,6 @@ cb=${4:-}; cu=${5:-}
 . "$SKY_SCRIPTS/clock.sh"
 # shellcheck source=mask.sh
 . "$SKY_SCRIPTS/mask.sh"
-tick() { sleep 0.05 2>/dev/null || sleep 1; }
 sh_=/bin/sh
 oldifs=$IFS; IFS=:; set -f
 for p_ in $PATH; do [ -f "${p_:-.}/bash" ] && [ -x "${p_:-.}/bash" ] && { sh_=${p_:-.}/bash; break; }; done
@@ -36,20 +35,28 @@ if [ -f "$d/cancel" ] || { [ -n "$gf" ] && [ -s "$gf" ]; }; then
   exit 0
 fi
 out="$d/log"
+# the secrets reach the command's shell open on fd 5 (cmd.sh sources /dev/fd/5), so their file goes
+# before the command starts, in the same rm as the mask (an rm is a fork, and the rank waits on it)
+sfd=''
+if [ -f "$d/secrets" ] && exec 5<"$d/secrets" && [ -r /dev/fd/5 ]; then sfd=5; fi
+fpid=''
 if [ -f "$d/mask" ]; then
   [ ! -e "$d/out" ] && [ ! -e "$d/filter.done" ] || rm -f "$d/out" "$d/filter.done"
   if mkfifo -m 600 "$d/out" 2>/dev/null; then
     exec 3<"$d/mask"
     # the result file is masked like the log once the command ended (RESULT below): keep the mask open
     rmask=''; [ ! -f "$d/result_file" ] || { exec 4<"$d/mask"; rmask=1; }
-    rm -f "$d/mask"
-    (maskfilter <"$d/out" >>"$d/log" 2>&1; : > "$d/filter.done") &
+    rm -f "$d/mask" ${sfd:+"$d/secrets"}
+    (maskfilter <"$d/out" >>"$d/log" 2>&1; : > "$d/filter.done") 5<&- &
+    fpid=$!
     exec 3<&-
     out="$d/out"
   else
-    rm -f "$d/mask"
+    rm -f "$d/mask" ${sfd:+"$d/secrets"}
     echo "airflow-provider-sky: could not create a pipe to mask secrets; output is not masked" >>"$d/log"
   fi
+elif [ -n "$sfd" ]; then
+  rm -f "$d/secrets"
 fi
 # the memory cgroup's OOM-kill count in $ok (v2 memory.events, v1 memory.oom_control; a container sees
 # its own at the mount's root): a rank SIGKILLed while it grew was killed for memory, not by a person
@@ -68,11 +75,12 @@ oomk() {
 }
 oomk; oom0=$ok
 if command -v setsid >/dev/null 2>&1; then
-  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" setsid "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null 4<&- &
+  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" SKY_SECRETS_FD="$sfd" setsid "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null 4<&- &
 else
-  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null 4<&- &
+  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" SKY_SECRETS_FD="$sfd" "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null 4<&- &
 fi
 child=$!
+[ -z "$sfd" ] || exec 5<&-
 # written in place (no `mv`): the readers take an empty or partial file as not written yet
 printf '%s\n' "$child" > "$d/pgid"
 printf '%s\n' "$$" > "$d/pid"
@@ -98,14 +106,16 @@ if [ "$rc" != 0 ] && [ -n "$gf" ] && [ ! -f "$d/cancel" ] && [ -f "${gf%/*}/.can
   case "$cr" in *[!A-Za-z0-9@\ ._-]*) cr='@rank-failed';; esac
 fi
 [ ! -e "$d/secrets" ] || rm -f "$d/secrets"
-if [ "$out" != "$d/log" ]; then
-  # let the filter flush the last lines (bounded: a leftover background process may hold the pipe)
-  # (its last read takes a millisecond or two: short ticks first, the rank's end waits on this)
-  i=0; while [ ! -f "$d/filter.done" ] && [ "$i" -lt 50 ]; do
-    case $i in [0-4]) sleep 0.002 2>/dev/null || tick;; [5-9]) sleep 0.01 2>/dev/null || tick;; *) tick;; esac
-    i=$((i + 1))
-  done
-  rm -f "$d/out"
+if [ -n "$fpid" ] && [ ! -f "$d/filter.done" ]; then
+  # the filter's last read takes a millisecond or two, and the rank's end waits on it: `wait` for its
+  # shell, which returns as it ends; a process the rank left behind may hold the pipe open, so a
+  # watchdog ends the wait after 2 s (USR1) and the filter goes on alone
+  late=''
+  trap 'late=1' USR1
+  (exec 4<&-; sleep 2 2>/dev/null || sleep 3; kill -USR1 "$$" 2>/dev/null) </dev/null >/dev/null 2>&1 &
+  wd=$!
+  while [ -z "$late" ] && [ ! -f "$d/filter.done" ] && kill -0 "$fpid" 2>/dev/null; do wait "$fpid"; done
+  kill "$wd" 2>/dev/null
 fi
 if [ "$rc" = 137 ]; then oomk; [ "$ok" -gt "$oom0" ] 2>/dev/null && : > "$d/oom"; fi
 # RESULT: a rank that succeeded keeps (up to 1 MiB + 1 byte of) its result file as "$d/result",
@@ -132,6 +142,8 @@ fi
 # ranks cancelled at once each create it together, and on ext4 a new inode costs a scan of the
 # inodes deleted in the last minutes (the last teardown's)
 if [ -n "$cr" ]; then printf '%s\n%s\n%s\n' "$rc" "$te" "$cr" > "$d/exit"; else printf '%s\n%s\n' "$rc" "$te" > "$d/exit"; fi
+# the filter's pipe goes once the rank is over (a hang dump skips a rank with an exit file)
+[ "$out" = "$d/log" ] || rm -f "$d/out"
 if [ "$rc" != 0 ] && [ -n "$gf" ] && [ -z "$cr" ] && [ ! -f "$d/cancel" ]; then
   # fail-fast on the node: the machine's first rank to fail on its own cancels every sibling listed
   # here at once (the watchers' poll does the same across machines, a poll later); an orphaned rank
