@@ -1,8 +1,10 @@
 """The node runtime's POSIX ``sh`` scripts: the rank wrapper, status, cancel, teardown and the keeper.
 
-They travel on stdin (``sh -s -- ARGS``) and take only validated ids, integers and paths as arguments
-(:mod:`airflow_provider_sky.runtime` builds those and parses what the scripts print). The layout of a
-rank's directory they work on is in :mod:`airflow_provider_sky.runtime`'s docstring.
+Their text is in ``airflow_provider_sky/scripts/`` (:func:`airflow_provider_sky.scripts.load`); here
+each is named and said what it does. They travel on stdin (``sh -s -- ARGS``) and take only validated
+ids, integers and paths as arguments (:mod:`airflow_provider_sky.runtime` builds those and parses what
+the scripts print). The layout of a rank's directory they work on is in
+:mod:`airflow_provider_sky.runtime`'s docstring.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ CLOCK_FUNC = load("clock.sh")
 #: per line), through its last line end (``\n``, or ``\r`` for progress bars when no secret holds one);
 #: a partial line waits for its end, and one longer than 64 KiB is written but for its last
 #: ``len(longest secret) - 1`` bytes, so memory stays bounded and a secret across the cut is still
-#: whole in what waits. Values come from the mask file on fd 3, one a line. No single quote in it: it
-#: travels single-quoted in :data:`MASK_FUNC`.
+#: whole in what waits. Values come from the mask file on fd 3, one a line. A read is searched for a
+#: value only if it holds the byte of that value picked to look for first (a ``memchr``, a small part of
+#: a search); the pick moves on to another byte of the value when a read has it without the value, so
+#: it settles on one the rank does not print. No single quote in it: it travels single-quoted in
+#: :data:`MASK_FUNC`.
 MASK_PY = load("mask_filter.py")
 
 #: The same in ``awk`` for nodes without Python (a busybox image): line by line, flushed per line
@@ -51,8 +56,9 @@ MASK_FUNC = load("mask.sh")
 #: which masks them before anything reaches the log on disk.
 WRAPPER = load("wrapper.sh")
 
-#: The first lines of every ``cmd.sh``: the env, then the secrets (sourced and deleted at once),
-#: in the rank's own shell, so a value too big for the process environment still reaches ``run``.
+#: The first lines of every ``cmd.sh``: the env, then the secrets, in the rank's own shell, so a value
+#: too big for the process environment still reaches ``run``. The wrapper hands the secrets over open
+#: on fd 5 (``SKY_SECRETS_FD``), their file deleted already; else the file is sourced and deleted.
 CMD_PROLOGUE = load("cmd_prologue.sh")
 
 #: One call per machine per poll, covering every rank there (each with its own node root), so it

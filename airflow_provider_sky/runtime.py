@@ -1,7 +1,7 @@
 """The job contract on a node, the same on every backend: POSIX ``sh`` scripts plus their parsers.
 
 Per (job id, rank) a directory ``<root>/jobs/<job id>/<rank>/`` holds ``cmd.sh`` (the user's command),
-``env`` and ``secrets`` (0600; the secrets are deleted as soon as the rank's shell has read them),
+``env`` and ``secrets`` (0600; deleted once the wrapper has opened them for the rank's shell),
 ``mask`` (the secrets' output filter, deleted once the filter has opened it), ``rank.sh`` (the
 wrapper), ``pid`` (wrapper), ``pgid`` (the user's process group), ``start``, ``exit`` (written in
 place, so empty a moment: lines of exit code, end time and, when the machine's own fail-fast stopped

@@ -112,7 +112,13 @@ if [ -n "$fpid" ] && [ ! -f "$d/filter.done" ]; then
   # watchdog ends the wait after 2 s (USR1) and the filter goes on alone
   late=''
   trap 'late=1' USR1
-  (exec 4<&-; sleep 2 2>/dev/null || sleep 3; kill -USR1 "$$" 2>/dev/null) </dev/null >/dev/null 2>&1 &
+  # (killed, it takes its sleep with it: nothing of the rank outlives it)
+  (
+    exec 4<&-; s=''
+    trap '[ -z "$s" ] || kill "$s" 2>/dev/null; exit 0' TERM
+    sleep 2 & s=$!
+    wait "$s" && kill -USR1 "$$" 2>/dev/null
+  ) </dev/null >/dev/null 2>&1 &
   wd=$!
   while [ -z "$late" ] && [ ! -f "$d/filter.done" ] && kill -0 "$fpid" 2>/dev/null; do wait "$fpid"; done
   kill "$wd" 2>/dev/null
