@@ -43,11 +43,14 @@ fpid=''
 if [ -f "$d/mask" ]; then
   [ ! -e "$d/out" ] && [ ! -e "$d/filter.done" ] || rm -f "$d/out" "$d/filter.done"
   if mkfifo -m 600 "$d/out" 2>/dev/null; then
+    # held open for writing (fd 6) until the command has opened it: the filter's open of the pipe
+    # returns at once, so Python starts while the command does, not after
+    exec 6<>"$d/out"
     exec 3<"$d/mask"
     # the result file is masked like the log once the command ended (RESULT below): keep the mask open
     rmask=''; [ ! -f "$d/result_file" ] || { exec 4<"$d/mask"; rmask=1; }
     rm -f "$d/mask" ${sfd:+"$d/secrets"}
-    (maskfilter <"$d/out" >>"$d/log" 2>&1; : > "$d/filter.done") 5<&- &
+    (maskfilter <"$d/out" >>"$d/log" 2>&1; : > "$d/filter.done") 5<&- 6>&- &
     fpid=$!
     exec 3<&-
     out="$d/out"
@@ -75,12 +78,14 @@ oomk() {
 }
 oomk; oom0=$ok
 if command -v setsid >/dev/null 2>&1; then
-  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" SKY_SECRETS_FD="$sfd" setsid "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null 4<&- &
+  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" SKY_SECRETS_FD="$sfd" setsid "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null 4<&- 6>&- &
 else
-  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" SKY_SECRETS_FD="$sfd" "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null 4<&- &
+  SKY_PROVIDER_MARK="$d/" SKY_PROGRESS_FILE="$d/progress" SKY_SECRETS_FD="$sfd" "$sh_" "$d/cmd.sh" "$d" >>"$out" 2>&1 </dev/null 4<&- 6>&- &
 fi
 child=$!
 [ -z "$sfd" ] || exec 5<&-
+# the command holds the pipe now (its own open comes before it closes fd 6): the filter sees its end
+[ "$out" = "$d/log" ] || exec 6>&-
 # written in place (no `mv`): the readers take an empty or partial file as not written yet
 printf '%s\n' "$child" > "$d/pgid"
 printf '%s\n' "$$" > "$d/pid"
