@@ -38,7 +38,7 @@ out="$d/log"
 # the secrets reach the command's shell open on fd 5 (cmd.sh sources /dev/fd/5), so their file goes
 # before the command starts, in the same rm as the mask (an rm is a fork, and the rank waits on it)
 sfd=''
-if [ -f "$d/secrets" ] && exec 5<"$d/secrets" && [ -r /dev/fd/5 ]; then sfd=5; fi
+if [ -f "$d/secrets" ] && [ -r /dev/fd/0 ]; then exec 5<"$d/secrets"; sfd=5; fi
 fpid=''
 if [ -f "$d/mask" ]; then
   [ ! -e "$d/out" ] && [ ! -e "$d/filter.done" ] || rm -f "$d/out" "$d/filter.done"
