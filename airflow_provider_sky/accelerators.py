@@ -18,6 +18,8 @@ import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from airflow_provider_sky.scripts import load
+
 __all__ = [
     "DETECT_SCRIPT",
     "GpuDevice",
@@ -34,17 +36,7 @@ __all__ = [
 ]
 
 #: prints ``@nvidia`` / ``@rocm`` sections; a tool that is there but fails says so (``@failed <code>``)
-DETECT_SCRIPT = r"""
-if command -v nvidia-smi >/dev/null 2>&1; then
-  echo "@nvidia"
-  nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits 2>&1 || echo "@failed $?"
-fi
-if command -v rocm-smi >/dev/null 2>&1; then
-  echo "@rocm"
-  rocm-smi --showproductname --showmeminfo vram 2>&1 || echo "@failed $?"
-fi
-echo "@end"
-"""
+DETECT_SCRIPT = load("detect_gpus.sh")
 
 # Canonical names, most specific first: the first whose pattern is in the tool's name wins.
 # (pattern, canonical name, memory in MiB above which the large variant applies, large variant)

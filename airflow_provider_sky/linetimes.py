@@ -13,14 +13,11 @@ from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.logtext import LineClock, parse_times
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runtime import check_job_id
+from airflow_provider_sky.scripts import load
 
 #: ``root job rank start end``: the records dating bytes ``start``..``end`` of the rank's log (the
 #: first whose size passes ``start`` up to the first that reaches ``end``). Read-only.
-TIMES_SCRIPT = r"""
-d="$1/jobs/$2/$3"; a=$4; b=$5
-[ -f "$d/times" ] || exit 0
-LC_ALL=C awk -v a="$a" -v b="$b" '$1 + 0 > a + 0 { print $1, $2; if ($1 + 0 >= b + 0) exit }' "$d/times"
-"""
+TIMES_SCRIPT = load("line_times.sh")
 
 
 def times_args(root: str, job_id: str, rank: int, start: int, end: int) -> list[str]:

@@ -25,6 +25,7 @@ from airflow_provider_sky.backends.base import BackendError, ClusterHandle, node
 from airflow_provider_sky.gang import BAD, CUDA_VISIBLE_DEVICES, LOST, GangStatus
 from airflow_provider_sky.jobs import GangClient, fan_out
 from airflow_provider_sky.runners.base import RunnerError
+from airflow_provider_sky.scripts import load
 
 log = logging.getLogger(__name__)
 
@@ -35,29 +36,13 @@ SETUP_TIMEOUT = 3600.0
 #: a synced ``workdir`` larger than this (KiB on the donor) is not copied node to node
 WORKDIR_MAX_KB = 256 * 1024
 #: ``home``: the donor's ``sky_workdir`` as a gzipped tar in base64, or ``TOOBIG <kb>`` / ``NONE``
-WORKDIR_READ = r"""
-cd "$1" 2>/dev/null && [ -d sky_workdir ] || { echo NONE; exit 0; }
-kb=$(du -sk sky_workdir | cut -f1)
-if [ "$kb" -gt "$2" ]; then echo "TOOBIG $kb"; exit 0; fi
-tar -czf - sky_workdir | base64
-"""
+WORKDIR_READ = load("replace_workdir_read.sh")
 #: the node answers and still has its runtime directory: it is kept (a lost rank there is relaunched)
 PROBE_SCRIPT = '[ -d "$1/jobs" ] && echo ALIVE; exit 0'
 
 #: ``root job rank``: attempt 1's files of that rank (or its seed on a replacement node) and the node's
 #: newest setup, as ``@@FILE <name> <bytes>`` blocks; ``NOSRC`` when attempt 1's files are gone
-BUNDLE_SCRIPT = r"""
-root=$1; job=$2; r=$3
-s="$root/jobs/$job/$r"; [ -f "$s/cmd.sh" ] || s="$root/jobs/$job.seed/$r"
-if [ ! -f "$s/cmd.sh" ] || [ ! -f "$s/rank.sh" ]; then echo NOSRC; exit 0; fi
-emit() { if [ -f "$2" ]; then printf '@@FILE %s %s\n' "$1" "$(wc -c < "$2" | tr -d ' ')"; cat "$2"; fi; }
-for f in cmd.sh rank.sh env cwd orphan_timeout secrets.keep mask.keep result_file; do emit "run/$f" "$s/$f"; done
-best=$(ls -t "$root/jobs"/*/"$r"/env 2>/dev/null | while IFS= read -r e; do
-  if grep -q '^export SKYPILOT_SETUP_NODE_RANK=' "$e"; then printf '%s\n' "${e%/env}"; break; fi
-done)
-if [ -n "$best" ]; then for f in cmd.sh env cwd; do emit "setup/$f" "$best/$f"; done; fi
-exit 0
-"""
+BUNDLE_SCRIPT = load("replace_bundle.sh")
 
 
 @dataclass
@@ -196,15 +181,7 @@ def _seed_script(root: str, seed: str, files: dict[str, bytes]) -> str:
 
 
 #: start a seeded setup rank (``dir cwd``) detached, as a gang start does; prints its pid once recorded
-START_SCRIPT = r"""
-d=$1; cwd=$2
-if [ -f "$d/pid" ] || [ -f "$d/exit" ]; then echo STARTED; exit 0; fi
-if command -v setsid >/dev/null 2>&1; then setsid sh "$d/rank.sh" "$d" "$cwd" </dev/null >/dev/null 2>&1 &
-else nohup sh "$d/rank.sh" "$d" "$cwd" </dev/null >/dev/null 2>&1 & fi
-i=0
-while [ ! -s "$d/pid" ] && [ ! -s "$d/exit" ] && [ "$i" -lt 400 ]; do sleep 0.05 2>/dev/null || sleep 1; i=$((i + 1)); done
-if [ -f "$d/pid" ] || [ -f "$d/exit" ]; then echo STARTED; else echo NOSTART; fi
-"""
+START_SCRIPT = load("replace_start.sh")
 
 
 async def replace_lost(
@@ -353,20 +330,7 @@ CLAIM_BEAT = 5.0
 #: ended. ``root job rank k verb value``: verbs ``claim now`` (prints ``CLAIMED``, ``DONE`` + the result
 #: or ``BUSY <last beat>``), ``beat now``, ``done result``, ``drop``, ``read`` (``DONE`` + the result,
 #: or nothing).
-CLAIM_SCRIPT = r"""
-d="$1/jobs/$2/$3"; [ -d "$d" ] || d="$1/jobs/$2.seed/$3"; c="$d/replace.$4"
-case "$5" in
-claim)
-  if mkdir "$c" 2>/dev/null; then printf '%s\n' "$6" > "$c/beat"; echo CLAIMED; exit 0; fi
-  if [ -f "$c/done" ]; then echo DONE; cat "$c/done"; exit 0; fi
-  b=0; { read -r b < "$c/beat"; } 2>/dev/null || :; echo "BUSY $b" ;;
-beat) printf '%s\n' "$6" > "$c/beat" ;;
-done) printf '%s\n' "$6" > "$c/done.tmp" && mv "$c/done.tmp" "$c/done" ;;
-drop) rm -rf "$c" ;;
-read) if [ -f "$c/done" ]; then echo DONE; cat "$c/done"; fi ;;
-esac
-exit 0
-"""
+CLAIM_SCRIPT = load("replace_claim.sh")
 
 
 def swaps_between(old: ClusterHandle, new: ClusterHandle) -> dict[int, tuple[str, str]]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_provider_sky.errors import ResultError as ResultError
 from airflow_provider_sky.gang import GangStatus
+from airflow_provider_sky.scripts import load
 
 if TYPE_CHECKING:
     from airflow_provider_sky.jobs import GangClient
@@ -29,17 +30,7 @@ SMALL_RESULT = 1024
 
 #: ``root job rank max``: ``RESULT <size>`` then up to ``max`` bytes of the kept result file,
 #: ``MISSING`` (the rank succeeded but the file was not there), or ``NONE`` (nothing kept)
-RESULT_SCRIPT = r"""
-d="$1/jobs/$2/$3"
-if [ -f "$d/result" ]; then
-  printf 'RESULT %s\n' "$(wc -c < "$d/result" | tr -d ' ')"
-  head -c "$4" "$d/result"
-elif [ -f "$d/result.missing" ]; then
-  echo MISSING
-else
-  echo NONE
-fi
-"""
+RESULT_SCRIPT = load("result.sh")
 
 
 def check_result_args(result_ranks: Any, result_max_bytes: Any) -> tuple[int | str, int]:

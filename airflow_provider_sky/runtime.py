@@ -1,7 +1,7 @@
 """The job contract on a node, the same on every backend: POSIX ``sh`` scripts plus their parsers.
 
 Per (job id, rank) a directory ``<root>/jobs/<job id>/<rank>/`` holds ``cmd.sh`` (the user's command),
-``env`` and ``secrets`` (0600; the secrets are deleted as soon as the rank's shell has read them),
+``env`` and ``secrets`` (0600; deleted once the wrapper has opened them for the rank's shell),
 ``mask`` (the secrets' output filter, deleted once the filter has opened it), ``rank.sh`` (the
 wrapper), ``pid`` (wrapper), ``pgid`` (the user's process group), ``start``, ``exit`` (written in
 place, so empty a moment: lines of exit code, end time and, when the machine's own fail-fast stopped
@@ -26,12 +26,13 @@ from airflow_provider_sky.errors import StatusParseError as StatusParseError
 from airflow_provider_sky.exitcodes import describe_exit
 from airflow_provider_sky.node_scripts import CANCEL_SCRIPT as CANCEL_SCRIPT
 from airflow_provider_sky.node_scripts import CLAIM_FUNC as CLAIM_FUNC
-from airflow_provider_sky.node_scripts import CLOCK_FUNC, CMD_PROLOGUE, KEEPER_SCRIPT, WRAPPER
+from airflow_provider_sky.node_scripts import CMD_PROLOGUE, KEEPER_SCRIPT, WRAPPER
 from airflow_provider_sky.node_scripts import MARKED_FUNCS as MARKED_FUNCS
 from airflow_provider_sky.node_scripts import NEVER_STARTED_SCRIPT as NEVER_STARTED_SCRIPT
 from airflow_provider_sky.node_scripts import STATUS_SCRIPT as STATUS_SCRIPT
 from airflow_provider_sky.node_scripts import TEARDOWN_SCRIPT as TEARDOWN_SCRIPT
 from airflow_provider_sky.node_scripts import teardown_script as teardown_script
+from airflow_provider_sky.scripts import load
 
 JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,180}")
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -163,7 +164,7 @@ def _keeper_start(roots: Sequence[str], tick: float) -> str:
 
 def _write(path: str, content: str) -> str:
     """Write ``content`` verbatim to ``path`` with the shell's builtin ``printf`` (no fork: a gang
-    start of 1,024 local ranks writes thousands of files)."""
+    start of a big local gang writes thousands of files)."""
     if not content.endswith("\n"):
         content += "\n"
     return f"printf '%s' {shlex.quote(content)} > {path}"
@@ -187,57 +188,21 @@ def launch_script(
 #: machine its answer came tenths of a second before the uptime read after it, and every rank that call
 #: started told its times that much early (a sibling "ended" 0.3 s before the failure that ended it).
 #: So the uptime is read on both sides, and the tightest of three tries is kept.
-CLOCK_BASE = (
-    """cb=''; cu=''
-if [ -r /proc/uptime ]; then
-  w_=''; i_=0
-  while [ "$i_" -lt 3 ]; do
-    i_=$((i_ + 1))
-    read -r u1_ x_ < /proc/uptime
-    e_=$(date +%s%N 2>/dev/null) || e_=''
-    read -r u2_ x_ < /proc/uptime
-    case "$e_" in ''|*[!0-9]*) break;; esac
-    u1_=${u1_%.*}${u1_#*.}; u1_=${u1_#"${u1_%%[!0]*}"}; u2_=${u2_%.*}${u2_#*.}; u2_=${u2_#"${u2_%%[!0]*}"}
-    d_=$((${u2_:-0} - ${u1_:-0}))
-    if [ -z "$w_" ] || [ "$d_" -lt "$w_" ]; then w_=$d_; cu=$(((${u1_:-0} + ${u2_:-0}) / 2)); cb=$((e_ / 10000000)); fi
-    [ "$d_" -gt 1 ] || break
-  done
-fi
-"""
-    + CLOCK_FUNC
-)
+CLOCK_BASE = load("clock_base.sh")
 
 
 #: ``never RANK`` (``$d`` its directory): a launcher's record of a rank it does not start because a
 #: rank of its machine failed, cancelled with that rank's failure as the reason (as
 #: :data:`NEVER_STARTED_SCRIPT` records them for the launch side); prints ``CANCELLED``, or ``EXISTS``
 #: when another launcher claimed the rank first.
-_NEVER_FUNC = r"""why_=''
-never() {
-  if [ -z "$why_" ]; then fr=; fc=; { read -r fr fc < "$gf"; } 2>/dev/null || :; why_="@rank-failed $fr $fc"; fi
-  [ -d "$d" ] || mkdir -p "$d"
-  if claim "$d"; then
-    clock
-    printf '%s\n' "$why_" > "$d/cancel"; printf '%s\n' "$T" > "$d/start"; printf '%s\n' "$T" > "$d/end"
-    printf '143\n' > "$d/exit"
-    echo "CANCELLED $1"
-  else
-    echo "EXISTS $1"
-  fi
-}"""
+_NEVER_FUNC = load("never.sh").rstrip("\n")
 
 
 #: With ``$gf`` (a machine's gang flag) and ``$g`` (the cancel grace) set: the flag's directory with what
 #: the machine's own fail-fast needs (``.grace``, and ``.cancel.sh``: one copy per machine and job, written
 #: aside and renamed so a wrapper never reads half of it); ``$gj`` is that directory. The gang start and
 #: a retry's relaunch both run it.
-FLAG_DIR = (
-    'gj="${gf%/*}"; [ -d "$gj" ] || mkdir -p "$gj"\n'
-    'printf "%s\\n" "$g" > "$gj/.grace"\n'
-    '[ -f "$gj/.cancel.sh" ] || { '
-    + _write('"$gj/.cancel.sh.$$"', CANCEL_SCRIPT)
-    + ' && mv "$gj/.cancel.sh.$$" "$gj/.cancel.sh"; }'
-)
+FLAG_DIR = load("flag_dir.sh").rstrip("\n")
 
 
 def flag_failure(flag: str, rank: int, code: int | None) -> str:
@@ -246,7 +211,7 @@ def flag_failure(flag: str, rank: int, code: int | None) -> str:
 
     They end the script when a rank of the machine has claimed its own cancel (``.cancelling``, see
     :data:`~airflow_provider_sky.node_scripts.WRAPPER`): that cancel covers every rank started there,
-    and thirty start calls each cancelling their ranks again took the CPU it needed (1,024 ranks)."""
+    and every start call cancelling its ranks again takes the CPU that cancel needs."""
     return (
         f"gf={shlex.quote(flag)}\n"
         '[ -d "${gf%/*}" ] || mkdir -p "${gf%/*}"\n'
@@ -285,8 +250,8 @@ def launch_many_script(
     never started (``CANCELLED <rank>``, :data:`NEVER_STARTED_SCRIPT`'s record), the ranks this script
     started are cancelled on the node once it has waited for their pids (one may have slipped past the
     failing rank's own cancel), and the script ends with ``GANGFAILED rank=R code=C``, the first failure
-    written there. A 1,024-rank start
-    takes seconds; without it, a rank failing in its first second let the others start for nothing.
+    written there. A big gang's start takes seconds; without it, a rank failing in its first second
+    would let the others start for nothing.
 
     With ``flag``, the machine also cancels by itself (fail-fast on the node): each started rank is
     listed in the flag's directory (``.ranks``, ``rank root`` lines) beside the cancel script
@@ -314,7 +279,7 @@ def launch_many_script(
             raise ValueError(f"node root {root!r} contains a newline")
     # every rank directory of the call in one `mkdir -p` (the claim is a file in it, see CLAIM_FUNC):
     # each local node has a root of its own, and three `mkdir`s per rank (root, job, rank) were three
-    # of its seven execs, a fourth of a 1,024-rank start's CPU (perf)
+    # of its seven execs, a large share of a big gang's start
     rank_dirs = " ".join(f"{q(root)}/jobs/{q(job_id)}/{int(rl.rank)}" for root, rl, _ in items)
     if rank_dirs:
         parts.append(f"mkdir -p -- {rank_dirs}")
@@ -396,8 +361,8 @@ def launch_many_script(
         # never-started records and the failed rank stay as they are). Not when a rank of the machine
         # claimed the cancel (.cancelling, made before it set the flag): it reads the list after the
         # flag is set, so it covers every rank listed by then, and a rank listed later saw the flag and
-        # never ran. Thirty launchers each cancelling again took the CPU that cancel needed while a
-        # 1,024-rank gang was still starting.
+        # never ran. Every launcher cancelling again would take the CPU that cancel needs while a big
+        # gang is still starting.
         '  g=3; { read -r g < "$gj/.grace"; } 2>/dev/null || :\n'
         f'  [ ! -f "$gj/.cancel.sh" ] || [ -d "$gj/.cancelling" ] || sh "$gj/.cancel.sh" "$g" nowait "@rank-failed $fr $fc" {triples} '
         ">/dev/null 2>&1 </dev/null || :\n"

@@ -78,6 +78,27 @@ def test_no_secret_stays_on_disk_while_or_after_the_rank_runs(sky_home: Path) ->
     b.terminate("c")
 
 
+def test_a_rank_whose_leftover_holds_its_output_ends_and_the_leftover_stays_masked(sky_home: Path) -> None:
+    """The command exits while a process it left holds the mask filter's pipe open: the rank still ends
+    (the wrapper waits for the filter at most ~2 s, here long before the leftover ends), and what the
+    leftover prints later still goes through the mask."""
+    secret = "leftover-secret-value-44"
+    run = 'echo "first $TOK"; (sleep 6; echo "late $TOK"; sleep 14) & exit 3'
+    b, client, _ = _run(sky_home, run, secrets={"TOK": secret})
+    rank_dir = Path(client.node_of(0).root) / "jobs" / "job" / "0"
+    poll = wait_done(client, timeout=60)
+    assert poll.status.ranks[0].exit_code == 3
+    took = (rank_dir / "exit").stat().st_mtime - (rank_dir / "start").stat().st_mtime
+    # the leftover holds the pipe for 20 s; the wrapper's bound is 2 s (10 s of margin for a loaded machine)
+    assert took < 12, f"the rank took {took:.1f} s to end"
+    deadline = time.time() + 30
+    while b"late" not in _log(client) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _log(client) == b"first ***\nlate ***\n"
+    assert not _on_disk(sky_home, secret.encode())
+    b.terminate("c")
+
+
 def test_a_rank_that_fails_at_once_leaves_no_secret(sky_home: Path) -> None:
     b, client, _ = _run(sky_home, "exit 7", secrets={"TOK": "very-secret-value-43"})
     poll = wait_done(client)
@@ -350,3 +371,88 @@ def test_on_an_ssh_host_the_rank_user_masks_live_and_across_writes(tmp_path: Pat
         finally:
             b.terminate("mask")
             ssh.close_all()
+
+
+def test_the_python_filter_masks_a_large_stream_whose_secret_bytes_come_and_go(tmp_path: Path) -> None:
+    """``maskpy`` looks for one byte of each secret first and searches only a read that has it; that byte
+    changes when a read has it without the secret. 12 MiB of lines (past the switch to compiled searches)
+    that use each secret's bytes in some reads and not in others, the secrets on short lines, on 100 KiB
+    lines at the 64 KiB cut and across reads, written in pieces of random sizes: the log is the stream
+    with every secret masked, byte for byte."""
+    import random
+    import subprocess
+    import threading
+
+    from airflow_provider_sky.node_scripts import MASK_FUNC
+    from airflow_provider_sky.runtime import mask_file
+
+    secrets = {"TOK": "s3cr3t-Token-0123456789", "OTHER": "another_one.42"}
+    (tmp_path / "mask").write_text(mask_file(secrets))
+    rnd = random.Random(7)
+    plain = [b"step 12 loss 0.5 lr=1e-4\n", b"epoch done in 13s\n", b"x" * 70 + b"\n"]
+    # the secrets' bytes without the secrets: an upper case T, dashes, dots, digits, underscores
+    near = [b"Token count-3 s3cr3t no\n", b"another one_42 another_one 42.\n", b"T-.-_0123\n"]
+    stream = bytearray()
+    splits: list[int] = []
+    while len(stream) < 12 << 20:
+        kind = rnd.random()
+        block = len(stream) >> 20
+        if block % 3 == 0:  # a MiB of lines that never use the secrets' bytes
+            stream += rnd.choice(plain[1:])
+        elif kind < 0.01:
+            s = rnd.choice(list(secrets.values())).encode()
+            long = bytearray(b"y" * 100_000)
+            at = rnd.choice([65536 - len(s) // 2, 65536 - len(s) + 1, 65535, rnd.randrange(99_000)])
+            long[at : at + len(s)] = s
+            if len(splits) < 200:  # a read that ends right after it: the 64 KiB cut falls inside it
+                splits.append(len(stream) + at + len(s))
+            stream += long + b"\n"
+        elif kind < 0.05:
+            s = rnd.choice(list(secrets.values())).encode()
+            if len(splits) < 100:  # cut between two writes that the filter reads apart
+                splits.append(len(stream) + 4 + rnd.randrange(1, len(s)))
+            stream += b"key=" + s + b" ok\n"
+        elif kind < 0.3:
+            stream += rnd.choice(near)
+        else:
+            stream += rnd.choice(plain)
+    expected = bytes(stream)
+    for value in secrets.values():
+        expected = expected.replace(value.encode(), b"***")
+    assert expected.count(b"***") > 100
+    out = tmp_path / "out"
+    with open(out, "wb") as sink:
+        script = f'exec 3<"$1"; rm -f "$1"\n{MASK_FUNC}maskpy'
+        p = subprocess.Popen(
+            ["sh", "-c", script, "sh", str(tmp_path / "mask")],
+            stdin=subprocess.PIPE,
+            stdout=sink,
+            env={"PATH": "/usr/bin:/bin"},
+        )
+    assert p.stdin is not None
+    stdin = p.stdin
+
+    def feed() -> None:
+        pos, todo = 0, list(splits)
+        while pos < len(stream):
+            n = rnd.choice([1, 7, 4093, 65536, 300_000, 1 << 20])
+            split = bool(todo) and todo[0] <= pos + n
+            if split:
+                n = todo.pop(0) - pos
+            stdin.write(stream[pos : pos + n])
+            stdin.flush()
+            pos += n
+            if split:
+                time.sleep(0.005)  # the filter reads the secret's first part on its own
+        stdin.close()
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    writer.join(60)
+    assert p.wait(60) == 0
+    got = out.read_bytes()
+    assert len(got) == len(expected) and got == expected, next(
+        (i, got[i - 40 : i + 40], expected[i - 40 : i + 40])
+        for i in range(min(len(got), len(expected)) + 1)
+        if got[i : i + 1] != expected[i : i + 1]
+    )

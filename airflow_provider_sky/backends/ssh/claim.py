@@ -11,34 +11,19 @@ there, and the provision is refused naming the host. The owner goes with the dir
 
 from __future__ import annotations
 
+from airflow_provider_sky.scripts import load
+
 #: claim ``~/.sky_airflow/$1`` for owner ``$2``: ``CLAIMED`` (new), ``OURS`` (held already) or
 #: ``TAKEN <owner>``. A directory without an owner (made by an older version) is claimed.
-CLAIM_SCRIPT = r"""
-d="$HOME/.sky_airflow/$1"; o="$d/.owner"; t="$d/.owner.$$"
-mkdir -p "$d" || exit 3
-printf '%s\n' "$2" > "$t" || exit 3
-if ln "$t" "$o" 2>/dev/null; then rm -f "$t"; echo CLAIMED; exit 0; fi
-rm -f "$t"
-cur=; read -r cur < "$o" || :
-if [ "$cur" = "$2" ]; then echo OURS; else printf 'TAKEN %s\n' "$cur"; fi
-"""
+CLAIM_SCRIPT = load("ssh_claim.sh")
 
 #: give back a claim made by this provision (``$1``/``$2`` as above): the owner goes, and the
 #: directory too when nothing else is in it
-RELEASE_SCRIPT = r"""
-d="$HOME/.sky_airflow/$1"; cur=
-read -r cur < "$d/.owner" 2>/dev/null || :
-[ "$cur" = "$2" ] || exit 0
-rm -f "$d/.owner"; rmdir "$d" 2>/dev/null; exit 0
-"""
+RELEASE_SCRIPT = load("ssh_release.sh")
 
 #: put before the teardown script (``sh -s -- OWNER GRACE ROOT``): a root another owner holds is not
 #: this cluster's, and is left alone (``NOT_OURS <owner>``)
-TEARDOWN_GUARD = r"""
-own=$1; shift
-cur=; [ -f "$2/.owner" ] && { read -r cur < "$2/.owner" || :; }
-if [ -n "$cur" ] && [ "$cur" != "$own" ]; then printf 'NOT_OURS %s\n' "$cur"; exit 0; fi
-"""
+TEARDOWN_GUARD = load("ssh_teardown_guard.sh")
 
 
 def owner_of(head: str, name: str) -> str:

@@ -1,0 +1,64 @@
+# shellcheck shell=sh
+# shellcheck disable=SC2031 # the cancel runs in a subshell so that its variables stay there
+# shellcheck source=unmount.sh
+. "$SKY_SCRIPTS/unmount.sh"
+
+grace=$1; shift
+nl="
+"
+roots=''
+# one keeper guards every root of a machine: each pid is looked at once (not a `tr`, a fork, per node)
+seen=' '
+for root in "$@"; do
+  roots="$roots$root$nl"
+  unmount_buckets "$root"
+  if [ -f "$root/keeper.pid" ] && read -r kp < "$root/keeper.pid"; then
+    case "$seen" in *" $kp "*) continue;; esac
+    seen="$seen$kp "
+    case "$(tr '\000' ' ' < "/proc/$kp/cmdline" 2>/dev/null)" in *sky-keeper*) kill -KILL "-$kp" 2>/dev/null || kill -KILL "$kp" 2>/dev/null ;; esac
+  fi
+done
+marks=''
+triples=''
+oldifs=$IFS; IFS=$nl; set -f
+for root in $roots; do
+  IFS=$oldifs; set +f
+  marks="$marks$root/jobs/$nl"
+  for d in "$root"/jobs/*/*; do
+    [ -d "$d" ] || continue
+    r=${d##*/}; j=${d%/*}; j=${j##*/}
+    triples="$triples$root$nl$j$nl$r$nl"
+  done
+  IFS=$nl; set -f
+done
+# shellcheck disable=SC2086 # split on purpose: IFS is a newline, globbing is off
+set -- $triples
+IFS=$oldifs; set +f
+(
+  extra_mark=${marks%"$nl"}
+  set -- "$grace" wait "torn down" "$@"
+  # shellcheck source=cancel.sh
+  . "$SKY_SCRIPTS/cancel.sh"
+)
+# a wrapper still alive without an exit code: kill it, but only if that pid is still our wrapper
+# (pids are reused; without /proc a reused pid can't be told apart, so it is left alone)
+IFS=$nl; set -f
+for root in $roots; do
+  IFS=$oldifs; set +f
+  for d in "$root"/jobs/*/*; do
+    [ -f "$d/pid" ] || continue
+    [ -f "$d/exit" ] && continue
+    read -r pid < "$d/pid" || continue
+    [ -r "/proc/$pid/cmdline" ] || continue
+    case "$(tr '\000' ' ' < "/proc/$pid/cmdline" 2>/dev/null)" in
+      *"$d/rank.sh"*) kill -KILL "$pid" 2>/dev/null ;;
+    esac
+  done
+  if [ -d "$root" ]; then echo "REMOVED $root"; else echo "ABSENT $root"; fi
+  IFS=$nl; set -f
+done
+# shellcheck disable=SC2086 # split on purpose: IFS is a newline, globbing is off
+set -- $roots
+IFS=$oldifs; set +f
+# the roots go (node_scripts.teardown_script(remove=False) makes this line a no-op)
+[ $# -eq 0 ] || rm -rf -- "$@" || exit 1
