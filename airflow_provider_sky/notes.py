@@ -1,4 +1,4 @@
-"""The cause of a failed gang in the notes of its DAG run and of its rank task instances (issue 28.4).
+"""The cause of a failed gang in the notes of its DAG run and of its rank task instances.
 
 In the run's rank list every rank reads ``failed``: which one failed first, and why, was a click into a log
 away. Airflow 3.3 gives tasks and triggers no way to write a note (the execution API has none, and trigger

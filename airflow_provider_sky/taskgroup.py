@@ -9,17 +9,17 @@ from typing import Any
 from airflow.sdk import TaskGroup, XComArg
 
 from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT
 from airflow_provider_sky.operators._args import check_arguments, operator_parameters, parameters
 from airflow_provider_sky.operators._spec import SPEC_FIELDS
 from airflow_provider_sky.operators.cluster import SkyClusterOperator
 from airflow_provider_sky.operators.down import SkyDownOperator
 from airflow_provider_sky.operators.job import SkyJobOperator
 from airflow_provider_sky.operators.rank import SkyRankOperator
-from airflow_provider_sky.result import DEFAULT_MAX_BYTES, check_result_args
-from airflow_provider_sky.retry import RetryPolicy
 from airflow_provider_sky.sensors.gang import SkyGangSensor
-from airflow_provider_sky.watch_settings import WatchSettings
+from airflow_provider_sky.watch.jobs import DEFAULT_ORPHAN_TIMEOUT
+from airflow_provider_sky.watch.result import DEFAULT_MAX_BYTES, check_result_args
+from airflow_provider_sky.watch.retry import RetryPolicy
+from airflow_provider_sky.watch.settings import WatchSettings
 
 
 def check_gang_arguments(where: str, given: Mapping[str, Any], *, without: tuple[str, ...] = ()) -> None:

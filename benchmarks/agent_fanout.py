@@ -1,4 +1,4 @@
-"""The head agent's fan-out at issue 30's scale: one real head, N nodes' agents simulated in this process.
+"""The head agent's fan-out at the scale of a 1,024-node gang: one real head, N nodes' agents simulated in this process.
 
 ``python -m benchmarks.agent_fanout [--nodes 1024]``. The head is the shipped file (``tests/support/agents.py``),
 and N protocol clients in one asyncio loop play the other nodes' agents: each joins, answers the head's

@@ -7,7 +7,7 @@ a run's ``start_date`` → ``end_date``. The fail-fast SSHOperator run cannot fa
 siblings end, so it is given up after a cap (then marked failed through the API and its remote
 ``sleep``s killed); it is run once, since a capped run has only one possible result.
 
-Goals (issue 13): a trivial gang (every rank ``true``) in at most twice the SSHOperator run's time, and
+Goals: a trivial gang (every rank ``true``) in at most twice the SSHOperator run's time, and
 a rank's failing exit to a failed run in under 5 s. Each DAG runs once untimed first: the first run
 after the stack starts also pays one-time costs of a fresh triggerer and fresh workers (its figure is
 reported on its own line). Every timed run keeps its tasks' start/end offsets, and the sky ``true``
@@ -31,7 +31,7 @@ from benchmarks.common import REPO, Hosts, Row, floor_env
 DAGS = REPO / "benchmarks" / "dags"
 RANKS = 8
 RUN_TIMEOUT = 300.0
-#: issue 13's goals: sky_gang true run / SSHOperator true run, and a rank's failing exit -> run failed
+#: the goals: sky_gang true run / SSHOperator true run, and a rank's failing exit -> run failed
 RATIO_GOAL = 2.0
 EXIT_TO_FAILED_GOAL = 5.0
 #: the sky_gang tasks in the order they run (``gang.rank`` / ``gang.gang``: the mapped rank tasks and the
@@ -135,7 +135,7 @@ def _env(hosts: Hosts, base: Path) -> dict[str, str]:
 
 
 def _times(stack: Any, dag_id: str, run_id: str) -> tuple[str, float, float]:
-    from airflow_provider_sky.dev.stack import parse_time
+    from devstack.stack import parse_time
 
     run = stack.dag_run(dag_id, run_id)
     start, end = parse_time(run.get("start_date")), parse_time(run.get("end_date"))
@@ -162,7 +162,7 @@ def _run(stack: Any, dag_id: str) -> tuple[str, str, float, float]:
 
 def timeline(stack: Any, dag_id: str, run_id: str, start: float) -> dict[str, list[float | None]]:
     """Every task's (start, end) in seconds after the run's start: where the time goes."""
-    from airflow_provider_sky.dev.stack import parse_time
+    from devstack.stack import parse_time
 
     out: dict[str, list[float | None]] = {}
     for t in stack.task_instances(dag_id, run_id):
@@ -237,7 +237,7 @@ def _capped_run(
     """Trigger; wait until the run ends or ``cap`` seconds after its start; then stop it for good."""
     import httpx
 
-    from airflow_provider_sky.dev.stack import parse_time
+    from devstack.stack import parse_time
 
     run_id = stack.trigger(dag_id)
     deadline = time.monotonic() + cap + 120  # bound: the run must at least start
@@ -282,7 +282,7 @@ def _capped_run(
 def run(
     plan: Any, hosts: Hosts, base: Path, stack_cm: contextlib.ExitStack, log: Callable[..., None]
 ) -> list[Row]:
-    from airflow_provider_sky.dev.stack import AirflowStack
+    from devstack.stack import AirflowStack
 
     home = base / "airflow-e2e"
     (base / "sky-e2e").mkdir(exist_ok=True)

@@ -70,8 +70,8 @@ def one_run(
     rng: random.Random,
     grace: float = 3.0,
 ) -> Sample:
-    from airflow_provider_sky.jobs import GangClient
     from airflow_provider_sky.spec import task_from_args
+    from airflow_provider_sky.watch.jobs import GangClient
 
     job_id = f"ff{n}-{next(_ids)}-{int(time.time() * 1000) % 10**8}"
     spec = task_from_args(num_nodes=n, run=RUN)
@@ -212,7 +212,7 @@ def job_task(handle: Any, n: int, run_id: str, sky_conn_id: str | None) -> str:
     ``SkyJobOperator.execute`` (``ResumableJobMixin``: ``submit_job`` → ``GangClient.launch``, then
     ``poll_until_complete`` and ``get_job_result``), with the task instance's ids and an in-memory task
     state store, inside the task runner's guard (no "called outside of the Task Runner" warning).
-    ``submit_job`` starts the launch-side watcher (``airflow_provider_sky.bridge``, a detached process
+    ``submit_job`` starts the launch-side watcher (``airflow_provider_sky.watch.bridge``, a detached process
     that launches the gang and watches it until the triggers take over), exactly as in a worker: nothing
     is added by hand. Its pid goes to :data:`BRIDGES`, so a run can check that it ended with the job.
     """
@@ -384,9 +384,9 @@ def one_run_at_once(
     trigger_delay: float = TRIGGER_DELAY,
     grace: float = 3.0,
 ) -> OnceSample:
-    from airflow_provider_sky.gang import job_id_for
-    from airflow_provider_sky.jobs import GangClient
+    from airflow_provider_sky.model.gang import job_id_for
     from airflow_provider_sky.runners import ssh
+    from airflow_provider_sky.watch.jobs import GangClient
 
     run_id = f"ff-once-{n}-{next(_ids)}-{int(time.time() * 1000) % 10**8}"
     job_id = job_id_for(DAG_ID, run_id, "job", -1, 1)

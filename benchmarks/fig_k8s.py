@@ -680,7 +680,7 @@ WATCH_LIMIT = 120.0
 
 async def _to_end(client: Any, job_id: str, polls: list[Any]) -> None:
     """``watch.watch`` until every rank is terminal; every poll kept in ``polls`` (the caller bounds it)."""
-    from airflow_provider_sky.watch import watch
+    from airflow_provider_sky.watch.loop import watch
 
     async for poll in watch(client, job_id, poll_interval=POLL, grace=GRACE):
         polls.append(poll)
@@ -690,8 +690,8 @@ def ours_failfast(client: Any, n: int, log: Log, after: int = FAIL_AFTER) -> dic
     """Rank N-1 ``sleep 2; exit 1`` (``after`` seconds), the others ``sleep 10000``: launch, then
     ``watch.watch`` to the end (given up after :data:`WATCH_LIMIT`: an invalid sample saying what the
     watch saw)."""
-    from airflow_provider_sky.jobs import GangClient
     from airflow_provider_sky.spec import task_from_args
+    from airflow_provider_sky.watch.jobs import GangClient
 
     job = _job("ff", n)
     fail = n - 1
@@ -928,7 +928,7 @@ def probe(cl: TestCluster, log: Log) -> tuple[int, list[dict[str, Any]]]:
 
 def run(plan: Any, log: Log, ns: tuple[int, ...] = ()) -> list[Row]:
     """Figure 6's rows. ``ns``: gang sizes to use instead of 4 + the probed largest."""
-    from airflow_provider_sky.jobs import GangClient
+    from airflow_provider_sky.watch.jobs import GangClient
 
     reps = 1 if plan.quick else 3
     rows: list[Row] = []
@@ -1126,7 +1126,7 @@ def _steady_calls(client: Any, n: int, log: Log) -> dict[str, Any]:
     """Control-plane calls per second while ``watch.watch`` (poll 0.5 s) watches a running gang of quiet
     ranks, counted on the client: calls to the head agent and per-node (exec) calls."""
     from airflow_provider_sky.spec import task_from_args
-    from airflow_provider_sky.watch import watch
+    from airflow_provider_sky.watch.loop import watch
 
     job = _job("steady", n)
     spec = task_from_args(num_nodes=n, run="sleep 10000")
@@ -1178,7 +1178,7 @@ def run_agent(plan: Any, log: Log, ns: tuple[int, ...] = ()) -> list[Row]:
     and calls per second at steady state, counted on the client."""
     from airflow_provider_sky.backends.kubernetes import agents
     from airflow_provider_sky.backends.registry import by_kind
-    from airflow_provider_sky.jobs import GangClient
+    from airflow_provider_sky.watch.jobs import GangClient
 
     sizes = ns or (4, 32, 128)
     reps = 1 if plan.quick else 2

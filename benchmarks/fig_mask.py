@@ -1,4 +1,4 @@
-"""Figure 9: the secrets' output mask keeps up with the rank, in bounded memory (issue 27, point 9).
+"""Figure 9: the secrets' output mask keeps up with the rank, in bounded memory.
 
 Through the real rank wrapper on the local backend (one rank, one node): the same rank with and without a
 secret, interleaved, timed from the rank's own ``start`` file to its ``exit`` file (written once the log
@@ -26,7 +26,7 @@ MIB = 1 << 20
 #: the workloads: 100 MiB of log lines (80 bytes on average, a secret in none), one 300 MiB line
 LINES = 100 * MIB
 LONG = 300 * MIB
-#: goals (issue 27): masked within 2x of unmasked; a 300 MiB line in bounded memory (the sed took 601 MiB)
+#: goals: masked within 2x of unmasked; a 300 MiB line in bounded memory (the sed took 601 MiB)
 RATIO_GOAL = 2.0
 MEMORY_GOAL_MIB = 64
 YES_LINE = "step 12345 loss 0.1234 grad_norm 1.5 lr=3e-4 tokens/s 52000"
@@ -77,8 +77,8 @@ def _one_rank(
 ) -> Any:
     """Launch one rank (a fresh cluster), wait for its exit file; its start -> exit seconds (file mtimes)."""
     from airflow_provider_sky.backends.local import LocalBackend
-    from airflow_provider_sky.jobs import GangClient
     from airflow_provider_sky.spec import task_from_args
+    from airflow_provider_sky.watch.jobs import GangClient
 
     b = LocalBackend(home)
     task = task_from_args(num_nodes=1, run=run, secrets={"TOK": SECRET} if secret else {})
@@ -117,8 +117,8 @@ def _pipe_seconds(cmd: list[str], src: Path, env: dict[str, str]) -> tuple[float
 
 def _impls(base: Path) -> list[tuple[str, list[str], dict[str, str]]]:
     """(name, command, env) of each filter implementation this machine has, reading the mask at ``base/mask``."""
-    from airflow_provider_sky.node_scripts import MASK_FUNC
-    from airflow_provider_sky.runtime import mask_file
+    from airflow_provider_sky.node.runtime import mask_file
+    from airflow_provider_sky.node.shell import MASK_FUNC
 
     mask = base / "mask"
     out = []

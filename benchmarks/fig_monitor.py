@@ -30,9 +30,9 @@ def one_window(
     distinct_streams: bool = False,
 ) -> tuple[float, int, int]:
     """(calls per poll interval, calls, status polls made) over ``window`` seconds of watching."""
-    from airflow_provider_sky.jobs import GangClient
     from airflow_provider_sky.runners.base import CALLS
     from airflow_provider_sky.spec import task_from_args
+    from airflow_provider_sky.watch.jobs import GangClient
 
     job_id = f"mon{n}-{next(_ids)}-{int(time.time() * 1000) % 10**8}"
     spec = task_from_args(num_nodes=n, run="sleep 10000")

@@ -26,11 +26,11 @@ exec sleep 10000
 
 def _one(backend: Any, handle: Any, n: int, job: str) -> tuple[float, float]:
     """(exit → last rank of attempt 2 started, first → last start of attempt 2) for one gang."""
-    from airflow_provider_sky.gang import RUNNING
-    from airflow_provider_sky.jobs import GangClient
-    from airflow_provider_sky.retry import RetryPolicy, watch_attempts
-    from airflow_provider_sky.runtime_retry import attempt_job_id
+    from airflow_provider_sky.model.gang import RUNNING
+    from airflow_provider_sky.node.runtime_retry import attempt_job_id
     from airflow_provider_sky.spec import task_from_args
+    from airflow_provider_sky.watch.jobs import GangClient
+    from airflow_provider_sky.watch.retry import RetryPolicy, watch_attempts
 
     client = GangClient(backend, handle)
     client.keep_secrets = True

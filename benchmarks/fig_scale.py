@@ -141,7 +141,7 @@ class LocalClusters:
 
 def task_summary(tis: list[dict[str, Any]], start: float | None) -> dict[str, Any]:
     """Per task id: how many, their states, first/last start and end in seconds after the run's start."""
-    from airflow_provider_sky.dev.stack import parse_time
+    from devstack.stack import parse_time
 
     out: dict[str, Any] = {}
     for task_id in sorted({t["task_id"] for t in tis}):
@@ -454,8 +454,8 @@ def _alone_once(home: Path, n: int) -> tuple[float, Counter[str]]:
     """One gang of N local ranks with no Airflow and no watcher: rank N/2 exits 3 after 5 s, the machine
     stops its siblings; seconds from its exit to the last sibling's end, and the siblings' reasons."""
     from airflow_provider_sky.backends.local import LocalBackend
-    from airflow_provider_sky.jobs import GangClient
     from airflow_provider_sky.spec import task_from_args
+    from airflow_provider_sky.watch.jobs import GangClient
 
     failing = n // 2
     run = f'if [ "$SKYPILOT_NODE_RANK" = {failing} ]; then sleep 5; exit 3; fi; sleep 10000'
@@ -510,7 +510,7 @@ def _node_alone(base: Path, n: int, reps: int, log: Callable[..., None]) -> Row:
 
 def run(plan: Any, base: Path, stack_cm: Any, log: Callable[..., None]) -> list[Row]:
     """Figure 5 for every N of ``plan.scale_ns`` (``plan.scale_reps`` runs of each DAG)."""
-    from airflow_provider_sky.dev.stack import AirflowStack
+    from devstack.stack import AirflowStack
 
     alone = [_node_alone(base, n, plan.scale_reps, log) for n in plan.scale_ns]
     alone += [_kill_floor(base, n, plan.scale_reps, log) for n in plan.scale_ns]

@@ -69,8 +69,8 @@ def launch_once(client: Any, n: int) -> Launch:
 
 
 def cold_launch(hosts: Hosts, cluster_name: str, n: int) -> Launch:
-    from airflow_provider_sky.jobs import GangClient
     from airflow_provider_sky.runners import ssh
+    from airflow_provider_sky.watch.jobs import GangClient
 
     ssh.close_all()
     backend = hosts.backend(n)
@@ -86,7 +86,7 @@ def cold_launch(hosts: Hosts, cluster_name: str, n: int) -> Launch:
 
 def measure(hosts: Hosts, cluster_name: str, n: int, reps: int, log: Any) -> dict[str, list[float]]:
     """Interleaved cold launch, warm launch and pdsh, ``reps`` times each."""
-    from airflow_provider_sky.jobs import GangClient
+    from airflow_provider_sky.watch.jobs import GangClient
 
     out: dict[str, list[float]] = {k: [] for k in ("cold", "cold_skew", "warm", "warm_skew", "pdsh")}
     out |= {"cold_returned": [], "warm_returned": []}

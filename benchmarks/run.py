@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         "--scale-reps",
         type=int,
         default=None,
-        help="figure 5: runs of each DAG per N (default 1), e.g. 10 with --scale-ns 64 for issue 15's ten in a row",
+        help="figure 5: runs of each DAG per N (default 1), e.g. 10 with --scale-ns 64 for ten in a row",
     )
     ap.add_argument(
         "--k8s-agent",

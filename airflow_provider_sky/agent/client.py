@@ -1,7 +1,7 @@
 """The control plane's side of the node agent: one call to start a gang, one per status poll, one to cancel.
 
 The head's agent answers for the whole gang, so a poll costs one call at any number of nodes. What a
-node runs is rendered here, from the node runtime (:mod:`airflow_provider_sky.runtime`): each node's
+node runs is rendered here, from the node runtime (:mod:`airflow_provider_sky.node.runtime`): each node's
 launch script and the cancel script travel in the start message, so the agent on the node carries no
 copy of them and a rank's start, exit record and cancel are the same as on the per-node path.
 """
@@ -15,11 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from airflow_provider_sky import runtime
 from airflow_provider_sky.agent.node import Channel, ProtocolError, connect
 from airflow_provider_sky.errors import AgentError as AgentError
 from airflow_provider_sky.errors import AgentUnreachable as AgentUnreachable
-from airflow_provider_sky.node_scripts import CANCEL_SCRIPT
+from airflow_provider_sky.node import runtime
+from airflow_provider_sky.node.shell import CANCEL_SCRIPT
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,21 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from airflow_provider_sky.backends.storage import (
+    S3Access,
+    StorageError,
+    fetch_scripts,
+    mount_args,
+    mount_script,
+    needs_storage,
+    node_path,
+    prepare_mount,
+    presigned_copy,
+    redact,
+)
 from airflow_provider_sky.errors import BackendError as BackendError
 from airflow_provider_sky.errors import ClusterBusy as ClusterBusy
-from airflow_provider_sky.gang import CUDA_VISIBLE_DEVICES
+from airflow_provider_sky.model.gang import CUDA_VISIBLE_DEVICES
 from airflow_provider_sky.runners.base import CommandRunner, RunnerError
 from airflow_provider_sky.spec import (
     Accelerator,
@@ -45,18 +57,6 @@ from airflow_provider_sky.spec import (
     unset_error,
 )
 from airflow_provider_sky.spec.nodes import existing_cluster, num_nodes_problem
-from airflow_provider_sky.storage import (
-    S3Access,
-    StorageError,
-    fetch_scripts,
-    mount_args,
-    mount_script,
-    needs_storage,
-    node_path,
-    prepare_mount,
-    presigned_copy,
-    redact,
-)
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
@@ -272,7 +272,7 @@ class Backend(ABC):
         """Copy ``workdir`` and ``file_mounts`` to every node before setup, through each node's runner (a
         local copy, SFTP, a tar stream over exec), ``SYNC_PARALLEL`` nodes at a time; ``s3://`` sources
         are fetched by each node from presigned URLs, and bucket mounts (``spec.storage``) mounted with
-        rclone (``airflow_provider_sky.storage``), both with ``storage``'s S3 access. A failure names
+        rclone (``airflow_provider_sky.backends.storage``), both with ``storage``'s S3 access. A failure names
         the field that asked for the copy."""
         if not spec.workdir and not spec.file_mounts and not spec.storage:
             return

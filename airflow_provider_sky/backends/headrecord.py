@@ -23,10 +23,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from airflow_provider_sky import runtime
 from airflow_provider_sky.backends.base import BackendError
+from airflow_provider_sky.node import runtime
+from airflow_provider_sky.node.scripts import load
 from airflow_provider_sky.runners.base import CommandRunner
-from airflow_provider_sky.scripts import load
 
 T = TypeVar("T")
 

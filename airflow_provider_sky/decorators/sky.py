@@ -23,10 +23,10 @@ from airflow.sdk.definitions.context import context_merge
 from airflow.sdk.definitions.xcom_arg import PlainXComArg
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_provider_sky.retry import RetryPolicy
 from airflow_provider_sky.spec import SpecError
+from airflow_provider_sky.spec.timing import LIMITS, check_timing
 from airflow_provider_sky.taskgroup import SkyGangGroup, check_gang_arguments, sky_gang
-from airflow_provider_sky.timing import LIMITS, check_timing
+from airflow_provider_sky.watch.retry import RetryPolicy
 
 #: task id of the task that calls the decorated function, inside the gang's group
 COMMAND_TASK_ID = "command"

@@ -72,14 +72,14 @@ def for_another_process(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def s3_access(aws_conn: Any | None) -> Any:
-    """S3 for bucket ``file_mounts`` (``airflow_provider_sky.storage.S3Access``): the ``aws`` connection's
+    """S3 for bucket ``file_mounts`` (``airflow_provider_sky.backends.storage.S3Access``): the ``aws`` connection's
     credentials, region and endpoint as :func:`merge_aws_connection` reads them (the Amazon provider's
     session factory when it is installed); without a connection, boto3's own chain (``AWS_*`` variables,
     ``~/.aws``, an instance role)."""
     import boto3
     from botocore.config import Config
 
-    from airflow_provider_sky.storage import S3Access
+    from airflow_provider_sky.backends.storage import S3Access
 
     merged = merge_aws_connection({}, aws_conn) if aws_conn is not None else {}
     region = merged.get("region_name")

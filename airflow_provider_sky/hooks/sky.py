@@ -22,10 +22,10 @@ from airflow_provider_sky.backends.registry import (
     by_kind,
     conn_types,
 )
-from airflow_provider_sky.jobs import GangClient
-from airflow_provider_sky.setup_stage import SetupFailed
+from airflow_provider_sky.backends.storage import needs_storage
 from airflow_provider_sky.spec import TaskSpec
-from airflow_provider_sky.storage import needs_storage
+from airflow_provider_sky.watch.jobs import GangClient
+from airflow_provider_sky.watch.setup_stage import SetupFailed
 
 __all__ = ["SetupFailed", "SkyHook"]
 

@@ -14,13 +14,13 @@ from typing import Any
 from airflow.configuration import conf
 from airflow.triggers.base import BaseTrigger, StartTriggerArgs
 
-from airflow_provider_sky.gang import GangStatus
 from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.jobs import run_sync
-from airflow_provider_sky.retry import RetryPolicy, operator_args, pop_retry_args
-from airflow_provider_sky.timing import LIMITS, check_timing
+from airflow_provider_sky.model.gang import GangStatus
+from airflow_provider_sky.spec.timing import LIMITS, check_timing
 from airflow_provider_sky.triggers.gang import xcom_ref
-from airflow_provider_sky.watch_settings import WatchSettings
+from airflow_provider_sky.watch.jobs import run_sync
+from airflow_provider_sky.watch.retry import RetryPolicy, operator_args, pop_retry_args
+from airflow_provider_sky.watch.settings import WatchSettings
 
 
 def resume_hold() -> float:

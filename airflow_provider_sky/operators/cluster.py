@@ -9,9 +9,8 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_sky.backends.base import GPU_DEVICES, GPU_NAME, MACHINE_GPUS, Choice
-from airflow_provider_sky.gang import job_id_for
 from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT
+from airflow_provider_sky.model.gang import job_id_for
 from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._capacity import check_airflow_room
 from airflow_provider_sky.operators._spec import (
@@ -24,9 +23,10 @@ from airflow_provider_sky.operators._spec import (
     run_holder,
 )
 from airflow_provider_sky.operators.down import log_teardown, unclean_message
-from airflow_provider_sky.setup_stage import SetupFailed, run_setup
 from airflow_provider_sky.spec import SpecError, TaskSpec, ignored_resources
-from airflow_provider_sky.timing import check_timing
+from airflow_provider_sky.spec.timing import check_timing
+from airflow_provider_sky.watch.jobs import DEFAULT_ORPHAN_TIMEOUT
+from airflow_provider_sky.watch.setup_stage import SetupFailed, run_setup
 
 
 class SkyClusterOperator(SkySpecMixin, BaseOperator):

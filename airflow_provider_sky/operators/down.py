@@ -12,7 +12,7 @@ from airflow_provider_sky.backends import Teardown
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._spec import resolve_cluster_name, run_holder
-from airflow_provider_sky.timing import check_timing
+from airflow_provider_sky.spec.timing import check_timing
 
 
 def log_teardown(log: Any, name: str, result: Teardown) -> None:

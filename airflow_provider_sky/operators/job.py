@@ -10,17 +10,17 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.bases.resumablejobmixin import ResumableJobMixin
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_provider_sky.bridge import Bridge, BridgeError, BridgeRequest, log_path_for, start_bridge
-from airflow_provider_sky.gang import job_id_for
 from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, LaunchError
+from airflow_provider_sky.model.gang import job_id_for
 from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._spec import SPEC_FIELDS, SkySpecMixin, pop_spec_fields, refuse_outlets
 from airflow_provider_sky.operators._watch import WatchFields
-from airflow_provider_sky.retry import operator_policy
 from airflow_provider_sky.spec import SpecError, TaskSpec
 from airflow_provider_sky.spec.nodes import FIELD, job_cluster, num_nodes_problem
-from airflow_provider_sky.watch_settings import WatchSettings
+from airflow_provider_sky.watch.bridge import Bridge, BridgeError, BridgeRequest, log_path_for, start_bridge
+from airflow_provider_sky.watch.jobs import DEFAULT_ORPHAN_TIMEOUT, LaunchError
+from airflow_provider_sky.watch.retry import operator_policy
+from airflow_provider_sky.watch.settings import WatchSettings
 
 
 class SkyJobOperator(WatchFields, SkySpecMixin, ResumableJobMixin, BaseOperator):
@@ -32,7 +32,7 @@ class SkyJobOperator(WatchFields, SkySpecMixin, ResumableJobMixin, BaseOperator)
     the launch re-attaches on retry and never starts a rank twice.
 
     Why a bridge: the rank tasks, whose triggers run the fail-fast, only start once this task ended,
-    so the launch goes through a small detached watcher (:mod:`airflow_provider_sky.bridge`) started
+    so the launch goes through a small detached watcher (:mod:`airflow_provider_sky.watch.bridge`) started
     first. It watches the gang from the instant the ranks exist until the triggers' shared poll takes
     over (and again whenever that poll lapses), then exits when the job is over.
 

@@ -13,9 +13,9 @@ from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._watch import GangWatchMixin, check_watch_kwargs, triggerer_watch
 from airflow_provider_sky.policy import RANK_LABEL
-from airflow_provider_sky.retry import operator_policy
 from airflow_provider_sky.triggers.gang import MAP_INDEX, SkyRankTrigger
 from airflow_provider_sky.triggers.outcome import rank_end_lines, rank_summary
+from airflow_provider_sky.watch.retry import operator_policy
 
 _NO_RETRIES = (
     "retries: rank tasks run without Airflow retries, because a rank retried alone would join a "

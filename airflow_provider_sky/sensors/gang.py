@@ -12,10 +12,10 @@ from airflow.triggers.base import StartTriggerArgs
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.operators._args import check_operator_arguments
 from airflow_provider_sky.operators._watch import GangWatchMixin, triggerer_watch
-from airflow_provider_sky.result import DEFAULT_MAX_BYTES, check_result_args, result_config, small
-from airflow_provider_sky.retry import operator_policy
 from airflow_provider_sky.triggers.gang import SkyGangTrigger
 from airflow_provider_sky.triggers.outcome import gang_outcome
+from airflow_provider_sky.watch.result import DEFAULT_MAX_BYTES, check_result_args, result_config, small
+from airflow_provider_sky.watch.retry import operator_policy
 
 
 class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
@@ -24,7 +24,7 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
     :param ranks: the job task's output (one entry per rank, each with the ``job_id``).
     :param job_id: rendered in the triggerer when the sensor starts there (see :meth:`in_triggerer`).
     :param result_file, result_ranks, result_max_bytes: the gang's result, this task's return value
-        once every rank succeeded (see :mod:`airflow_provider_sky.result`): rank ``result_ranks``' last
+        once every rank succeeded (see :mod:`airflow_provider_sky.watch.result`): rank ``result_ranks``' last
         output line, or its ``result_file`` (give the job task the same ``result_file``), or with
         ``"all"`` a list, one per rank; at most ``result_max_bytes`` bytes. ``do_xcom_push=False``: none.
     :param outlets: assets this task updates once every rank succeeded, with the run id, the nodes, the

@@ -41,7 +41,7 @@ TOP_LEVEL_KEYS: tuple[str, ...] = (
     "secrets",
     "workdir",
     "file_mounts",
-    # not SkyPilot's: the file on each node whose content is the gang's result (``airflow_provider_sky.result``)
+    # not SkyPilot's: the file on each node whose content is the gang's result (``airflow_provider_sky.watch.result``)
     "result_file",
 )
 RESOURCE_KEYS: tuple[str, ...] = (

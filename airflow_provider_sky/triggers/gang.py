@@ -19,19 +19,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import greenback
 from airflow.triggers.base import BaseEventTrigger, TaskFailedEvent, TaskSuccessEvent, TriggerEvent
 
-from airflow_provider_sky.gang import (
+from airflow_provider_sky.hooks.sky import SkyHook
+from airflow_provider_sky.model.gang import (
     BAD,
     CANCELLED,
     FAILED,
     SUCCEEDED,
     GangStatus,
 )
-from airflow_provider_sky.hooks.sky import SkyHook
-from airflow_provider_sky.jobs import GangClient, Poll
-from airflow_provider_sky.linetimes import aread_times
-from airflow_provider_sky.logtext import LineClock, LineSplitter, iso_time
-from airflow_provider_sky.result import ResultError, read_result
-from airflow_provider_sky.retry import GangPoll, rank_attempts, stop_gang, watch_attempts
+from airflow_provider_sky.model.logtext import LineClock, LineSplitter, iso_time
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.triggers.log_room import log_room
 from airflow_provider_sky.triggers.outcome import (
@@ -43,7 +39,11 @@ from airflow_provider_sky.triggers.outcome import (
     rank_summary,
     root_cause_line,
 )
-from airflow_provider_sky.watch_settings import WatchSettings
+from airflow_provider_sky.watch.jobs import GangClient, Poll
+from airflow_provider_sky.watch.linetimes import aread_times
+from airflow_provider_sky.watch.result import ResultError, read_result
+from airflow_provider_sky.watch.retry import GangPoll, rank_attempts, stop_gang, watch_attempts
+from airflow_provider_sky.watch.settings import WatchSettings
 
 if TYPE_CHECKING:
     import jinja2

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from airflow_provider_sky.gang import HUNG_PREFIX, LOST, SUCCEEDED, GangStatus, RankStatus, ranks_text
-from airflow_provider_sky.retry import GangPoll
+from airflow_provider_sky.model.gang import HUNG_PREFIX, LOST, SUCCEEDED, GangStatus, RankStatus, ranks_text
+from airflow_provider_sky.watch.retry import GangPoll
 
 
 def cancel_text(poll: GangPoll) -> str:

@@ -1,4 +1,4 @@
-"""Reliability: the seed scenario on the ``sky_rel_ssh`` hosts, rank 2 exiting 1 at once (issue 8, point 1).
+"""Reliability: the seed scenario on the ``sky_rel_ssh`` hosts, rank 2 exiting 1 at once.
 
 Rank 2's first command is ``exit 1``: it fails while the job task is still starting the gang, before
 any rank task or trigger exists. The others ``sleep 10000`` with ``TAG`` (``dag_run.conf["tag"]``) in

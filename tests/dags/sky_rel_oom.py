@@ -1,4 +1,4 @@
-"""Reliability DAG of an out-of-memory kill under the real scheduler (issue 11): ``sky_test_oom``'s gang
+"""Reliability DAG of an out-of-memory kill under the real scheduler: ``sky_test_oom``'s gang
 (rank 1 grows until the kernel's OOM killer ends it, rank 0 sleeps) on the ``sky_rel_ssh`` hosts, whose
 sshd the test puts in a memory-limited cgroup first."""
 

@@ -1,4 +1,4 @@
-"""Reliability DAG of whole-gang retries (issue 11): a 4-rank gang on the ``sky_rel_ssh`` hosts with
+"""Reliability DAG of whole-gang retries: a 4-rank gang on the ``sky_rel_ssh`` hosts with
 ``retries=2, retry_delay=8, retry_on_exit_codes=[1]``.
 
 Every rank appends its job id to ``~/rel-<tag>.count`` on each start (so a case counts the attempts

@@ -1,4 +1,4 @@
-"""Reliability DAGs of gang retries that do not save the gang (issue 11), on the ``sky_rel_ssh`` hosts:
+"""Reliability DAGs of gang retries that do not save the gang, on the ``sky_rel_ssh`` hosts:
 
 - ``sky_rel_retry_exhausted``: rank 1 exits 3 on every attempt; ``retries=2, retry_on_exit_codes=[3]``,
   so three attempts run and the run fails listing them all.

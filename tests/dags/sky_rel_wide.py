@@ -1,4 +1,4 @@
-"""Reliability: a 64-rank gang on the local backend (issue 15: such a run hung in state ``running``).
+"""Reliability: a 64-rank gang on the local backend (such a run hung in state ``running``).
 
 Every rank says which it is and sleeps a little, with ``TAG`` (``dag_run.conf["tag"]``) in its
 environment so a test finds its processes in /proc.

@@ -1,4 +1,4 @@
-"""A node lost during attempt 1 is replaced before attempt 2 (issue 11): rank 1 removes its own local
+"""A node lost during attempt 1 is replaced before attempt 2: rank 1 removes its own local
 node (its directory) and stays silent; the retry puts a new node in its place, runs setup there, and
 attempt 2 succeeds with the new address in every rank's SKYPILOT_NODE_IPS."""
 

@@ -4,7 +4,7 @@ The same assertions as ``test_airflow_real`` (its tests are imported and run her
 module's ``real`` fixture), plus ``@task.sky``'s example, on a stack where the metadata DB is a real
 PostgreSQL server, tasks go through a real Redis broker to two Celery workers, and two triggerers share
 the deferred rank tasks. PostgreSQL and Redis run as unprivileged processes in temp dirs
-(:mod:`airflow_provider_sky.dev.services`), started here and stopped at the end of the module whatever
+(:mod:`devstack.services`), started here and stopped at the end of the module whatever
 happens, like every Airflow service. The backend is the local one (both workers share this machine).
 
 Last, a fault: the triggerer that watches a running gang is killed (SIGKILL, a crash); its triggers
@@ -29,8 +29,8 @@ import httpx
 import pytest
 from leaks import job_processes
 
-from airflow_provider_sky.dev.services import PostgresServer, RedisServer
-from airflow_provider_sky.dev.stack import AirflowStack, StackError, parse_time
+from devstack.services import PostgresServer, RedisServer
+from devstack.stack import AirflowStack, StackError, parse_time
 from e2e.test_airflow_real import (  # noqa: F401  (imported tests run here against this module's `real`)
     DAGS,
     REPO,

@@ -24,7 +24,7 @@ import pytest
 from k8s_cluster import connection_extras
 from leaks import job_processes
 
-from airflow_provider_sky.dev.stack import AirflowStack
+from devstack.stack import AirflowStack
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT = 180.0

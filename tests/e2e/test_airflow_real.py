@@ -42,7 +42,7 @@ from sshd import SSHDCluster, needs_sshd
 from airflow_provider_sky.backends.headrecord import record_path
 from airflow_provider_sky.backends.kubernetes.manifest import CLUSTER_LABEL, cluster_selector
 from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.dev.stack import AirflowStack, parse_time
+from devstack.stack import AirflowStack, parse_time
 
 REPO = Path(__file__).resolve().parents[2]
 DAGS = ("sky_fail_fast", "sky_hello", "sky_segfault", "sky_failed_setup", "sky_yaml", "sky_hang", "sky_retry")
@@ -385,7 +385,7 @@ def test_failed_setup(real: RealAirflow) -> None:
 
 
 def test_hang(real: RealAirflow) -> None:
-    """Issue 11: ranks 1 and 3 fall silent; after hang_timeout (10 s) + one poll their stacks are in their
+    """Ranks 1 and 3 fall silent; after hang_timeout (10 s) + one poll their stacks are in their
     logs and every rank task fails, the hung ones as the cause, the others cancelled."""
     run_id, state = real.finished("sky_hang")
     assert state == "failed"
@@ -413,7 +413,7 @@ def test_hang(real: RealAirflow) -> None:
 
 
 def test_retry(real: RealAirflow) -> None:
-    """Issue 11: rank 2 fails on attempt 1, the whole gang runs again under the real scheduler and succeeds;
+    """Rank 2 fails on attempt 1, the whole gang runs again under the real scheduler and succeeds;
     the rank task instances are the same (one try each), their logs and sky_rank show both attempts."""
     run_id, state = real.finished("sky_retry")
     assert state == "success"

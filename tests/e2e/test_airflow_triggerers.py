@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from leaks import job_processes
 
-from airflow_provider_sky.dev.stack import AirflowStack
+from devstack.stack import AirflowStack
 from e2e.test_airflow_celery import MOVE, TRIGGERERS, _wait_all_deferred
 from e2e.test_airflow_real import REPO, RUN_TIMEOUT, RealAirflow, _kill, _processes_of_job
 

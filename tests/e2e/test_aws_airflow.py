@@ -20,7 +20,7 @@ import pytest
 from moto_ec2 import IMAGE, REGION, FakeNetwork, MotoEC2, iter_instances
 from sshd import SSHDCluster, needs_sshd
 
-from airflow_provider_sky.dev.stack import AirflowStack, StackError
+from devstack.stack import AirflowStack, StackError
 
 pytestmark = [pytest.mark.airflow_services, needs_sshd]
 TESTS = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Fail-fast holds with Airflow paused (issue 30), under a real Airflow: on the real Kubernetes cluster
+"""Fail-fast holds with Airflow paused, under a real Airflow: on the real Kubernetes cluster
 and on the local backend.
 
 A 4-rank gang runs; every process of the Airflow stack is stopped (SIGSTOP: the api-server, the
@@ -28,8 +28,8 @@ from leaks import bridges
 from airflow_provider_sky.backends.kubernetes import agents
 from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
 from airflow_provider_sky.backends.registry import by_kind
-from airflow_provider_sky.dev.stack import AirflowStack, group_members
 from airflow_provider_sky.operators._spec import default_cluster_name
+from devstack.stack import AirflowStack, group_members
 
 REPO = Path(__file__).resolve().parents[2]
 DAG_FILE = "sky_agt_paused.py"

@@ -1,4 +1,4 @@
-"""The reliability suite under a real Airflow (issue 4): faults while gangs run on real SSH hosts.
+"""The reliability suite under a real Airflow: faults while gangs run on real SSH hosts.
 
 One :class:`AirflowStack` (api-server, scheduler with LocalExecutor, dag-processor, triggerer) and
 one :class:`SSHDCluster` of 4 real sshd hosts (127.0.k.1-4, each its own user and home) serve the
@@ -47,7 +47,7 @@ from sshd import SSHDCluster, SSHDNode, needs_sshd, user_processes
 from sshd import cmdline as _cmdline
 
 from airflow_provider_sky.backends.headrecord import record_path
-from airflow_provider_sky.dev.stack import AirflowStack, group_members, parse_time
+from devstack.stack import AirflowStack, group_members, parse_time
 
 REPO = Path(__file__).resolve().parents[2]
 CONN_ID = "sky_rel_ssh"
@@ -674,7 +674,7 @@ def test_concurrent_runs_are_isolated(rel: Rel, case: Case) -> None:
 
 
 def test_rank_failing_at_once_is_cancelled_from_the_first_instant(rel: Rel, case: Case) -> None:
-    """Issue 8.1, the seed scenario as written: rank 2's first command is ``exit 1``.
+    """The seed scenario as written: rank 2's first command is ``exit 1``.
 
     It fails while the job task is still starting the gang, seconds before any trigger polls. The job
     task's launch-side watcher (bridge) must kill the siblings within a second (measured in /proc every
@@ -738,7 +738,7 @@ def test_a_64_rank_gang_completes(rel: Rel, case: Case) -> None:
 
 
 def test_retry_survives_a_triggerer_restart_and_mark_failed_stops_it(rel: Rel, case: Case) -> None:
-    """Issue 11: rank 1 fails, the triggerer is restarted during the retry delay; attempt 2 starts once
+    """Rank 1 fails, the triggerer is restarted during the retry delay; attempt 2 starts once
     (every rank of attempt 1 gone first). Then a user marks a rank of attempt 2 failed: everything is
     cancelled and no attempt 3 starts."""
     dag = "sky_rel_retry"
@@ -780,7 +780,7 @@ def _gang_error(rel: Rel, dag: str, run_id: str) -> str:
 
 
 def test_retries_exhausted_and_a_code_never_retried_under_the_scheduler(rel: Rel, case: Case) -> None:
-    """Issue 11 under the real scheduler: rank 1 exits 3 on every attempt (retries=2, retry_on_exit_codes
+    """Under the real scheduler: rank 1 exits 3 on every attempt (retries=2, retry_on_exit_codes
     [3]): three attempts, each started once on every rank, the run fails and the error lists every
     attempt; rank 1 exits 127 (command not found) under retry_on_exit_codes="nonzero": no second attempt,
     the error says why."""
@@ -820,7 +820,7 @@ def test_retries_exhausted_and_a_code_never_retried_under_the_scheduler(rel: Rel
 
 
 def test_an_oom_kill_is_reported_as_such_under_the_scheduler(rel: Rel, case: Case) -> None:
-    """Issue 11 under the real scheduler: the hosts' sshd in a 256 MiB memory cgroup; rank 1 grows until the
+    """Under the real scheduler: the hosts' sshd in a 256 MiB memory cgroup; rank 1 grows until the
     kernel's OOM killer ends it: it reads "out of memory (killed by the OOM killer)", never cancelled or a
     plain SIGKILL, its sibling is cancelled, the run fails and the teardown runs."""
     from integration.test_oom import OOM, memory_cgroup

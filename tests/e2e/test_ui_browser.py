@@ -26,7 +26,7 @@ from urllib.parse import quote
 import pytest
 from leaks import job_processes
 
-from airflow_provider_sky.dev.stack import AirflowStack
+from devstack.stack import AirflowStack
 
 REPO = Path(__file__).resolve().parents[2]
 DAG_ID = "sky_test_ui"

@@ -1,4 +1,4 @@
-"""GPUs (issue 10): names as SkyPilot gives them, what nvidia-smi / rocm-smi print, and the local backend
+"""GPUs: names as SkyPilot gives them, what nvidia-smi / rocm-smi print, and the local backend
 splitting this machine's GPUs among the nodes, each its own CUDA_VISIBLE_DEVICES.
 
 This machine has no GPU: the local-backend tests put the FAKE nvidia-smi / rocm-smi of ``tests/fakes`` on
@@ -14,15 +14,15 @@ from envdump import DUMP, parse
 from gangs import wait_done
 from gpus import A100_40, H100, MI300X, T4, local_gpus, no_gpu_tools
 
-from airflow_provider_sky.accelerators import (
+from airflow_provider_sky.backends.base import BackendError, choose_resources
+from airflow_provider_sky.backends.local import LocalBackend
+from airflow_provider_sky.node.accelerators import (
     DETECT_SCRIPT,
     detect_local,
 )
-from airflow_provider_sky.backends.base import BackendError, choose_resources
-from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.jobs import GangClient
-from airflow_provider_sky.setup_stage import run_setup
 from airflow_provider_sky.spec import SpecError, TaskSpec, task_from_args
+from airflow_provider_sky.watch.jobs import GangClient
+from airflow_provider_sky.watch.setup_stage import run_setup
 
 # ------------------------------------------------------------------------------------------- names
 

@@ -258,7 +258,7 @@ def test_instance_request_spot_disk_and_given_groups_and_key(
     )
     assert [v["Size"] for v in vols["Volumes"]] == [512]
     # every rank is told the node's GPUs, also when the task names the instance type alone
-    from airflow_provider_sky.jobs import GangClient
+    from airflow_provider_sky.watch.jobs import GangClient
 
     def gpus(handle: Any, task: Any) -> set[str]:
         launches = GangClient(b, handle).rank_launches(task, "j", "run")
@@ -467,8 +467,8 @@ def test_a_node_whose_instance_ends_mid_run_is_lost_with_ec2s_reason(
     gang is cancelled."""
     import asyncio
 
-    from airflow_provider_sky.jobs import GangClient
-    from airflow_provider_sky.watch import watch
+    from airflow_provider_sky.watch.jobs import GangClient
+    from airflow_provider_sky.watch.loop import watch
 
     ec2 = moto.client()
     b = backend(moto.url, hosts)

@@ -17,8 +17,8 @@ from sshd import SSHDCluster, needs_sshd
 
 from airflow_provider_sky.backends.aws.ec2 import TAG_CREATED, resource_name
 from airflow_provider_sky.backends.base import BackendError
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
+from airflow_provider_sky.watch.jobs import GangClient
 
 pytestmark = needs_sshd
 

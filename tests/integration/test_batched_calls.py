@@ -17,14 +17,14 @@ import pytest
 from gangs import local_gang, wait_done
 from sshd import SSHDCluster, needs_sshd
 
-from airflow_provider_sky import jobs
 from airflow_provider_sky.backends.base import Node
 from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.runners.base import CALLS, RunResult
 from airflow_provider_sky.runners.local import LocalRunner
 from airflow_provider_sky.spec import task_from_args
+from airflow_provider_sky.watch import jobs
+from airflow_provider_sky.watch.jobs import GangClient
 
 N = 64
 #: everyone prints a line naming itself; rank 5 fails once the test drops ``go`` in the cluster dir

@@ -23,9 +23,9 @@ from gangs import local_gang
 from leaks import live_processes
 from sshd import SSHDCluster, needs_sshd, user_processes
 
-from airflow_provider_sky.jobs import GangClient, run_sync
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.local import LocalRunner
+from airflow_provider_sky.watch.jobs import GangClient, run_sync
 
 #: how long past ``status_timeout`` a poll with a hung node may take (the cancel, kill and reap)
 SLACK = 2.5

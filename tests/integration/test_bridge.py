@@ -1,6 +1,6 @@
 """The launch-side watcher (bridge) on the local backend, with no trigger running: real processes only.
 
-Issue 8, point 1: nothing watched a gang between the job task's end and the triggers' first poll, so
+Nothing watched a gang between the job task's end and the triggers' first poll, so
 a rank failing at once had its siblings killed seconds late. The job task now launches through a
 detached bridge that watches until the triggers' shared poll takes over.
 """
@@ -19,13 +19,13 @@ from gangs import rank_exit
 from leaks import bridges, job_processes
 from siblings import LastAlive, matching
 
-from airflow_provider_sky import bridge as bridge_mod
 from airflow_provider_sky.backends.base import ClusterHandle
 from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.bridge import Bridge, BridgeRequest, bridge_watch, log_path_for, start_bridge
-from airflow_provider_sky.jobs import GangClient, Poll
 from airflow_provider_sky.spec import TaskSpec, task_from_args
-from airflow_provider_sky.watch import watch
+from airflow_provider_sky.watch import bridge as bridge_mod
+from airflow_provider_sky.watch.bridge import Bridge, BridgeRequest, bridge_watch, log_path_for, start_bridge
+from airflow_provider_sky.watch.jobs import GangClient, Poll
+from airflow_provider_sky.watch.loop import watch
 
 AT_ONCE = 'if [ "$SKYPILOT_NODE_RANK" = "2" ]; then exit 1; fi\nsleep 10000\n'
 
@@ -106,7 +106,7 @@ def test_a_failing_rank_is_cancelled_by_the_job_tasks_own_code(
     sky_home: Path, run: str, cancelled_by: tuple[str, ...]
 ) -> None:
     """The seed scenario started by the job task's own code, no trigger: siblings gone < 1 s after the exit."""
-    from airflow_provider_sky.gang import job_id_for
+    from airflow_provider_sky.model.gang import job_id_for
     from airflow_provider_sky.operators.job import SkyJobOperator
 
     backend, handle, spec = _gang(sky_home, "once", run)
@@ -279,7 +279,7 @@ def test_no_secret_on_the_bridge_command_line_environment_or_log(
     b = start_bridge(req, log_path=log_path_for(sky_home, "sec-1"))
     cmdline = Path(f"/proc/{b.pid}/cmdline").read_bytes()
     environ = Path(f"/proc/{b.pid}/environ").read_bytes()
-    assert cmdline.split(b"\0")[1:3] == [b"-m", b"airflow_provider_sky.bridge"]
+    assert cmdline.split(b"\0")[1:3] == [b"-m", b"airflow_provider_sky.watch.bridge"]
     assert str(sky_home).encode() not in cmdline
     assert Path(os.readlink(f"/proc/{b.pid}/cwd")) == Path("/")
     _wait_exit(b, 10)
@@ -304,7 +304,7 @@ def test_a_launch_failure_is_reported_by_the_bridge(sky_home: Path) -> None:
             ],
         }
     )
-    from airflow_provider_sky.jobs import LaunchError
+    from airflow_provider_sky.watch.jobs import LaunchError
 
     with pytest.raises(LaunchError, match="nonexistent-sky"):
         start_bridge(_request(sky_home, bad, job_id, spec), log_path=log_path_for(sky_home, job_id))
@@ -318,8 +318,8 @@ def test_a_launch_failure_is_reported_by_the_bridge(sky_home: Path) -> None:
 
 def test_handover_needs_a_steady_watcher_and_notices_a_lapse() -> None:
     """The step-back rule on its own: two advances of the marks within the limit; stale after it."""
-    from airflow_provider_sky.bridge import Handover
-    from airflow_provider_sky.gang import RankStatus
+    from airflow_provider_sky.model.gang import RankStatus
+    from airflow_provider_sky.watch.bridge import Handover
 
     now = [100.0]
     hand = Handover(stale_after=1.0, clock=lambda: now[0])

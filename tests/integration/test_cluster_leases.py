@@ -24,10 +24,10 @@ from airflow_provider_sky.backends.base import Backend, BackendError, Teardown
 from airflow_provider_sky.backends.headrecord import record_path
 from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.backends.ssh import SSHBackend
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.spec import SpecError, TaskSpec, load_task_yaml, task_from_args
-from airflow_provider_sky.watch import watch
+from airflow_provider_sky.watch.jobs import GangClient
+from airflow_provider_sky.watch.loop import watch
 
 LONG = task_from_args(num_nodes=2, run="sleep 10000")
 SHORT = task_from_args(num_nodes=2, run="echo short")

@@ -1,5 +1,5 @@
-"""Connections as a user keeps them: only a missing ``sky_default`` means "the local backend" (issue 14),
-and a connection kept in the metadata DB is found under ``airflow dags test`` by the triggers too (issue 28).
+"""Connections as a user keeps them: only a missing ``sky_default`` means "the local backend",
+and a connection kept in the metadata DB is found under ``airflow dags test`` by the triggers too.
 
 A lookup that fails for another reason (here a secrets backend that denies access, as a Vault policy does)
 used to be swallowed too, and the job silently ran on this machine instead of the user's cluster. Real
@@ -44,7 +44,7 @@ def test_a_default_connection_that_cannot_be_read_is_an_error_naming_it() -> Non
     assert "ERROR" in text and "sky_default" in text and "policy denies" in text, text
 
 
-# -- a connection kept in the metadata DB under ``dag.test()`` / ``airflow dags test`` (issue 28.2) -----------
+# -- a connection kept in the metadata DB under ``dag.test()`` / ``airflow dags test`` -----------
 #
 # ``dag.test()`` runs each trigger inline through Airflow's in-process supervisor, whose comms answer only
 # synchronous requests (no ``asend``): the Task SDK's async connection lookup through the Execution API then
@@ -88,7 +88,7 @@ def _assert_ran(dr: Any, tis: dict[tuple[str, int], Any], out: str) -> None:
 def test_dag_test_finds_a_local_connection_kept_in_the_db(
     airflow_db: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 28.2, and 28.7: every task logged ``Connection schemes (type: sky_local) shall not contain
+    """Every task logged ``Connection schemes (type: sky_local) shall not contain
     '_' according to RFC3986``; the type is now ``skylocal`` (a URI scheme), ``sky_local`` still works."""
     with db_connection("sky_local", {"conn_type": "skylocal"}):
         dr, tis = _run_db_conn(monkeypatch, "sky_local")

@@ -13,9 +13,9 @@ from gangs import local_gang, rank_exit, wait_done
 
 from airflow_provider_sky.backends.base import Node
 from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners.local import LocalRunner
 from airflow_provider_sky.spec import task_from_args
+from airflow_provider_sky.watch.jobs import GangClient
 
 
 def _marked(prefix: str) -> list[int]:

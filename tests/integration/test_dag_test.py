@@ -87,7 +87,7 @@ def _xcom(dr: Any, task_id: str, key: str, map_index: int = -1) -> Any:
 
 
 def test_a_rank_failing_at_once_is_cancelled_from_the_first_instant(sky_home: Path) -> None:
-    """Issue 8.1, the seed scenario as written: rank 2 exits at once, before any rank task or trigger runs.
+    """The seed scenario as written: rank 2 exits at once, before any rank task or trigger runs.
 
     The job task's launch-side watcher (bridge) cancels the siblings; under ``dag.test()`` the rank
     tasks then only read the outcome.
@@ -116,7 +116,7 @@ def test_a_rank_failing_at_once_is_cancelled_from_the_first_instant(sky_home: Pa
 
 
 def test_the_run_and_rank_notes_say_which_rank_failed_first_and_why(sky_home: Path) -> None:
-    """Issue 28.4: every rank of the run's rank list read ``failed``; which one failed first, and why,
+    """Every rank of the run's rank list read ``failed``; which one failed first, and why,
     was a click into a log. Now the run's note and the rank tasks' notes say it, with its last output."""
     from airflow.models.dagrun import DagRun
     from airflow.models.taskinstance import TaskInstance
@@ -227,9 +227,9 @@ def test_a_mistyped_argument_is_named_with_the_nearest_valid_one() -> None:
 
 
 def test_yaml_errors_say_which_argument_fixes_them(tmp_path: Path) -> None:
-    """Issue 28.5: a SkyPilot key this provider refuses names the ``resources=`` override that drops it.
-    A SkyPilot YAML's null env (SkyPilot fills it from ``--env``) loads: it is given at launch (issue 31,
-    tests/integration/test_launch_values.py)."""
+    """A SkyPilot key this provider refuses names the ``resources=`` override that drops it. A SkyPilot
+    YAML's null env (SkyPilot fills it from ``--env``) loads: it is given at launch
+    (tests/integration/test_launch_values.py)."""
     from airflow.sdk import DAG
 
     from airflow_provider_sky.spec import SpecError

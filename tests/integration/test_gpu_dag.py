@@ -1,4 +1,4 @@
-"""A SkyPilot GPU YAML as a whole DAG under ``dag.test()`` (issue 10): the cluster task picks the first
+"""A SkyPilot GPU YAML as a whole DAG under ``dag.test()``: the cluster task picks the first
 alternative this machine's GPUs allow and says so, the job task's ranks (and setup) see their own
 CUDA_VISIBLE_DEVICES through the handle's XCom. The machine's GPUs are FAKE (tests/fakes on PATH)."""
 

@@ -1,4 +1,4 @@
-"""Hang detection (issue 11): a rank alive but silent for ``hang_timeout`` is hung; its stacks go into its
+"""Hang detection: a rank alive but silent for ``hang_timeout`` is hung; its stacks go into its
 log and the gang fails fast naming the hung ranks. Real processes on the local backend under
 ``dag.test()`` (the real scheduler and SSH hosts: ``test_airflow_real.py::test_hang``)."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from leaks import bridges, job_processes, processes_under
 
-from airflow_provider_sky.gang import GangStatus, RankStatus
-from airflow_provider_sky.hang import HangWatch, check_hang_timeout, hang_reason
-from airflow_provider_sky.jobs import Poll
+from airflow_provider_sky.model.gang import GangStatus, RankStatus
+from airflow_provider_sky.watch.hang import HangWatch, check_hang_timeout, hang_reason
+from airflow_provider_sky.watch.jobs import Poll
 from integration.test_dag_test import _out, _run, _states, _xcom
 
 HUNG = "hung: no output for 10 s (ranks 1, 3)"
@@ -175,7 +175,7 @@ def test_a_hung_python_rank_gets_a_py_spy_dump_in_its_log(
 
     from gangs import local_gang
 
-    from airflow_provider_sky.retry import watch_attempts
+    from airflow_provider_sky.watch.retry import watch_attempts
 
     venv_bin = str(Path(sys.executable).parent)
     if not Path(venv_bin, "py-spy").exists():
@@ -260,7 +260,7 @@ def test_a_hung_rank_that_closed_its_output_gets_a_dump_without_command_lines(sk
 
     from gangs import local_gang
 
-    from airflow_provider_sky.retry import watch_attempts
+    from airflow_provider_sky.watch.retry import watch_attempts
 
     run = (
         f'echo "closing my output"; exec >/dev/null 2>&1; exec {sys.executable} -c '

@@ -18,9 +18,9 @@ from k8s_cluster import Image, K8sCluster, connection_extras
 from airflow_provider_sky.backends.kubernetes import agents
 from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
 from airflow_provider_sky.backends.registry import by_kind
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
-from airflow_provider_sky.watch import watch
+from airflow_provider_sky.watch.jobs import GangClient
+from airflow_provider_sky.watch.loop import watch
 
 N = 4
 #: how long after the failing rank's exit every sibling on every pod must have ended: the head's

@@ -18,9 +18,9 @@ from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
 from airflow_provider_sky.backends.kubernetes.manifest import CLUSTER_LABEL, NAME_ANNOTATION, ROLE_LABEL
 from airflow_provider_sky.backends.registry import by_kind
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
-from airflow_provider_sky.watch import watch
+from airflow_provider_sky.watch.jobs import GangClient
+from airflow_provider_sky.watch.loop import watch
 
 GPU_NODE = "127.0.0.2"  # k8s-local.sh's second node
 

@@ -13,9 +13,9 @@ import pytest
 from k8s_cluster import LOCAL_DIR, K8sCluster
 
 from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners.base import CALLS, RunnerError
 from airflow_provider_sky.spec import task_from_args
+from airflow_provider_sky.watch.jobs import GangClient
 from integration.test_k8s_backend import _wait, backend, extras  # noqa: F401  (fixtures)
 
 

@@ -1,5 +1,5 @@
-"""A new user's first steps on Kubernetes (issue 28.6): ``docs/kubernetes-rbac.yaml`` applied to the real
-test cluster makes everything the connection needs, ``python -m airflow_provider_sky.kube_account`` names
+"""A new user's first steps on Kubernetes: ``docs/kubernetes-rbac.yaml`` applied to the real
+test cluster makes everything the connection needs, ``python -m airflow_provider_sky.backends.kubernetes.account`` names
 what is missing until it is all there, then writes the service account's kubeconfig, and a gang runs with
 that kubeconfig."""
 
@@ -16,10 +16,10 @@ import pytest
 import yaml
 from k8s_cluster import Image, K8sCluster
 
-from airflow_provider_sky import kube_account
+from airflow_provider_sky.backends.kubernetes import account as kube_account
 from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
+from airflow_provider_sky.watch.jobs import GangClient
 from integration.test_k8s_backend import _wait
 from unit.test_k8s_first_steps import MANIFEST
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 
 from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
+from airflow_provider_sky.watch.jobs import GangClient
 from integration.test_k8s_backend import _wait, backend, extras  # noqa: F401  (fixtures)
 
 #: grows a shell string until the container's limit stops it

@@ -14,8 +14,8 @@ from k8s_cluster import Image, K8sCluster
 
 from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.backends.kubernetes.backend import NEEDED_PERMISSIONS
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import task_from_args
+from airflow_provider_sky.watch.jobs import GangClient
 from integration.test_k8s_backend import _wait
 from unit.test_k8s_rbac import _NAMESPACED, UNRESTRICTED, _backend, accounts  # noqa: F401  (shared with the unit half; fixtures among them)
 

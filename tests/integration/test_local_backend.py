@@ -78,8 +78,8 @@ def test_a_local_teardown_is_one_call_and_leaves_nothing(sky_home: Path) -> None
     """Every node is on this machine: one teardown call for all (1,024 calls took 31 s), nothing left."""
     from leaks import job_processes
 
-    from airflow_provider_sky.jobs import GangClient
     from airflow_provider_sky.runners.base import CALLS
+    from airflow_provider_sky.watch.jobs import GangClient
 
     b = LocalBackend(sky_home)
     spec = task_from_args(num_nodes=64, run="sleep 600 & sleep 600")
@@ -98,7 +98,7 @@ OTHER_MACHINE = """
 import json, sys
 from airflow_provider_sky.backends.base import BackendError, ClusterHandle
 from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.jobs import GangClient
+from airflow_provider_sky.watch.jobs import GangClient
 
 b = LocalBackend(sys.argv[1])
 handle = ClusterHandle.from_dict(json.loads(sys.argv[2]))
@@ -146,7 +146,7 @@ def test_a_worker_on_another_machine_is_refused_and_breaks_nothing(sky_home: Pat
         assert "skyssh" in line, line  # the fix
     # nothing changed: the ranks still run, the record is whole, and this machine's teardown works
     from airflow_provider_sky.backends.base import ClusterHandle
-    from airflow_provider_sky.jobs import GangClient
+    from airflow_provider_sky.watch.jobs import GangClient
 
     status = GangClient(b, ClusterHandle.from_dict(handle)).peek("job")
     assert [r.state for r in status.ranks] == ["running", "running"], status
@@ -160,7 +160,7 @@ def test_every_rank_gets_its_own_nodes_home(sky_home: Path) -> None:
     from gangs import launched, wait_done
 
     from airflow_provider_sky.backends.base import ClusterHandle
-    from airflow_provider_sky.jobs import GangClient
+    from airflow_provider_sky.watch.jobs import GangClient
 
     b, handle = launched(sky_home, 3, 'echo "$SKYPILOT_NODE_RANK" > "$HOME/who"')
     assert wait_done(GangClient(b, ClusterHandle.from_dict(handle))).status.succeeded
@@ -203,7 +203,7 @@ def test_a_torn_down_clusters_files_go_after_its_processes(sky_home: Path) -> No
 
     from leaks import job_processes
 
-    from airflow_provider_sky.jobs import GangClient
+    from airflow_provider_sky.watch.jobs import GangClient
 
     b = LocalBackend(sky_home)
     trash = sky_home / "local" / ".trash"
@@ -232,7 +232,7 @@ def test_a_cluster_named_like_an_internal_directory_leaves_every_other_cluster_a
     record; the other cluster's ranks ran on and its own teardown found nothing (``removed=False``)."""
     from leaks import job_processes
 
-    from airflow_provider_sky.jobs import GangClient
+    from airflow_provider_sky.watch.jobs import GangClient
 
     b = LocalBackend(sky_home)
     spec = task_from_args(num_nodes=2, run="sleep 600")
@@ -252,7 +252,7 @@ def test_a_cluster_named_like_an_internal_directory_leaves_every_other_cluster_a
 def test_a_record_that_names_another_cluster_is_never_acted_on(sky_home: Path) -> None:
     """A teardown acts only on a record whose full name is the one asked for: a record of ``b`` found
     where ``a``'s belongs (copied by hand, restored from a backup) is refused, and ``b`` runs on."""
-    from airflow_provider_sky.jobs import GangClient
+    from airflow_provider_sky.watch.jobs import GangClient
 
     b = LocalBackend(sky_home)
     spec = task_from_args(num_nodes=1, run="sleep 600")

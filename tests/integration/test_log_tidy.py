@@ -79,7 +79,7 @@ def test_failed_and_cancelled_rank_logs_lead_with_the_root_cause(sky_home: Path)
     assert all(t.strip() for t in texts), texts
     levels = [lvl for lvl, _, _ in rec.records]
     first_error = texts[levels.index("error")]
-    # with the failing rank's last line of output: what it said before it failed (issue 28.4)
+    # with the failing rank's last line of output: what it said before it failed
     assert first_error == "root cause: rank 0 (127.1.0.1) exited with code 1; its last output: step 4", texts
     # once, right after the rank's output (the UI orders a log by time: the output's lines come first)
     assert texts.count(first_error) == 1, texts

@@ -130,11 +130,11 @@ def test_a_cancel_by_a_trigger_without_its_task_still_says_a_user_did_it(sky_hom
 
 
 def test_a_gang_without_retries_says_nothing_of_retrying(sky_home: Path, caplog: Any) -> None:
-    """Issue 28.7: with no retries configured the gang log said ``rank 2 exited 1, not retryable (not in
+    """With no retries configured the gang log said ``rank 2 exited 1, not retryable (not in
     retry_on_exit_codes)``, about a setting the user never touched. With retries it still says why."""
     import logging
 
-    from airflow_provider_sky.retry import RetryPolicy, watch_attempts
+    from airflow_provider_sky.watch.retry import RetryPolicy, watch_attempts
 
     run = 'if [ "$SKYPILOT_NODE_RANK" = 1 ]; then exit 3; fi; sleep 10000'
 
@@ -159,7 +159,7 @@ def test_a_gang_without_retries_says_nothing_of_retrying(sky_home: Path, caplog:
 
 
 def test_the_failure_says_the_failing_ranks_last_output_lines_masked(sky_home: Path) -> None:
-    """Issue 28.4: the root cause said only ``exited with code 3``; the rank's own last lines (``CUDA
+    """The root cause said only ``exited with code 3``; the rank's own last lines (``CUDA
     error: an illegal memory access``) were in its log only. Now every rank task's message and the gang
     sensor's carry them, the failing rank's short headline its last line; a secret stays masked."""
     run = (

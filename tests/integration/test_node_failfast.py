@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from gangs import local_gang
 
-from airflow_provider_sky.gang import CANCELLED, FAILED, RUNNING, SUCCEEDED
-from airflow_provider_sky.jobs import run_sync
-from airflow_provider_sky.node_scripts import CMD_PROLOGUE, WRAPPER
-from airflow_provider_sky.runtime import env_file, gang_flag, node_cancel_reason
+from airflow_provider_sky.model.gang import CANCELLED, FAILED, RUNNING, SUCCEEDED
+from airflow_provider_sky.node.runtime import env_file, gang_flag, node_cancel_reason
+from airflow_provider_sky.node.shell import CMD_PROLOGUE, WRAPPER
+from airflow_provider_sky.watch.jobs import run_sync
 from integration.test_containment import ESCAPES, _alive, _marked, _wait_for
 
 
@@ -225,7 +225,7 @@ def test_a_later_attempt_of_the_gang_stops_on_the_machine_too(sky_home: Path) ->
     machine's own fail-fast as a first start's are."""
     import asyncio
 
-    from airflow_provider_sky import retry
+    from airflow_provider_sky.watch import retry
 
     run = 'if [ "${SKY_ATTEMPT:-1}" = 2 ] && [ "$SKYPILOT_NODE_RANK" = 1 ]; then sleep 1; exit 7; fi; sleep 10000'
     b, client, spec = local_gang(sky_home, 4, run)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_sky import node_scripts, runtime
-from airflow_provider_sky.scripts import load, names
+from airflow_provider_sky.node import runtime
+from airflow_provider_sky.node import shell as node_scripts
+from airflow_provider_sky.node.scripts import load, names
 
 SHELLS = [["dash", "-n"], ["busybox", "sh", "-n"]]
 

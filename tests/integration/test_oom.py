@@ -1,4 +1,4 @@
-"""Out of memory (issue 11): a rank killed by the kernel's OOM killer reads "out of memory (killed by the OOM
+"""Out of memory: a rank killed by the kernel's OOM killer reads "out of memory (killed by the OOM
 killer)", never ``cancelled`` or a plain SIGKILL. The node is put in a memory-limited cgroup made here (root):
 an SSH host whose sshd runs in it, and the local backend with the whole ``dag.test()`` in it (as a worker
 container with a memory limit). Everything is real: the kernel kills, the wrapper reads the cgroup's counter."""

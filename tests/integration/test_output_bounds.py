@@ -68,9 +68,9 @@ def _child(home: str, case: str, runs: list[str], poll_interval: float) -> dict[
     from airflow.triggers.shared_stream import SharedStreamManager
 
     from airflow_provider_sky.backends.local import LocalBackend
-    from airflow_provider_sky.jobs import GangClient
     from airflow_provider_sky.spec import task_from_args
     from airflow_provider_sky.triggers.gang import SkyRankTrigger
+    from airflow_provider_sky.watch.jobs import GangClient
 
     backend = LocalBackend(Path(home))
     run = "; ".join(f'if [ "$SKYPILOT_NODE_RANK" = {r} ]; then {cmd}; fi' for r, cmd in enumerate(runs))
@@ -204,8 +204,8 @@ def test_a_busy_watcher_holds_no_backlog_and_loses_nothing(sky_home: Path) -> No
 def _setup(sky_home: Path, setup: str, n: int = 2) -> tuple[list[tuple[int, str]], str | None]:
     """Run ``setup`` on ``n`` local nodes through the hook; (every logged line, the failure or None)."""
     from airflow_provider_sky.hooks.sky import SkyHook
-    from airflow_provider_sky.setup_stage import SetupFailed, run_setup
     from airflow_provider_sky.spec import task_from_args
+    from airflow_provider_sky.watch.setup_stage import SetupFailed, run_setup
 
     hook = SkyHook(None)
     spec = task_from_args(num_nodes=n, setup=setup, run="true")

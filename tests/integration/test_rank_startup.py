@@ -1,4 +1,4 @@
-"""A rank task's start-up costs one remote call, to its own rank's node (issue 15).
+"""A rank task's start-up costs one remote call, to its own rank's node.
 
 Each rank task used to poll the whole gang to read its own rank: N rank tasks starting together made N²
 calls, which queued past the status timeout on 2 cores and hung a 64-rank run. Real SSH hosts, so the
@@ -13,11 +13,11 @@ import pytest
 from sshd import SSHDCluster, needs_sshd
 
 from airflow_provider_sky.backends.ssh import SSHBackend
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.operators.rank import SkyRankOperator
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.runners.base import CALLS
 from airflow_provider_sky.spec import task_from_args
+from airflow_provider_sky.watch.jobs import GangClient
 
 pytestmark = needs_sshd
 

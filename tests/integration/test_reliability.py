@@ -13,8 +13,8 @@ from leaks import job_processes
 from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.backends.ssh import SSHBackend
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import SpecError, task_from_args
+from airflow_provider_sky.watch.jobs import GangClient
 
 
 @pytest.fixture

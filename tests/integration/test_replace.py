@@ -1,4 +1,4 @@
-"""Lost nodes replaced between attempts of a gang with retries (issue 11): the healthy nodes are kept, the
+"""Lost nodes replaced between attempts of a gang with retries: the healthy nodes are kept, the
 new node is set up before the next attempt, whose ``SKYPILOT_NODE_IPS`` lists its address.
 
 Real parts: local nodes (a lost one = its directory removed), real sshd hosts (a lost one = its sshd and
@@ -24,10 +24,10 @@ import pytest
 from aws_fixtures import hosts, moto, net  # noqa: F401 (fixtures of the AWS test)
 from leaks import job_processes, processes_under
 
-from airflow_provider_sky.jobs import GangClient
-from airflow_provider_sky.retry import GangPoll, RetryPolicy, watch_attempts
-from airflow_provider_sky.setup_stage import run_setup
 from airflow_provider_sky.spec import TaskSpec, task_from_args
+from airflow_provider_sky.watch.jobs import GangClient
+from airflow_provider_sky.watch.retry import GangPoll, RetryPolicy, watch_attempts
+from airflow_provider_sky.watch.setup_stage import run_setup
 
 SECRET = "s3cret-value-42"
 #: setup leaves a file in the node's home naming its rank and the cluster's addresses

@@ -1,4 +1,4 @@
-"""Whole-gang retries (issue 11) under dag.test() on the local backend: real processes, real Airflow."""
+"""Whole-gang retries under dag.test() on the local backend: real processes, real Airflow."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _watch_to_end(client: Any, policy: Any, on_poll: Any = None, timeout: float 
     """Run the attempts loop (as the triggers' shared poll does) to its final poll."""
     import asyncio
 
-    from airflow_provider_sky.retry import watch_attempts
+    from airflow_provider_sky.watch.retry import watch_attempts
 
     async def go() -> Any:
         last = None
@@ -97,7 +97,7 @@ def test_a_user_stop_during_the_retry_delay_starts_no_further_attempt(sky_home: 
     """What a mark-failed does (the trigger's on_kill calls stop_gang): no attempt 2, nothing left running."""
     from gangs import local_gang
 
-    from airflow_provider_sky.retry import RetryPolicy, stop_gang
+    from airflow_provider_sky.watch.retry import RetryPolicy, stop_gang
 
     run = 'if [ "$SKYPILOT_NODE_RANK" == "1" ]; then sleep 0.3; exit 1; fi; sleep 1000'
     backend, client, task = local_gang(sky_home, 3, run)
@@ -123,7 +123,7 @@ def test_a_hang_is_retried_and_the_next_attempt_succeeds(sky_home: Path) -> None
     """Hangs are retryable by default: attempt 1 hangs (silent), attempt 2 prints and ends."""
     from gangs import local_gang
 
-    from airflow_provider_sky.retry import RetryPolicy, watch_attempts
+    from airflow_provider_sky.watch.retry import RetryPolicy, watch_attempts
 
     run = 'if [ "$SKY_ATTEMPT" == "1" ]; then sleep 1000; fi; echo "attempt $SKY_ATTEMPT done"'
     backend, client, task = local_gang(sky_home, 2, run)

@@ -1,4 +1,4 @@
-"""A gang's watcher dies between attempts (issue 11): the process that runs the attempts loop is
+"""A gang's watcher dies between attempts: the process that runs the attempts loop is
 SIGKILLed, as a worker or a triggerer dies, and a new one takes over. Real processes on the local
 backend; the loop (``retry.watch_attempts``) is what the triggers' shared poll and the launch-side bridge
 run, so this is the hook/retry level, not a real scheduler.

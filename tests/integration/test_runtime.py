@@ -12,8 +12,8 @@ from gangs import wait_done
 from leaks import job_processes, processes_under
 
 from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.jobs import GangClient, run_sync
 from airflow_provider_sky.spec import task_from_args
+from airflow_provider_sky.watch.jobs import GangClient, run_sync
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from gangs import local_gang, wait_done
 from sshd import SSHDCluster, needs_sshd
 
 from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import SpecError
+from airflow_provider_sky.watch.jobs import GangClient
 
 PEM = "-----BEGIN KEY-----\nMIIEvQIBADANBgkqhkiG9w0\nQEFAASCBKcwggSjAgEAAoIB\n-----END KEY-----"
 
@@ -237,8 +237,8 @@ def test_the_filter_masks_across_reads_and_cuts_and_shows_each_line_at_once(
     before its end; awk holds a line whole)."""
     import subprocess
 
-    from airflow_provider_sky.node_scripts import MASK_FUNC
-    from airflow_provider_sky.runtime import mask_file
+    from airflow_provider_sky.node.runtime import mask_file
+    from airflow_provider_sky.node.shell import MASK_FUNC
 
     secret = "s3cr3t-token-0123456789"
     (tmp_path / "mask").write_text(mask_file({"TOK": secret, "OTHER": "another-one-42"}))
@@ -295,7 +295,7 @@ def test_on_a_busybox_pod_awk_masks_live_and_across_writes(k8s: Any, k8s_image: 
 
     from airflow_provider_sky.backends.registry import by_kind
     from airflow_provider_sky.spec import task_from_args
-    from airflow_provider_sky.watch import watch
+    from airflow_provider_sky.watch.loop import watch
 
     secret = "s3cr3t-token-0123456789"
     run = (
@@ -335,7 +335,7 @@ def test_on_an_ssh_host_the_rank_user_masks_live_and_across_writes(tmp_path: Pat
     from airflow_provider_sky.backends.ssh import SSHBackend
     from airflow_provider_sky.runners import ssh
     from airflow_provider_sky.spec import task_from_args
-    from airflow_provider_sky.watch import watch
+    from airflow_provider_sky.watch.loop import watch
 
     secret = "s3cr3t-token-0123456789"
     run = (
@@ -383,8 +383,8 @@ def test_the_python_filter_masks_a_large_stream_whose_secret_bytes_come_and_go(t
     import subprocess
     import threading
 
-    from airflow_provider_sky.node_scripts import MASK_FUNC
-    from airflow_provider_sky.runtime import mask_file
+    from airflow_provider_sky.node.runtime import mask_file
+    from airflow_provider_sky.node.shell import MASK_FUNC
 
     secrets = {"TOK": "s3cr3t-Token-0123456789", "OTHER": "another_one.42"}
     (tmp_path / "mask").write_text(mask_file(secrets))

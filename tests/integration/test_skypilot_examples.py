@@ -1,4 +1,4 @@
-"""SkyPilot's multi-node examples (issue 10): each YAML of ``tests/data/skypilot_examples`` (origins and
+"""SkyPilot's multi-node examples: each YAML of ``tests/data/skypilot_examples`` (origins and
 expected outcomes in its ``index.yaml``; not verbatim copies, see there) parses as it is; on a backend with
 enough GPUs the cluster provisions, setup and run go, and every rank sees the right ``SKYPILOT_*`` values
 and ``CUDA_VISIBLE_DEVICES``. The ``run`` and ``setup`` commands are replaced by an env dump here (as
@@ -26,10 +26,10 @@ from sshd import SSHDCluster, needs_sshd, user_processes
 from airflow_provider_sky.backends.base import Backend, ClusterHandle, choose_resources
 from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.backends.registry import conn_types
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners import ssh
-from airflow_provider_sky.setup_stage import run_setup
 from airflow_provider_sky.spec import SpecError, TaskSpec, is_bucket_source, load_task_yaml
+from airflow_provider_sky.watch.jobs import GangClient
+from airflow_provider_sky.watch.setup_stage import run_setup
 from unit.test_skypilot_examples import DATA, DEVICES, EXAMPLES, LINES, MIXED_BOX, ON_SSH, _expect, _named
 
 #: a fake nvidia-smi line per SkyPilot name the examples ask for

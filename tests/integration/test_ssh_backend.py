@@ -14,11 +14,11 @@ from sshd import SSHDCluster, needs_sshd, user_processes
 
 from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.backends.ssh import SSHBackend
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.spec import task_from_args
-from airflow_provider_sky.watch import watch
+from airflow_provider_sky.watch.jobs import GangClient
+from airflow_provider_sky.watch.loop import watch
 
 pytestmark = needs_sshd
 
@@ -285,9 +285,9 @@ def test_every_example_dag_on_the_ssh_cluster(
 
 def test_each_hosts_result_file_is_read_from_its_own_home_masked(hosts4: SSHDCluster) -> None:
     """A gang's result on SSH hosts: ``~/`` is each host user's home, the file is masked like the log,
-    and the default is rank 0's last line (``airflow_provider_sky.result``)."""
-    from airflow_provider_sky.jobs import run_sync
-    from airflow_provider_sky.result import read_result, result_config
+    and the default is rank 0's last line (``airflow_provider_sky.watch.result``)."""
+    from airflow_provider_sky.watch.jobs import run_sync
+    from airflow_provider_sky.watch.result import read_result, result_config
 
     b = _backend(hosts4)
     run = 'mkdir -p ~/out; printf "%s %s" "$(cat ~/node)" "$TOKEN" > ~/out/r.txt; echo "last $SKYPILOT_NODE_RANK"'

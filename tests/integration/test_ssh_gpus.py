@@ -1,4 +1,4 @@
-"""GPUs over SSH (issue 10) on real sshd hosts whose GPUs are FAKE: each GPU host has the fake nvidia-smi /
+"""GPUs over SSH on real sshd hosts whose GPUs are FAKE: each GPU host has the fake nvidia-smi /
 rocm-smi of ``tests/fakes`` first on its PATH with its own GPU list (``SSHDCluster(gpus=...)``); probing,
 choosing hosts, the ranks and their env are real.
 
@@ -23,11 +23,11 @@ from sshd import SSHDCluster, needs_sshd, user_processes
 from airflow_provider_sky.backends.base import BackendError, choose_resources
 from airflow_provider_sky.backends.headrecord import RECORDS_DIR
 from airflow_provider_sky.backends.ssh import SSHBackend
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners import ssh
-from airflow_provider_sky.setup_stage import run_setup
 from airflow_provider_sky.spec import SpecError, TaskSpec, task_from_args
-from airflow_provider_sky.watch import watch
+from airflow_provider_sky.watch.jobs import GangClient
+from airflow_provider_sky.watch.loop import watch
+from airflow_provider_sky.watch.setup_stage import run_setup
 
 pytestmark = needs_sshd
 

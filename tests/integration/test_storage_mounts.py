@@ -15,11 +15,11 @@ from gangs import local_gang, wait_done
 from moto_ec2 import REGION, MotoEC2
 from sshd import SSHDCluster, needs_sshd
 
+from airflow_provider_sky.backends.storage import S3Access
 from airflow_provider_sky.hooks.aws import s3_access
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.spec import SpecError, load_task_yaml, task_from_args
 from airflow_provider_sky.spec.storage import StorageMount
-from airflow_provider_sky.storage import S3Access
+from airflow_provider_sky.watch.jobs import GangClient
 from unit.test_storage_mounts import needs_fuse
 
 #: distinctive credentials, so a leak of either is found by a plain search

@@ -12,9 +12,9 @@ from airflow.triggers.shared_stream import SharedStreamManager
 from gangs import launched, trigger_kwargs
 from leaks import job_processes, processes_under
 
-from airflow_provider_sky.jobs import GangClient
 from airflow_provider_sky.runners.base import CALLS
 from airflow_provider_sky.triggers.gang import SkyGangTrigger, SkyRankTrigger
+from airflow_provider_sky.watch.jobs import GangClient
 
 
 async def _shared(triggers: list[Any]) -> list[Any]:

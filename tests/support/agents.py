@@ -19,8 +19,8 @@ from typing import Any
 from airflow_provider_sky.agent import AGENT_FILE, agent_args, new_token
 from airflow_provider_sky.agent.client import AgentClient, AgentStatus, node_plan
 from airflow_provider_sky.agent.node import read_rank
-from airflow_provider_sky.gang import classify
-from airflow_provider_sky.runtime import STATUS_SCRIPT, Guard, RankLaunch, parse_status, status_args
+from airflow_provider_sky.model.gang import classify
+from airflow_provider_sky.node.runtime import STATUS_SCRIPT, Guard, RankLaunch, parse_status, status_args
 from integration.test_containment import _alive as _alive_only
 from integration.test_containment import _marked, _wait_for
 

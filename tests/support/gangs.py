@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.jobs import GangClient, Poll
 from airflow_provider_sky.spec import TaskSpec, task_from_args
-from airflow_provider_sky.watch import watch
+from airflow_provider_sky.watch.jobs import GangClient, Poll
+from airflow_provider_sky.watch.loop import watch
 
 
 def local_gang(

@@ -1,7 +1,7 @@
 """Find processes a test left behind, by what they touch: their command line or working directory.
 
 The scan itself lives in the package's dev tools (the demo uses it too); tests import it from here.
-A launch-side watcher (``python -m airflow_provider_sky.bridge``) runs in ``/`` with no path of the
+A launch-side watcher (``python -m airflow_provider_sky.watch.bridge``) runs in ``/`` with no path of the
 state dir on its command line, so :func:`processes_under` cannot see it: :func:`bridges` finds it.
 """
 
@@ -11,8 +11,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from airflow_provider_sky.bridge import MODULE
-from airflow_provider_sky.dev.stack import processes_under
+from airflow_provider_sky.watch.bridge import MODULE
+from devstack.stack import processes_under
 
 __all__ = ["bridges", "job_processes", "live_processes", "processes_under"]
 

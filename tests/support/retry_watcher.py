@@ -8,8 +8,8 @@ import asyncio
 import sys
 
 from airflow_provider_sky.backends.local import LocalBackend
-from airflow_provider_sky.jobs import GangClient
-from airflow_provider_sky.retry import RetryPolicy, watch_attempts
+from airflow_provider_sky.watch.jobs import GangClient
+from airflow_provider_sky.watch.retry import RetryPolicy, watch_attempts
 
 
 async def main(state: str, cluster: str, job: str, retries: int, delay: float) -> None:

@@ -1,4 +1,4 @@
-"""GPUs (issue 10): names as SkyPilot gives them, what nvidia-smi / rocm-smi print, and the local backend
+"""GPUs: names as SkyPilot gives them, what nvidia-smi / rocm-smi print, and the local backend
 splitting this machine's GPUs among the nodes, each its own CUDA_VISIBLE_DEVICES.
 
 This machine has no GPU: the local-backend tests put the FAKE nvidia-smi / rocm-smi of ``tests/fakes`` on
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_provider_sky.accelerators import (
+from airflow_provider_sky.backends.base import choose_resources
+from airflow_provider_sky.node.accelerators import (
     GpuDevice,
     canonical_name,
     declared_inventory,
@@ -20,7 +21,6 @@ from airflow_provider_sky.accelerators import (
     parse_rocm_smi,
     same_name,
 )
-from airflow_provider_sky.backends.base import choose_resources
 from airflow_provider_sky.spec import task_from_args
 
 # ------------------------------------------------------------------------------------------- names

@@ -1,5 +1,5 @@
-"""Connections as a user keeps them: only a missing ``sky_default`` means "the local backend" (issue 14),
-and a connection kept in the metadata DB is found under ``airflow dags test`` by the triggers too (issue 28).
+"""Connections as a user keeps them: only a missing ``sky_default`` means "the local backend",
+and a connection kept in the metadata DB is found under ``airflow dags test`` by the triggers too.
 
 A lookup that fails for another reason (here a secrets backend that denies access, as a Vault policy does)
 used to be swallowed too, and the job silently ran on this machine instead of the user's cluster. Real
@@ -19,7 +19,7 @@ except Exception as exc:
 """
 
 
-# -- a connection kept in the metadata DB under ``dag.test()`` / ``airflow dags test`` (issue 28.2) -----------
+# -- a connection kept in the metadata DB under ``dag.test()`` / ``airflow dags test`` -----------
 #
 # ``dag.test()`` runs each trigger inline through Airflow's in-process supervisor, whose comms answer only
 # synchronous requests (no ``asend``): the Task SDK's async connection lookup through the Execution API then

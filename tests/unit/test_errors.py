@@ -24,7 +24,7 @@ INTERNAL = {
     "airflow_provider_sky.backends.aws.ec2.Duplicate",  # an idempotent create found its own instance
     "airflow_provider_sky.backends.aws.catalog.NoInstanceType",  # becomes a fit() problem
     "airflow_provider_sky.agent.node.ProtocolError",  # drops a connection; the client raises AgentError
-    "airflow_provider_sky.dev.stack.StackError",  # the test and demo stack, not the product
+    "devstack.stack.StackError",  # the test and demo stack, not the product
 }
 
 #: where each error was importable from before the hierarchy (module, name)
@@ -49,12 +49,12 @@ OLD_PLACES = [
     ("airflow_provider_sky.runners.ssh.errors", "HostKeyMismatch"),
     ("airflow_provider_sky.runners.ssh.errors", "HostUnreachable"),
     ("airflow_provider_sky.runners.ssh.errors", "UnknownHostKey"),
-    ("airflow_provider_sky.jobs", "LaunchError"),
-    ("airflow_provider_sky.setup_stage", "SetupFailed"),
-    ("airflow_provider_sky.bridge", "BridgeError"),
-    ("airflow_provider_sky.result", "ResultError"),
-    ("airflow_provider_sky.runtime", "StatusParseError"),
-    ("airflow_provider_sky.kube_account", "AccountError"),
+    ("airflow_provider_sky.watch.jobs", "LaunchError"),
+    ("airflow_provider_sky.watch.setup_stage", "SetupFailed"),
+    ("airflow_provider_sky.watch.bridge", "BridgeError"),
+    ("airflow_provider_sky.watch.result", "ResultError"),
+    ("airflow_provider_sky.node.runtime", "StatusParseError"),
+    ("airflow_provider_sky.backends.kubernetes.account", "AccountError"),
     ("airflow_provider_sky.agent.client", "AgentError"),
     ("airflow_provider_sky.agent.client", "AgentUnreachable"),
 ]

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_provider_sky.exitcodes import describe_exit, signal_of
+from airflow_provider_sky.node.exitcodes import describe_exit, signal_of
 
 
 @pytest.mark.parametrize(

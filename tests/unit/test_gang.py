@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from airflow_provider_sky.gang import (
+from airflow_provider_sky.model.gang import (
     BAD,
     FAILED,
     GangStatus,
@@ -19,7 +19,7 @@ from airflow_provider_sky.gang import (
     run_env,
     setup_env,
 )
-from airflow_provider_sky.runtime import JOB_ID_RE, RawRankStatus
+from airflow_provider_sky.node.runtime import JOB_ID_RE, RawRankStatus
 
 
 def test_head_first_then_workers_sorted_numerically() -> None:

@@ -1,5 +1,5 @@
-"""A new user's first steps on Kubernetes (issue 28.6): ``docs/kubernetes-rbac.yaml`` applied to the real
-test cluster makes everything the connection needs, ``python -m airflow_provider_sky.kube_account`` names
+"""A new user's first steps on Kubernetes: ``docs/kubernetes-rbac.yaml`` applied to the real
+test cluster makes everything the connection needs, ``python -m airflow_provider_sky.backends.kubernetes.account`` names
 what is missing until it is all there, then writes the service account's kubeconfig, and a gang runs with
 that kubeconfig."""
 

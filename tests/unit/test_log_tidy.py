@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from airflow_provider_sky.logtext import LINE_MARKER, LineClock, LineSplitter
+from airflow_provider_sky.model.logtext import LINE_MARKER, LineClock, LineSplitter
 
 #: rank 0 prints four lines 2 s apart (a blank one among them), then fails; rank 1 waits to be cancelled
 RUN = """\
@@ -68,7 +68,7 @@ def test_a_big_gangs_sensor_log_says_its_outcome_in_a_few_lines() -> None:
     """1,024 ranks: the failing rank on a line of its own with its address, the 1,023 cancelled ones on
     one line with their ranks as ranges (a line per rank was ~100 KB written in one step in the
     triggerer); a small gang still gets a line per rank."""
-    from airflow_provider_sky.gang import GangStatus, RankStatus
+    from airflow_provider_sky.model.gang import GangStatus, RankStatus
     from airflow_provider_sky.triggers.outcome import gang_outcome
 
     def event(n: int, failing: int) -> dict[str, Any]:

@@ -9,9 +9,9 @@ from airflow.sdk import DAG, Asset, task
 
 from airflow_provider_sky.operators._params import coerce_rendered, name_param, parse_time, templated
 from airflow_provider_sky.operators.job import SkyJobOperator
-from airflow_provider_sky.result import MAX_BYTES_LIMIT, check_result_args, decode_file, last_line
 from airflow_provider_sky.spec import SpecError, task_from_args
 from airflow_provider_sky.taskgroup import sky_gang
+from airflow_provider_sky.watch.result import MAX_BYTES_LIMIT, check_result_args, decode_file, last_line
 
 
 def _dag(name: str) -> DAG:

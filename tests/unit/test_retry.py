@@ -1,4 +1,4 @@
-"""Whole-gang retries (issue 11) under dag.test() on the local backend: real processes, real Airflow."""
+"""Whole-gang retries under dag.test() on the local backend: real processes, real Airflow."""
 
 from __future__ import annotations
 

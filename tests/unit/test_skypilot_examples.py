@@ -1,4 +1,4 @@
-"""SkyPilot's multi-node examples (issue 10): each YAML of ``tests/data/skypilot_examples`` (origins and
+"""SkyPilot's multi-node examples: each YAML of ``tests/data/skypilot_examples`` (origins and
 expected outcomes in its ``index.yaml``; not verbatim copies, see there) parses as it is; on a backend with
 enough GPUs the cluster provisions, setup and run go, and every rank sees the right ``SKYPILOT_*`` values
 and ``CUDA_VISIBLE_DEVICES``. The ``run`` and ``setup`` commands are replaced by an env dump here (as

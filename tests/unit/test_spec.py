@@ -685,7 +685,7 @@ def test_is_bucket_source() -> None:
     assert not is_bucket_source("~/x")
 
 
-# ------------------------------------------------------------------------------------------- paths (issue 8.6)
+# ------------------------------------------------------------------------------------------- paths
 
 
 @pytest.mark.parametrize(
@@ -718,7 +718,7 @@ def test_file_mount_destinations_without_dotdot_segments_stay_valid(dest: str) -
     assert task_from_args(run="true", file_mounts={dest: "/etc/hosts"}).file_mounts == {dest: "/etc/hosts"}
 
 
-# ------------------------------------------------------------------------------------------- default cluster names (issue 8.5)
+# ------------------------------------------------------------------------------------------- default cluster names
 
 _DNS_LABEL = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
 
@@ -765,7 +765,7 @@ def test_default_cluster_names_are_dns_1123_labels(dag_id: str) -> None:
     check_cluster_name(name)
 
 
-# ------------------------------------------------------------------------------------------- alternatives (issue 10)
+# ------------------------------------------------------------------------------------------- alternatives
 
 
 @pytest.mark.parametrize(
@@ -922,9 +922,9 @@ def test_a_name_with_a_bad_ending_is_refused(field: str, task: Any, ending: str)
 
 @pytest.mark.parametrize("ending", BAD_ENDINGS, ids=repr)
 def test_names_checked_outside_the_spec_match_whole(ending: str) -> None:
+    from airflow_provider_sky.node.runtime import check_job_id, env_file
+    from airflow_provider_sky.node.runtime_retry import relaunch_args
     from airflow_provider_sky.operators._spec import check_cluster_name
-    from airflow_provider_sky.runtime import check_job_id, env_file
-    from airflow_provider_sky.runtime_retry import relaunch_args
 
     with pytest.raises(SpecError, match="cluster_name"):
         check_cluster_name(f"train{ending}")
@@ -1231,7 +1231,7 @@ def test_every_entry_point_is_checked_for_every_timing_argument_it_takes() -> No
     """The table above covers each entry point's timing arguments, read from its signature."""
     import inspect
 
-    from airflow_provider_sky.timing import LIMITS
+    from airflow_provider_sky.spec.timing import LIMITS
 
     covered = {(p.values[0], p.values[1]) for p in TIMING_CASES}
     for entry, (_, args) in _entry_points().items():

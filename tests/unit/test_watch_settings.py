@@ -10,11 +10,11 @@ import pytest
 
 from airflow_provider_sky.operators.job import SkyJobOperator
 from airflow_provider_sky.operators.rank import SkyRankOperator
-from airflow_provider_sky.retry import RetryPolicy
 from airflow_provider_sky.sensors.gang import SkyGangSensor
 from airflow_provider_sky.spec import SpecError
 from airflow_provider_sky.triggers.gang import SkyGangTrigger, SkyRankTrigger
-from airflow_provider_sky.watch_settings import WatchSettings
+from airflow_provider_sky.watch.retry import RetryPolicy
+from airflow_provider_sky.watch.settings import WatchSettings
 
 HANDLE = {"name": "c", "backend": "local", "nodes": []}
 RETRY = {"retries": 2, "delay": 5.0, "exponential": True, "exit_codes": (1, 137), "any_nonzero": False}

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_sky import runtime
 from airflow_provider_sky.backends.aws import catalog
 from airflow_provider_sky.backends.aws import ec2 as api
 from airflow_provider_sky.backends.aws.catalog import NoInstanceType, choose
@@ -42,7 +41,8 @@ from airflow_provider_sky.backends.base import (
     new_record,
 )
 from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
-from airflow_provider_sky.gang import rank_order
+from airflow_provider_sky.model.gang import rank_order
+from airflow_provider_sky.node import runtime
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.ssh import SSHNodeConfig, SSHRunner, wait_for_ssh
 from airflow_provider_sky.runners.ssh.keys import load_private_key

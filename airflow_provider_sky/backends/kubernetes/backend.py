@@ -24,8 +24,6 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
-from airflow_provider_sky import runtime
-from airflow_provider_sky.accelerators import close_names, known_name
 from airflow_provider_sky.backends.base import (
     Backend,
     BackendError,
@@ -57,7 +55,9 @@ from airflow_provider_sky.backends.kubernetes.manifest import (
     service_manifest,
 )
 from airflow_provider_sky.backends.kubernetes.pods import ROLES, UNSCHEDULABLE_GRACE, PodState, pod_state
-from airflow_provider_sky.gang import rank_order
+from airflow_provider_sky.model.gang import rank_order
+from airflow_provider_sky.node import runtime
+from airflow_provider_sky.node.accelerators import close_names, known_name
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.kubernetes import KubernetesRunner
 from airflow_provider_sky.spec import BackendCapabilities, Resources, TaskSpec

@@ -28,8 +28,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_sky import runtime
-from airflow_provider_sky.accelerators import Inventory, detect_local, indices_text, pack, parse_declared
 from airflow_provider_sky.backends.base import (
     GPU_DEVICES,
     GPU_NAME,
@@ -54,7 +52,9 @@ from airflow_provider_sky.backends.base import (
 )
 from airflow_provider_sky.backends.local.topdir import mark_topdir
 from airflow_provider_sky.backends.local.trash import discard
-from airflow_provider_sky.gang import rank_order
+from airflow_provider_sky.model.gang import rank_order
+from airflow_provider_sky.node import runtime
+from airflow_provider_sky.node.accelerators import Inventory, detect_local, indices_text, pack, parse_declared
 from airflow_provider_sky.runners.local import LocalRunner
 from airflow_provider_sky.spec import (
     Accelerator,

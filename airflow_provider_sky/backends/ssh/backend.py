@@ -23,12 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from airflow_provider_sky import runtime
-from airflow_provider_sky.accelerators import (
-    DETECT_SCRIPT,
-    Inventory,
-    parse_detect_output,
-)
 from airflow_provider_sky.backends.base import (
     GPU_DEVICES,
     GPU_NAME,
@@ -54,7 +48,13 @@ from airflow_provider_sky.backends.base import (
 from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
 from airflow_provider_sky.backends.ssh.claim import CLAIM_SCRIPT, RELEASE_SCRIPT, TEARDOWN_GUARD, owner_of
 from airflow_provider_sky.backends.ssh.config import SSHSettings, host_layout, parse_ssh_config
-from airflow_provider_sky.gang import rank_order
+from airflow_provider_sky.model.gang import rank_order
+from airflow_provider_sky.node import runtime
+from airflow_provider_sky.node.accelerators import (
+    DETECT_SCRIPT,
+    Inventory,
+    parse_detect_output,
+)
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.ssh import SSHNodeConfig, SSHRunner, wait_for_ssh
 from airflow_provider_sky.spec import BackendCapabilities, Resources, TaskSpec

@@ -11,7 +11,7 @@ there, and the provision is refused naming the host. The owner goes with the dir
 
 from __future__ import annotations
 
-from airflow_provider_sky.scripts import load
+from airflow_provider_sky.node.scripts import load
 
 #: claim ``~/.sky_airflow/$1`` for owner ``$2``: ``CLAIMED`` (new), ``OURS`` (held already) or
 #: ``TAKEN <owner>``. A directory without an owner (made by an older version) is claimed.

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from airflow_provider_sky.accelerators import Inventory, declared_inventory
 from airflow_provider_sky.backends.base import BackendError
+from airflow_provider_sky.node.accelerators import Inventory, declared_inventory
 from airflow_provider_sky.runners.ssh.config import HostKeyPolicy, is_policy
 
 #: default bound on hosts contacted at once (connections are then reused)

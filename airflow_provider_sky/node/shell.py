@@ -1,15 +1,15 @@
 """The node runtime's POSIX ``sh`` scripts: the rank wrapper, status, cancel, teardown and the keeper.
 
-Their text is in ``airflow_provider_sky/scripts/`` (:func:`airflow_provider_sky.scripts.load`); here
+Their text is in ``airflow_provider_sky/node/scripts/`` (:func:`airflow_provider_sky.node.scripts.load`); here
 each is named and said what it does. They travel on stdin (``sh -s -- ARGS``) and take only validated
-ids, integers and paths as arguments (:mod:`airflow_provider_sky.runtime` builds those and parses what
+ids, integers and paths as arguments (:mod:`airflow_provider_sky.node.runtime` builds those and parses what
 the scripts print). The layout of a rank's directory they work on is in
-:mod:`airflow_provider_sky.runtime`'s docstring.
+:mod:`airflow_provider_sky.node.runtime`'s docstring.
 """
 
 from __future__ import annotations
 
-from airflow_provider_sky.scripts import load
+from airflow_provider_sky.node.scripts import load
 
 #: Every process a rank starts inherits ``SKY_PROVIDER_MARK=<rank dir>/`` in its environment, so a
 #: node finds all of them through ``/proc/<pid>/environ`` whatever they did to their process group or

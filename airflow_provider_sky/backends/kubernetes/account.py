@@ -1,7 +1,7 @@
 """A kubeconfig for the service account a ``skykubernetes`` connection acts as, after checking that the
 account is there and may do what the provider does (``docs/kubernetes-rbac.yaml`` makes it).
 
-    python -m airflow_provider_sky.kube_account --namespace sky-gangs --service-account sky-airflow \\
+    python -m airflow_provider_sky.backends.kubernetes.account --namespace sky-gangs --service-account sky-airflow \\
         --output sky-airflow.kubeconfig
 
 Run it with the rights that applied the manifest (your own kubeconfig). It names each missing piece
@@ -175,7 +175,7 @@ def check_permissions(path: Path, namespace: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m airflow_provider_sky.kube_account",
+        prog="python -m airflow_provider_sky.backends.kubernetes.account",
         description=f"Write the kubeconfig of the service account {MANIFEST} makes, after checking it.",
     )
     parser.add_argument("--namespace", default="sky-gangs")

@@ -50,7 +50,7 @@ home is whatever ``db migrate`` writes and is overridden by these):
     Task logs (``dag_id=.../run_id=.../task_id=...``) sit next to the services' own ``*.log``.
 
 The distributed variant (PostgreSQL, Celery, several triggerers) and why each of its settings exists:
-:mod:`airflow_provider_sky.dev.services`.
+:mod:`devstack.services`.
 """
 
 from __future__ import annotations

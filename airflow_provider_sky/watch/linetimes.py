@@ -9,11 +9,11 @@ polls dropped while it was busy, the rest of an ended rank): one call then, neve
 
 from __future__ import annotations
 
-from airflow_provider_sky.jobs import GangClient
-from airflow_provider_sky.logtext import LineClock, parse_times
+from airflow_provider_sky.model.logtext import LineClock, parse_times
+from airflow_provider_sky.node.runtime import check_job_id
+from airflow_provider_sky.node.scripts import load
 from airflow_provider_sky.runners.base import RunnerError
-from airflow_provider_sky.runtime import check_job_id
-from airflow_provider_sky.scripts import load
+from airflow_provider_sky.watch.jobs import GangClient
 
 #: ``root job rank start end``: the records dating bytes ``start``..``end`` of the rank's log (the
 #: first whose size passes ``start`` up to the first that reaches ``end``). Read-only.

@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from airflow_provider_sky.runtime import check_job_id
-from airflow_provider_sky.scripts import load
+from airflow_provider_sky.node.runtime import check_job_id
+from airflow_provider_sky.node.scripts import load
 
 #: ``src new attempt now ips gf``, then ``root rank`` per rank. ``ips``: the cluster's addresses now, space
 #: separated (a replaced node's is new): every rank's ``SKYPILOT_NODE_IPS`` and ``MASTER_ADDR``. ``gf``:
@@ -63,7 +63,7 @@ def relaunch_args(
 ) -> list[str]:
     """Arguments of :data:`RELAUNCH_SCRIPT`: ``(node root, rank)`` per rank of one machine; ``ips``: the
     cluster's addresses in rank order (empty: the env of attempt 1 keeps its own); ``flag``: the
-    machine's gang flag of the new attempt (:func:`~airflow_provider_sky.runtime.gang_flag`)."""
+    machine's gang flag of the new attempt (:func:`~airflow_provider_sky.node.runtime.gang_flag`)."""
     for ip in ips:
         if not IP_RE.fullmatch(ip):
             raise ValueError(f"node address {ip!r} is not a host name or IP address")

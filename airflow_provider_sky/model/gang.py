@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TypeVar
 
-from airflow_provider_sky.exitcodes import describe_exit
-from airflow_provider_sky.runtime import RawRankStatus
+from airflow_provider_sky.node.exitcodes import describe_exit
+from airflow_provider_sky.node.runtime import RawRankStatus
 
 DEFAULT_MASTER_PORT = "29500"
 #: the attempt of the whole gang a rank belongs to, 1 first (SKYPILOT_TASK_ID stays the same)
@@ -40,7 +40,7 @@ class RankState(str, Enum):
         return self.value
 
 
-#: the members under their old module-level names, for ``from airflow_provider_sky.gang import FAILED``
+#: the members under their old module-level names, for ``from airflow_provider_sky.model.gang import FAILED``
 SUCCEEDED = RankState.SUCCEEDED
 FAILED = RankState.FAILED
 CANCELLED = RankState.CANCELLED

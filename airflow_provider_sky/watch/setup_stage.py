@@ -9,12 +9,12 @@ from collections import deque
 from collections.abc import Callable
 
 from airflow_provider_sky.errors import SetupFailed as SetupFailed
-from airflow_provider_sky.gang import BAD, CANCELLED, GangStatus
-from airflow_provider_sky.jobs import DEFAULT_ORPHAN_TIMEOUT, GangClient, run_sync
-from airflow_provider_sky.logtext import TAIL_LINES, LineSplitter, tail_text
+from airflow_provider_sky.model.gang import BAD, CANCELLED, GangStatus
+from airflow_provider_sky.model.logtext import TAIL_LINES, LineSplitter, tail_text
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.spec import TaskSpec
-from airflow_provider_sky.watch import MonitorState, watch
+from airflow_provider_sky.watch.jobs import DEFAULT_ORPHAN_TIMEOUT, GangClient, run_sync
+from airflow_provider_sky.watch.loop import MonitorState, watch
 
 
 def run_setup(

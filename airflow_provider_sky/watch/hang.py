@@ -17,12 +17,12 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from airflow_provider_sky.gang import HUNG_PREFIX
-from airflow_provider_sky.jobs import GangClient, Poll, fan_out
-from airflow_provider_sky.runtime import check_job_id
-from airflow_provider_sky.scripts import load
-from airflow_provider_sky.timing import check_timing
-from airflow_provider_sky.watch import MonitorState, watch
+from airflow_provider_sky.model.gang import HUNG_PREFIX
+from airflow_provider_sky.node.runtime import check_job_id
+from airflow_provider_sky.node.scripts import load
+from airflow_provider_sky.spec.timing import check_timing
+from airflow_provider_sky.watch.jobs import GangClient, Poll, fan_out
+from airflow_provider_sky.watch.loop import MonitorState, watch
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from airflow_provider_sky.scripts import load
+from airflow_provider_sky.node.scripts import load
 
 __all__ = [
     "DETECT_SCRIPT",

@@ -20,7 +20,6 @@ from collections.abc import (
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from airflow_provider_sky import runtime
 from airflow_provider_sky.agent.client import (
     AgentClient,
     AgentError,
@@ -31,7 +30,7 @@ from airflow_provider_sky.agent.client import (
 from airflow_provider_sky.aio import CANCEL_WAIT, FANOUT_LIMIT, cancel_bounded, fan_out, run_sync
 from airflow_provider_sky.backends.base import Backend, ClusterHandle, Node, chosen_resources, node_devices
 from airflow_provider_sky.errors import LaunchError as LaunchError
-from airflow_provider_sky.gang import (
+from airflow_provider_sky.model.gang import (
     UNKNOWN,
     GangStatus,
     RankStatus,
@@ -43,7 +42,8 @@ from airflow_provider_sky.gang import (
     run_env,
     setup_env,
 )
-from airflow_provider_sky.logtext import READ_CHUNK
+from airflow_provider_sky.model.logtext import READ_CHUNK
+from airflow_provider_sky.node import runtime
 from airflow_provider_sky.runners.base import CommandRunner, RunnerError
 from airflow_provider_sky.spec import TaskSpec
 

@@ -1,6 +1,6 @@
 """``make demo``: run ``sky_hello`` and ``sky_fail_fast`` under a real Airflow and show what happened.
 
-Starts one :class:`~airflow_provider_sky.dev.stack.AirflowStack` (api-server, scheduler with the
+Starts one :class:`~devstack.stack.AirflowStack` (api-server, scheduler with the
 LocalExecutor, dag-processor, triggerer; SQLite) with ``AIRFLOW_HOME=<repo>/.airflow-demo/airflow``
 and ``SKY_PROVIDER_HOME=<repo>/.airflow-demo/sky`` (both wiped first), triggers both DAGs at once
 and prints, for each run, a table read back from Airflow's REST API: every rank's node IP, task
@@ -22,9 +22,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from airflow_provider_sky.dev.stack import AirflowStack, parse_time, processes_under
+from devstack.stack import AirflowStack, parse_time, processes_under
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / ".airflow-demo"
 EXPECTED = {"sky_hello": "success", "sky_fail_fast": "failed"}
 

@@ -8,7 +8,7 @@ ends them (also from :mod:`atexit`) and removes the directory.
 
 With them, ``AirflowStack(home, dags, sql_alchemy_conn=postgres.url, broker_url=redis.url,
 celery_workers=2, triggerers=2)`` is the distributed stack; on top of the SQLite stack's settings
-(:mod:`airflow_provider_sky.dev.stack`) it sets:
+(:mod:`devstack.stack`) it sets:
 
 ``[database] sql_alchemy_conn = postgresql+psycopg2://...``
     The metadata DB every process shares (Airflow derives the async engine's ``postgresql+asyncpg``
@@ -49,7 +49,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from airflow_provider_sky.dev.stack import StackError, free_port, group_members
+from devstack.stack import StackError, free_port, group_members
 
 #: the unprivileged user the servers run as when the caller is root
 SERVICE_USER = "nobody"

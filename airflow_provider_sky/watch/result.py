@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from airflow_provider_sky.errors import ResultError as ResultError
-from airflow_provider_sky.gang import GangStatus
-from airflow_provider_sky.scripts import load
+from airflow_provider_sky.model.gang import GangStatus
+from airflow_provider_sky.node.scripts import load
 
 if TYPE_CHECKING:
-    from airflow_provider_sky.jobs import GangClient
+    from airflow_provider_sky.watch.jobs import GangClient
 
 #: default bound of a gang's result (every rank's part together), in bytes
 DEFAULT_MAX_BYTES = 64 * 1024

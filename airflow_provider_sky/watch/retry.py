@@ -21,13 +21,21 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from airflow_provider_sky import replace, runtime, runtime_retry
-from airflow_provider_sky.gang import HUNG_PREFIX, LOST, ORPHANED_REASON, UNKNOWN, GangStatus, RankStatus
-from airflow_provider_sky.hang import HangWatch, watch_gang
-from airflow_provider_sky.jobs import GangClient, Poll, fan_out
+from airflow_provider_sky.model.gang import (
+    HUNG_PREFIX,
+    LOST,
+    ORPHANED_REASON,
+    UNKNOWN,
+    GangStatus,
+    RankStatus,
+)
+from airflow_provider_sky.node import runtime, runtime_retry
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.spec import SpecError
-from airflow_provider_sky.watch import MonitorState
+from airflow_provider_sky.watch import replace
+from airflow_provider_sky.watch.hang import HangWatch, watch_gang
+from airflow_provider_sky.watch.jobs import GangClient, Poll, fan_out
+from airflow_provider_sky.watch.loop import MonitorState
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +73,7 @@ class RetryPolicy:
         ),
     ) -> RetryPolicy:
         """The policy from user arguments, or a SpecError (a ValueError) naming the field (checked at DAG
-        parse, with the timing arguments of :mod:`~airflow_provider_sky.timing`)."""
+        parse, with the timing arguments of :mod:`~airflow_provider_sky.spec.timing`)."""
         n_retries, n_delay, n_exp, n_codes = names
         if retries is None:
             retries = 0

@@ -20,12 +20,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from airflow_provider_sky import runtime
 from airflow_provider_sky.backends.base import BackendError, ClusterHandle, node_devices, recorded_resources
-from airflow_provider_sky.gang import BAD, CUDA_VISIBLE_DEVICES, LOST, GangStatus
-from airflow_provider_sky.jobs import GangClient, fan_out
+from airflow_provider_sky.model.gang import BAD, CUDA_VISIBLE_DEVICES, LOST, GangStatus
+from airflow_provider_sky.node import runtime
+from airflow_provider_sky.node.scripts import load
 from airflow_provider_sky.runners.base import RunnerError
-from airflow_provider_sky.scripts import load
+from airflow_provider_sky.watch.jobs import GangClient, fan_out
 
 log = logging.getLogger(__name__)
 

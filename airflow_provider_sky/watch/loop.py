@@ -11,8 +11,8 @@ from collections.abc import (
 )
 from dataclasses import dataclass, field
 
-from airflow_provider_sky.gang import LOST, RUNNING, cancel_reason
-from airflow_provider_sky.jobs import GangClient, Poll
+from airflow_provider_sky.model.gang import LOST, RUNNING, cancel_reason
+from airflow_provider_sky.watch.jobs import GangClient, Poll
 
 log = logging.getLogger(__name__)
 

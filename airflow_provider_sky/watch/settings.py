@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from airflow_provider_sky.hang import check_hang_timeout
-from airflow_provider_sky.retry import RetryPolicy, operator_args
-from airflow_provider_sky.timing import check_timing
+from airflow_provider_sky.spec.timing import check_timing
+from airflow_provider_sky.watch.hang import check_hang_timeout
+from airflow_provider_sky.watch.retry import RetryPolicy, operator_args
 
 #: the connection a watch uses when none is given (``SkyHook.default_conn_name``)
 DEFAULT_CONN_ID = "sky_default"

@@ -22,7 +22,7 @@ hold a private key); the answer is one JSON line on stdout once the launch is do
 launch asked) or ``{"error": "...", "launch_failed": bool}``. Its stderr is a log file chosen by the
 caller (job id, states, counts; never a secret). This module never imports Airflow.
 
-Run as ``python -m airflow_provider_sky.bridge``; :func:`start_bridge` is the caller's side.
+Run as ``python -m airflow_provider_sky.watch.bridge``; :func:`start_bridge` is the caller's side.
 """
 
 from __future__ import annotations
@@ -47,18 +47,18 @@ from typing import IO, Any
 
 from airflow_provider_sky.backends import ClusterHandle, make_backend
 from airflow_provider_sky.errors import BridgeError as BridgeError
-from airflow_provider_sky.gang import RankStatus
-from airflow_provider_sky.jobs import (
+from airflow_provider_sky.model.gang import RankStatus
+from airflow_provider_sky.watch.jobs import (
     DEFAULT_ORPHAN_TIMEOUT,
     GangClient,
     LaunchError,
     Poll,
 )
-from airflow_provider_sky.retry import AttemptState, RetryPolicy, watch_attempts
+from airflow_provider_sky.watch.retry import AttemptState, RetryPolicy, watch_attempts
 
-log = logging.getLogger("airflow_provider_sky.bridge")
+log = logging.getLogger("airflow_provider_sky.watch.bridge")
 
-MODULE = "airflow_provider_sky.bridge"
+MODULE = "airflow_provider_sky.watch.bridge"
 #: how long the caller waits for the launch's answer: the launch itself is bounded by 60 s per node
 ANSWER_TIMEOUT = 180.0
 #: bridge logs older than this are removed when a new bridge starts
@@ -321,7 +321,7 @@ def _lock_log() -> bool:
 
 
 def main() -> int:
-    """Entry point of ``python -m airflow_provider_sky.bridge``."""
+    """Entry point of ``python -m airflow_provider_sky.watch.bridge``."""
     raw = sys.stdin.buffer.read()
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)

@@ -23,16 +23,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from airflow_provider_sky.errors import StatusParseError as StatusParseError
-from airflow_provider_sky.exitcodes import describe_exit
-from airflow_provider_sky.node_scripts import CANCEL_SCRIPT as CANCEL_SCRIPT
-from airflow_provider_sky.node_scripts import CLAIM_FUNC as CLAIM_FUNC
-from airflow_provider_sky.node_scripts import CMD_PROLOGUE, KEEPER_SCRIPT, WRAPPER
-from airflow_provider_sky.node_scripts import MARKED_FUNCS as MARKED_FUNCS
-from airflow_provider_sky.node_scripts import NEVER_STARTED_SCRIPT as NEVER_STARTED_SCRIPT
-from airflow_provider_sky.node_scripts import STATUS_SCRIPT as STATUS_SCRIPT
-from airflow_provider_sky.node_scripts import TEARDOWN_SCRIPT as TEARDOWN_SCRIPT
-from airflow_provider_sky.node_scripts import teardown_script as teardown_script
-from airflow_provider_sky.scripts import load
+from airflow_provider_sky.node.exitcodes import describe_exit
+from airflow_provider_sky.node.scripts import load
+from airflow_provider_sky.node.shell import CANCEL_SCRIPT as CANCEL_SCRIPT
+from airflow_provider_sky.node.shell import CLAIM_FUNC as CLAIM_FUNC
+from airflow_provider_sky.node.shell import CMD_PROLOGUE, KEEPER_SCRIPT, WRAPPER
+from airflow_provider_sky.node.shell import MARKED_FUNCS as MARKED_FUNCS
+from airflow_provider_sky.node.shell import NEVER_STARTED_SCRIPT as NEVER_STARTED_SCRIPT
+from airflow_provider_sky.node.shell import STATUS_SCRIPT as STATUS_SCRIPT
+from airflow_provider_sky.node.shell import TEARDOWN_SCRIPT as TEARDOWN_SCRIPT
+from airflow_provider_sky.node.shell import teardown_script as teardown_script
 
 JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,180}")
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -94,7 +94,7 @@ def mask_values(secrets: Mapping[str, str]) -> list[str]:
 
 def mask_file(secrets: Mapping[str, str]) -> str:
     """The rank's mask: every value to hide, one a line, longest first ('' if none); the node's output
-    filter (:data:`~airflow_provider_sky.node_scripts.MASK_FUNC`) replaces each with ``***``."""
+    filter (:data:`~airflow_provider_sky.node.shell.MASK_FUNC`) replaces each with ``***``."""
     return "".join(f"{v}\n" for v in mask_values(secrets))
 
 
@@ -184,7 +184,7 @@ def launch_script(
 
 #: The wrappers' clock base, read once per launch: ``cb`` the epoch and ``cu`` /proc/uptime, both in
 #: centiseconds (empty without /proc or a ``date`` that prints nanoseconds: the wrappers then fork
-#: ``date``). See :data:`~airflow_provider_sky.node_scripts.WRAPPER`. ``date`` is a fork: on a busy
+#: ``date``). See :data:`~airflow_provider_sky.node.shell.WRAPPER`. ``date`` is a fork: on a busy
 #: machine its answer came tenths of a second before the uptime read after it, and every rank that call
 #: started told its times that much early (a sibling "ended" 0.3 s before the failure that ended it).
 #: So the uptime is read on both sides, and the tightest of three tries is kept.
@@ -210,7 +210,7 @@ def flag_failure(flag: str, rank: int, code: int | None) -> str:
     unless a rank of the machine wrote one first: its launchers then start no more ranks.
 
     They end the script when a rank of the machine has claimed its own cancel (``.cancelling``, see
-    :data:`~airflow_provider_sky.node_scripts.WRAPPER`): that cancel covers every rank started there,
+    :data:`~airflow_provider_sky.node.shell.WRAPPER`): that cancel covers every rank started there,
     and every start call cancelling its ranks again takes the CPU that cancel needs."""
     return (
         f"gf={shlex.quote(flag)}\n"
@@ -256,7 +256,7 @@ def launch_many_script(
     With ``flag``, the machine also cancels by itself (fail-fast on the node): each started rank is
     listed in the flag's directory (``.ranks``, ``rank root`` lines) beside the cancel script
     (``.cancel.sh``) and ``grace``; the first rank of the machine that fails on its own cancels every
-    sibling listed there at once (:data:`~airflow_provider_sky.node_scripts.WRAPPER`), with the reason
+    sibling listed there at once (:data:`~airflow_provider_sky.node.shell.WRAPPER`), with the reason
     :func:`node_cancel_reason` reads. Across machines the watchers' poll still does it.
     """
     check_job_id(job_id)
@@ -377,7 +377,7 @@ def status_args(queries: Sequence[tuple[str, str, int, int, int]], now: float | 
     The ranks may sit under different node roots of one machine: one call asks them all. ``now``
     (the poller's clock) is left on the node as the last poll; ``None`` polls without leaving a
     trace (a launch-side bridge must not keep an abandoned job alive). Either way the clock dates
-    the log bytes the node holds (``times``, :class:`~airflow_provider_sky.logtext.LineClock`).
+    the log bytes the node holds (``times``, :class:`~airflow_provider_sky.model.logtext.LineClock`).
     """
     args = [f"-{time.time():.3f}" if now is None else f"{now:.3f}"]
     for root, job_id, rank, offset, max_bytes in queries:
@@ -461,7 +461,7 @@ _NODE_CANCEL = re.compile(r"@rank-failed (\d+) (-?\d+|-)( oom)?")
 def node_cancel_reason(text: str) -> str:
     """A cancel reason as users read it: the node's fail-fast writes ``@rank-failed RANK CODE [oom]``
     (a shell has no table of exit codes), told here as the watchers tell theirs (``rank 2 failed
-    first: exited with code 1``, :func:`~airflow_provider_sky.gang.cancel_reason`)."""
+    first: exited with code 1``, :func:`~airflow_provider_sky.model.gang.cancel_reason`)."""
     m = _NODE_CANCEL.fullmatch(text)
     if m is None:
         return text

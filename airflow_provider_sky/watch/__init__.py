@@ -1,0 +1,1 @@
+"""The watchers of a gang: start, poll, fail-fast cancel, setup, hangs, retries, replacement, results."""
