@@ -722,7 +722,7 @@ def test_rank_failing_at_once_is_cancelled_from_the_first_instant(rel: Rel, case
 
 
 def test_a_64_rank_gang_completes(rel: Rel, case: Case) -> None:
-    """Issue 15: ``sky_gang(num_nodes=64)`` on the local backend under the real scheduler stayed
+    """``sky_gang(num_nodes=64)`` on the local backend under the real scheduler stayed
     ``running`` for good in two runs of three (rank tasks hung in their start-up poll). Every rank
     task must end, each with its own rank's output, and the run must succeed."""
     dag = "sky_rel_wide"

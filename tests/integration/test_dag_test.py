@@ -188,7 +188,7 @@ def test_bad_input_fails_at_dag_parse_time() -> None:
 
 
 def test_a_mistyped_argument_is_named_with_the_nearest_valid_one() -> None:
-    """Issue 28.5: ``sky_gang(hang_timout=60)`` said ``Invalid arguments were passed to SkyClusterOperator
+    """``sky_gang(hang_timout=60)`` said ``Invalid arguments were passed to SkyClusterOperator
     (task_id: cluster)``: another function than the one called, and no hint. Each names its own."""
     from airflow.sdk import DAG
 

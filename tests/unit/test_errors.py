@@ -64,7 +64,8 @@ def _package_exceptions() -> list[type[BaseException]]:
     """Every public exception class defined anywhere in the package."""
     found: dict[str, type[BaseException]] = {}
     for mod in pkgutil.walk_packages(airflow_provider_sky.__path__, "airflow_provider_sky."):
-        if mod.name.endswith("__main__"):
+        # a __main__ runs its program; the node scripts' folder holds the mask filter, a program sent to nodes
+        if mod.name.endswith("__main__") or mod.name.startswith("airflow_provider_sky.node.scripts."):
             continue
         module = importlib.import_module(mod.name)
         for name, obj in vars(module).items():

@@ -120,7 +120,7 @@ def test_calling_twice_and_override_make_distinct_gangs() -> None:
 
 
 def test_a_mistyped_argument_is_named_with_the_nearest_valid_one() -> None:
-    """Issue 28.5: ``@task.sky(hang_timout=60)`` said ``Invalid arguments were passed to
+    """``@task.sky(hang_timout=60)`` said ``Invalid arguments were passed to
     SkyClusterOperator (task_id: cluster)``: neither the decorator nor the nearest valid name."""
     from airflow.sdk import DAG, task
 
