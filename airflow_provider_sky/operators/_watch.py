@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import importlib.util
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from airflow.configuration import conf
 from airflow.triggers.base import BaseTrigger, StartTriggerArgs
 
+from airflow_provider_sky.compat import resume_hold
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.model.gang import GangStatus
 from airflow_provider_sky.spec.timing import LIMITS, check_timing
@@ -21,62 +17,6 @@ from airflow_provider_sky.triggers.gang import xcom_ref
 from airflow_provider_sky.watch.jobs import run_sync
 from airflow_provider_sky.watch.retry import RetryPolicy, operator_args, pop_retry_args
 from airflow_provider_sky.watch.settings import WatchSettings
-
-
-def resume_hold() -> float:
-    """Seconds a deferred watcher's event waits after the deferral (Airflow 3.3 core race workaround).
-
-    When a task defers, its worker exits and the executor reports "success" for that try; the task
-    supervisor notices the exit up to ``[workers] min_heartbeat_interval`` later. If the trigger fires
-    before the scheduler processed that stale report and the task is already queued or running again,
-    Airflow 3.3 marks it failed ("state mismatch", apache/airflow#72716, #71580). Holding the event
-    past that window lets the report land while the task is still deferred, where it is ignored.
-    Nothing outside the scheduler can tell when that report was processed (the scheduler writes
-    nothing for a deferred task's stale report), hence a fixed hold. No hold where it cannot matter:
-    under ``dag.test()`` (task and trigger in one process, no executor) and with a scheduler that
-    ignores the stale report (``scheduler_ignores_stale_defer_success``).
-    """
-    from airflow.sdk.execution_time import task_runner
-
-    if type(getattr(task_runner, "SUPERVISOR_COMMS", None)).__name__ == "InProcessSupervisorComms":
-        return 0.0
-    if scheduler_ignores_stale_defer_success():
-        return 0.0
-    return float(conf.getint("workers", "min_heartbeat_interval", fallback=5)) + 2.0
-
-
-@functools.cache
-def scheduler_ignores_stale_defer_success() -> bool:
-    """Whether the installed Airflow's scheduler carries the fix of apache/airflow#72716 (PR #72767).
-
-    Read from the scheduler's code, not its version: no release carries the fix yet (3.3.2 does not).
-    The fix makes ``process_executor_events`` count a same-try success for a RUNNING task with
-    ``next_method`` set as a requeue (``ti_requeued``); 3.3's guard names only SCHEDULED (and QUEUED
-    on main). The source is parsed, not imported (a worker need not load the scheduler), and anything
-    unexpected answers False: the hold stays.
-    """
-    try:
-        spec = importlib.util.find_spec("airflow.jobs.scheduler_job_runner")
-        if spec is None or spec.origin is None:
-            return False
-        return requeue_guard_covers_running(Path(spec.origin).read_text())
-    except Exception:  # an unreadable or reshaped scheduler: keep the hold
-        return False
-
-
-def requeue_guard_covers_running(source: str) -> bool:
-    """True when ``process_executor_events`` in ``source`` treats a RUNNING task with ``next_method``
-    as requeued (the #72716 fix), i.e. the ``ti_requeued`` expression names both."""
-    for node in ast.walk(ast.parse(source)):
-        if not (isinstance(node, ast.FunctionDef) and node.name == "process_executor_events"):
-            continue
-        for sub in ast.walk(node):
-            targets = sub.targets if isinstance(sub, ast.Assign) else []
-            if any(isinstance(t, ast.Name) and t.id == "ti_requeued" for t in targets):
-                assert isinstance(sub, ast.Assign)
-                names = {n.attr for n in ast.walk(sub.value) if isinstance(n, ast.Attribute)}
-                return "RUNNING" in names and "next_method" in names
-    return False
 
 
 def start_in_triggerer(

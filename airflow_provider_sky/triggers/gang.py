@@ -278,7 +278,7 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         }
 
     async def _hold(self) -> None:
-        """Emit no earlier than ``fire_after`` (epoch seconds); see ``operators._watch.resume_hold``,
+        """Emit no earlier than ``fire_after`` (epoch seconds); see ``compat.resume_hold``,
         and, when the task ends here (its last lines logged here), once the log channel has room.
 
         Only the event waits: the fail-fast cancel has already run in the shared poll.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_sky.operators import _watch
+from airflow_provider_sky import compat
 
 
 def _scheduler_source() -> str:
@@ -36,23 +36,23 @@ def test_installed_airflow_keeps_the_hold(monkeypatch: pytest.MonkeyPatch) -> No
     which the stale report can land: ``[workers] min_heartbeat_interval`` + 2 s."""
     source = _scheduler_source()
     assert GUARD_3_3 in source, "the scheduler's guard changed: check apache/airflow#72716's status"
-    assert not _watch.requeue_guard_covers_running(source)
-    _watch.scheduler_ignores_stale_defer_success.cache_clear()
-    assert not _watch.scheduler_ignores_stale_defer_success()
+    assert not compat.requeue_guard_covers_running(source)
+    compat.scheduler_ignores_stale_defer_success.cache_clear()
+    assert not compat.scheduler_ignores_stale_defer_success()
     monkeypatch.setenv("AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL", "5")
-    assert _watch.resume_hold() == 7.0
+    assert compat.resume_hold() == 7.0
 
 
 def test_a_fixed_scheduler_drops_the_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the guard of the fix in the scheduler's source, a deferring watcher fires at once."""
     fixed = _scheduler_source().replace(GUARD_3_3, GUARD_FIXED)
-    assert _watch.requeue_guard_covers_running(fixed)
-    monkeypatch.setattr(_watch, "scheduler_ignores_stale_defer_success", lambda: True)
-    assert _watch.resume_hold() == 0.0
+    assert compat.requeue_guard_covers_running(fixed)
+    monkeypatch.setattr(compat, "scheduler_ignores_stale_defer_success", lambda: True)
+    assert compat.resume_hold() == 0.0
 
 
 def test_a_running_guard_without_next_method_is_not_the_fix() -> None:
     """RUNNING alone in the guard (a requeue by another scheduler, say) is not the fix: the hold stays."""
     source = "def process_executor_events():\n    ti_requeued = ti.state == TaskInstanceState.RUNNING\n"
-    assert not _watch.requeue_guard_covers_running(source)
-    assert not _watch.requeue_guard_covers_running("x = 1\n")
+    assert not compat.requeue_guard_covers_running(source)
+    assert not compat.requeue_guard_covers_running("x = 1\n")
