@@ -117,12 +117,15 @@ if [ -n "$fpid" ] && [ ! -f "$d/filter.done" ]; then
   # watchdog ends the wait after 2 s (USR1) and the filter goes on alone
   late=''
   trap 'late=1' USR1
-  # (killed, it takes its sleep with it: nothing of the rank outlives it)
+  # (killed, it takes its sleep with it: nothing of the rank outlives it; a TERM that comes between the
+  # sleep's fork and `s=$!` only sets stop, and the sleep is killed once its pid is known)
   (
-    exec 4<&-; s=''
-    trap '[ -z "$s" ] || kill "$s" 2>/dev/null; exit 0' TERM
+    exec 4<&-; s=''; stop=''
+    trap 'stop=1; [ -z "$s" ] || kill "$s" 2>/dev/null' TERM
     sleep 2 & s=$!
-    wait "$s" && kill -USR1 "$$" 2>/dev/null
+    [ -z "$stop" ] || { kill "$s" 2>/dev/null; exit 0; }
+    wait "$s" && [ -z "$stop" ] && kill -USR1 "$$" 2>/dev/null
+    exit 0
   ) </dev/null >/dev/null 2>&1 &
   wd=$!
   while [ -z "$late" ] && [ ! -f "$d/filter.done" ] && kill -0 "$fpid" 2>/dev/null; do wait "$fpid"; done
