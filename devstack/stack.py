@@ -319,9 +319,15 @@ class AirflowStack:
             )
         if not self.sql_alchemy_conn:  # SQLite: writers wait for the lock (see SQLITE_CONNECT_ARGS)
             env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS"] = f"{__name__}.SQLITE_CONNECT_ARGS"
-        if self.triggerers > 1:  # see dev/services.py: a stalled triggerer must not lose its triggers
+        if self.triggerers > 1:  # see devstack/services.py: a stalled triggerer must not lose its triggers
             env["AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD"] = "60"
         env.update(self.extra_env)
+        # the Airflow processes import this module (SQLITE_CONNECT_ARGS above): devstack is not installed,
+        # so its folder's parent goes on their path, after whatever the caller put there
+        root = str(Path(__file__).resolve().parents[1])
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if root not in paths:
+            env["PYTHONPATH"] = os.pathsep.join([*paths, root])
         return env
 
     def _command(self, service: str) -> list[str]:
