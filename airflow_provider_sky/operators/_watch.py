@@ -16,7 +16,7 @@ from airflow_provider_sky.spec.timing import LIMITS, check_timing
 from airflow_provider_sky.triggers.gang import xcom_ref
 from airflow_provider_sky.watch.jobs import run_sync
 from airflow_provider_sky.watch.retry import RetryPolicy, operator_args, pop_retry_args
-from airflow_provider_sky.watch.settings import WatchSettings
+from airflow_provider_sky.watch.settings import WatchFields, WatchSettings
 
 
 def start_in_triggerer(
@@ -83,37 +83,6 @@ def triggerer_watch(
         "grace": grace,
         "hang_timeout": settings.hang_timeout,
     }
-
-
-class WatchFields:
-    """A task's watch settings (``self.watch``) as the attributes its arguments are named by."""
-
-    watch: WatchSettings
-
-    @property
-    def sky_conn_id(self) -> str | None:
-        return self.watch.sky_conn_id
-
-    @property
-    def poll_interval(self) -> float:
-        return self.watch.poll_interval
-
-    @property
-    def grace(self) -> float:
-        return self.watch.grace
-
-    @property
-    def lost_after(self) -> float:
-        return self.watch.lost_after
-
-    @property
-    def hang_timeout(self) -> float:
-        return self.watch.hang_timeout
-
-    @property
-    def retry(self) -> dict[str, Any] | None:
-        """The whole-gang retry policy as trigger kwargs (None: no retries)."""
-        return self.watch.retry_kwarg
 
 
 class GangWatchMixin(WatchFields):

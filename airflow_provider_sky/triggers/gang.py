@@ -43,7 +43,7 @@ from airflow_provider_sky.watch.jobs import GangClient, Poll
 from airflow_provider_sky.watch.linetimes import aread_times
 from airflow_provider_sky.watch.result import ResultError, read_result
 from airflow_provider_sky.watch.retry import GangPoll, rank_attempts, stop_gang, watch_attempts
-from airflow_provider_sky.watch.settings import WatchSettings
+from airflow_provider_sky.watch.settings import WatchFields, WatchSettings
 
 if TYPE_CHECKING:
     import jinja2
@@ -179,7 +179,7 @@ async def _newest(stream: AsyncIterator[T]) -> AsyncGenerator[T, None]:
             await task
 
 
-class _SkyGangWatchTrigger(BaseEventTrigger):
+class _SkyGangWatchTrigger(WatchFields, BaseEventTrigger):
     """Common part: kwargs, the shared poll and ``on_kill`` (a user's mark-failed cancels the gang)."""
 
     def __init__(
@@ -214,32 +214,6 @@ class _SkyGangWatchTrigger(BaseEventTrigger):
         self.fire_after = None if fire_after is None else float(fire_after)
         #: end the task from here (TaskSuccessEvent / TaskFailedEvent) instead of resuming it on a worker
         self.end_from_trigger = bool(end_from_trigger)
-
-    @property
-    def sky_conn_id(self) -> str | None:
-        return self.watch.sky_conn_id
-
-    @property
-    def poll_interval(self) -> float:
-        return self.watch.poll_interval
-
-    @property
-    def grace(self) -> float:
-        return self.watch.grace
-
-    @property
-    def lost_after(self) -> float:
-        return self.watch.lost_after
-
-    @property
-    def hang_timeout(self) -> float:
-        """Seconds a running rank may stay silent before the shared poll calls it hung (0: off)."""
-        return self.watch.hang_timeout
-
-    @property
-    def retry(self) -> dict[str, Any] | None:
-        """The whole-gang retry policy (``RetryPolicy.to_dict``), None: no retries."""
-        return self.watch.retry_kwarg
 
     def render_template_fields(self, context: Context, jinja_env: jinja2.Environment | None = None) -> None:
         """A task started in the triggerer gets its cluster, job and rank from the upstream XComs and its

@@ -116,3 +116,35 @@ class WatchSettings:
             float(hang or 0),
             RetryPolicy.from_dict(kwargs.get("retry")),
         )
+
+
+class WatchFields:
+    """The watch settings held in ``self.watch`` as the attributes their arguments are named by (the
+    watcher tasks and their triggers)."""
+
+    watch: WatchSettings
+
+    @property
+    def sky_conn_id(self) -> str | None:
+        return self.watch.sky_conn_id
+
+    @property
+    def poll_interval(self) -> float:
+        return self.watch.poll_interval
+
+    @property
+    def grace(self) -> float:
+        return self.watch.grace
+
+    @property
+    def lost_after(self) -> float:
+        return self.watch.lost_after
+
+    @property
+    def hang_timeout(self) -> float:
+        return self.watch.hang_timeout
+
+    @property
+    def retry(self) -> dict[str, Any] | None:
+        """The whole-gang retry policy as trigger kwargs (None: no retries)."""
+        return self.watch.retry_kwarg
