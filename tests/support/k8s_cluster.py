@@ -355,6 +355,11 @@ def k8s_image(k8s: K8sCluster) -> Image:
         return Image(USER_CLUSTER_IMAGE, "IfNotPresent")
     proc = _script("images", timeout=300)  # builds the tarballs if missing; nothing to do when present
     assert proc.returncode == 0, _output(proc)
+    return _on_every_node(k8s, BUSYBOX_IMAGE, 30)
+
+
+def _on_every_node(k8s: K8sCluster, image: str, timeout: float) -> Image:
+    """``image`` once every node of the local cluster lists it (``k8s-local.sh images`` imports it)."""
 
     def missing() -> list[str]:
         api = k8s.api()
@@ -363,16 +368,16 @@ def k8s_image(k8s: K8sCluster) -> Image:
                 n.metadata.name
                 for n in api.list_node().items
                 if n.metadata.name in k8s.nodes
-                and not any(BUSYBOX_IMAGE in (i.names or []) for i in n.status.images or [])
+                and not any(image in (i.names or []) for i in n.status.images or [])
             ]
         finally:
             api.api_client.close()
 
     try:
-        wait_for(lambda: not missing(), 30, f"{BUSYBOX_IMAGE} listed on every node")
+        wait_for(lambda: not missing(), timeout, f"{image} listed on every node")
     except TimeoutError:
-        pytest.fail(f"{BUSYBOX_IMAGE} is missing on nodes {missing()} (k8s-local.sh start imports it)")
-    return Image(BUSYBOX_IMAGE, "Never")
+        pytest.fail(f"{image} is missing on nodes {missing()} (k8s-local.sh images imports it)")
+    return Image(image, "Never")
 
 
 @pytest.fixture(scope="session")
@@ -382,24 +387,7 @@ def k8s_python_image(k8s: K8sCluster, k8s_image: Image) -> Image:
     is downloaded), or ``SKY_TEST_K8S_PYTHON_IMAGE`` on your cluster."""
     if k8s_image.name != BUSYBOX_IMAGE:
         return Image(USER_PYTHON_IMAGE, "IfNotPresent")
-
-    def missing() -> list[str]:
-        api = k8s.api()
-        try:
-            return [
-                n.metadata.name
-                for n in api.list_node().items
-                if n.metadata.name in k8s.nodes
-                and not any(PYTHON_IMAGE in (i.names or []) for i in n.status.images or [])
-            ]
-        finally:
-            api.api_client.close()
-
-    try:
-        wait_for(lambda: not missing(), 60, f"{PYTHON_IMAGE} listed on every node")
-    except TimeoutError:
-        pytest.fail(f"{PYTHON_IMAGE} is missing on nodes {missing()} (k8s-local.sh images imports it)")
-    return Image(PYTHON_IMAGE, "Never")
+    return _on_every_node(k8s, PYTHON_IMAGE, 60)
 
 
 @pytest.fixture
