@@ -18,7 +18,7 @@ from airflow_provider_sky.operators._watch import WatchFields
 from airflow_provider_sky.spec import SpecError, TaskSpec
 from airflow_provider_sky.spec.nodes import FIELD, job_cluster, num_nodes_problem
 from airflow_provider_sky.watch.bridge import Bridge, BridgeError, BridgeRequest, log_path_for, start_bridge
-from airflow_provider_sky.watch.jobs import DEFAULT_ORPHAN_TIMEOUT, LaunchError
+from airflow_provider_sky.watch.jobs import DEFAULT_ORPHAN_TIMEOUT, GangClient, LaunchError
 from airflow_provider_sky.watch.retry import operator_policy
 from airflow_provider_sky.watch.settings import WatchSettings
 
@@ -34,15 +34,17 @@ class SkyJobOperator(WatchFields, SkySpecMixin, ResumableJobMixin, BaseOperator)
     Why a bridge: the rank tasks, whose triggers run the fail-fast, only start once this task ended,
     so the launch goes through a small detached watcher (:mod:`airflow_provider_sky.watch.bridge`) started
     first. It watches the gang from the instant the ranks exist until the triggers' shared poll takes
-    over (and again whenever that poll lapses), then exits when the job is over.
+    over (and again whenever that poll lapses), then exits when the job is over. A cluster whose node
+    agents decide the gang's fate on its head node (``docs/node-agent.md``) needs none: the launch is one
+    call to the head from this task (with whole-gang retries, the bridge still starts each next attempt).
 
     :param cluster: the cluster handle (``cluster_task.output``).
     :param task_yaml, task_config, num_nodes, run, ...: the task, as for :class:`SkyClusterOperator`.
     :param poll_interval, grace, lost_after: how the bridge watches (as the rank tasks' triggers do).
     :param orphan_timeout: the nodes kill the job when nothing polled it for that many seconds (a lost
         scheduler, a killed ``dags test``); 0 or None turns it off.
-    :param bridge: start the launch-side watcher (False: launch from this task, nothing watches the
-        gang until the triggers run).
+    :param bridge: start the launch-side watcher where the cluster has no node agents (False: launch
+        from this task, nothing on the Airflow side watches the gang until the triggers run).
     :param bridge_timeout: the bridge gives up after this many seconds without any other watcher
         (default: ``orphan_timeout``, or 300 s when that is off).
     :param idle_down: tear the cluster down on its nodes once nothing has run on it for that many
@@ -133,7 +135,7 @@ class SkyJobOperator(WatchFields, SkySpecMixin, ResumableJobMixin, BaseOperator)
             "Starting %s rank(s) of job %s on cluster %s", spec.num_nodes, job_id, client.handle.name
         )
         try:
-            if self.bridge:
+            if self.bridge and not self._agents_decide(client):
                 client.close()  # the bridge launches with its own connections, which it keeps
                 bridge = self._start_bridge(job_id, spec)
                 self.bridge_pid = bridge.pid
@@ -155,6 +157,13 @@ class SkyJobOperator(WatchFields, SkySpecMixin, ResumableJobMixin, BaseOperator)
                     grace=float(self.grace),
                 )
                 self.log.info("Started: %s", started)
+                if job_id in client.agent_jobs:
+                    self.log.info(
+                        "The cluster's node agents watch the gang: a failing rank stops its siblings on "
+                        "every node from the head node, with or without Airflow"
+                    )
+                elif self.bridge:  # the head did not take the start after all: watch it from here
+                    self._watch_from_here(job_id)
         except LaunchError as exc:
             raise AirflowFailException(f"gang start failed, no rank left running: {exc}") from exc
         except BridgeError:
@@ -230,16 +239,33 @@ class SkyJobOperator(WatchFields, SkySpecMixin, ResumableJobMixin, BaseOperator)
         """
         self._job_id = str(external_id)
         if self.bridge and not self._launched_here:
+            client = self._hook().client(self.cluster)
             try:
-                bridge = self._start_bridge(self._job_id, None)
-            except (BridgeError, LaunchError) as exc:
-                self.log.warning("No launch-side watcher for job %s: %s", self._job_id, exc)
+                agents = self._agents_decide(client)
+            finally:
+                client.close()
+            if not agents:
+                self._watch_from_here(self._job_id)
+
+    def _agents_decide(self, client: GangClient) -> bool:
+        """Whether the cluster's node agents decide the gang's fate (``docs/node-agent.md``): then no
+        launch-side watcher is needed, since fail-fast and the dead-man's switch run on the head node.
+        Whole-gang retries still need one (a watcher starts each next attempt)."""
+        return not self.retry and client.has_agent()
+
+    def _watch_from_here(self, job_id: str) -> None:
+        """A bridge that only watches the job (no launch) until the triggers take over; if another
+        one already watches it, the new one leaves at once."""
+        try:
+            bridge = self._start_bridge(job_id, None)
+        except (BridgeError, LaunchError) as exc:
+            self.log.warning("No launch-side watcher for job %s: %s", job_id, exc)
+        else:
+            if bridge.answer.get("watching"):
+                self.bridge_pid = bridge.pid
+                self.log.info("The launch-side watcher (pid %s) watches job %s", bridge.pid, job_id)
             else:
-                if bridge.answer.get("watching"):
-                    self.bridge_pid = bridge.pid
-                    self.log.info("The launch-side watcher (pid %s) watches job %s", bridge.pid, self._job_id)
-                else:
-                    self.log.info("Job %s is already watched by a launch-side watcher", self._job_id)
+                self.log.info("Job %s is already watched by a launch-side watcher", job_id)
 
     def get_job_result(self, external_id: Any, context: Context) -> list[dict[str, Any]]:
         # rank tasks started in the triggerer read the job id alone (not the list of every rank)

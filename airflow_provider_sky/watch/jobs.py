@@ -130,6 +130,8 @@ class GangClient:
         self._agent_off_until = 0.0
         #: jobs the head does not know (started the per-node way): read the per-node way
         self._per_node_jobs: set[str] = set()
+        #: jobs this client started through the head agent: their fate is decided on the nodes
+        self.agent_jobs: set[str] = set()
         #: calls made to the head agent, and per-node status calls (counted for the benchmarks)
         self.agent_calls = 0
         self.node_calls = 0
@@ -166,6 +168,11 @@ class GangClient:
             if found is not None:
                 self._agent = AgentClient(*found, timeout=self.status_timeout)
         return self._agent
+
+    def has_agent(self) -> bool:
+        """Whether the cluster's head agent can take this client's calls (sync; one look at the
+        cluster the first time, e.g. a read of its token)."""
+        return run_sync(self._once(self.agent())) is not None
 
     def _agent_down(self, exc: Exception) -> None:
         """The head agent did not answer: the per-node path for :data:`AGENT_RETRY_AFTER`, then the
@@ -228,6 +235,7 @@ class GangClient:
             raise LaunchError("; ".join(why))
         if res.state == "failed":
             log.info("A rank of job %s failed during the gang start (the head cancelled the gang)", job_id)
+        self.agent_jobs.add(job_id)
         return words
 
     async def _agent_status(self, job_id: str, mark: bool = True) -> AgentStatus | None:

@@ -17,6 +17,7 @@ from k8s_cluster import Image, K8sCluster, connection_extras
 
 from airflow_provider_sky.backends.kubernetes import agents
 from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
+from airflow_provider_sky.backends.kubernetes.manifest import CLUSTER_LABEL
 from airflow_provider_sky.backends.registry import by_kind
 from airflow_provider_sky.spec import task_from_args
 from airflow_provider_sky.watch.jobs import GangClient
@@ -202,3 +203,35 @@ def test_a_control_plane_that_does_not_reach_the_head_gives_up_on_agents_soon() 
     assert not b._agents_joined("c", "127.0.0.1", 1, b"0" * 48, ["c-head"])  # nothing listens on port 1
     took = time.monotonic() - t
     assert kb.AGENT_REACH_WAIT <= took < kb.AGENT_REACH_WAIT + 5 < kb.AGENT_JOIN_WAIT, took
+
+
+def test_a_dag_on_agent_pods_starts_no_launch_side_watcher_and_still_fails_fast(
+    k8s: K8sCluster,
+    k8s_python_image: Image,
+    airflow_db: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """The seed scenario (the example ``sky_fail_fast``, unchanged) under ``dag.test()`` on pods with python3:
+    the job task starts the gang with one call to the head and no launch-side watcher (the head decides
+    the gang's fate); rank 2's failure still fails the run with every rank task failed and the cluster
+    torn down. With whole-gang retries the bridge still runs (the retry example on Kubernetes)."""
+    from integration.test_dag_test import _out, _run, _states
+
+    extras = connection_extras(k8s, k8s_python_image)
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SKY_DEFAULT", json.dumps({"conn_type": "sky_kubernetes", "extra": extras})
+    )
+    dr, tis = _run("sky_fail_fast")
+    out = _out(capfd)
+    assert str(dr.state) == "failed", out[-5000:]
+    assert _states(tis, "rank") == {0: "failed", 1: "failed", 2: "failed", 3: "failed"}
+    assert tis[("down", -1)].state == "success"
+    assert "The cluster's node agents watch the gang" in out, out[-5000:]
+    assert "launch-side watcher (pid" not in out, out[-5000:]
+    assert "rank 2 failed first: exited with code 1" in out, out[-5000:]
+    b = by_kind("kubernetes").make(extras)
+    try:
+        assert not b.core.list_namespaced_pod(b.namespace, label_selector=CLUSTER_LABEL).items
+    finally:
+        b.close()
