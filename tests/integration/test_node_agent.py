@@ -503,6 +503,31 @@ def test_a_network_blip_shorter_than_lost_after_changes_nothing(cluster_of: Any)
     assert all(rec["why"] == "done" for rec in records(c, "job", ranks).values())
 
 
+def test_a_partition_between_a_worker_and_the_head_stops_the_gang_on_both_sides(cluster_of: Any) -> None:
+    """n1 and the head stop hearing each other (every byte dropped, nothing reset: a lost route), while
+    both agents live: after ``lost_after`` the head fails the gang naming n1 and stops the ranks of n0 and
+    n2, and n1's agent, hearing nothing from the head, stops its own rank (all or nothing: no half of the
+    gang runs on). Healed, n1 joins again and the head's verdict stands."""
+    c = cluster_of(3, lost_after=2.0, via_proxy=("n1",))
+    ranks = {n: [i] for i, n in enumerate(c.roots)}
+    asyncio.run(with_client(c.client(), lambda cl: cl.start("job", c.plan("job", ranks, SLEEP), grace=1.0)))
+    assert c.proxy is not None
+    t0 = time.time()
+    c.proxy.partition()
+    assert _wait_for(lambda: over(c, "job", ranks), 15), records(c, "job", ranks)
+    ends = records(c, "job", ranks)
+    took = max(r["end"] for r in ends.values()) - t0
+    print(f"\nnode agent: n1 partitioned from the head -> every rank gone: {took:.3f} s (lost_after 2 s)")
+    assert 2.0 - 0.2 - 0.1 <= took < 5.0, took  # lost_after, with the margins of the lost-agent tests
+    for r in (0, 2):
+        assert ends[r]["code"] == 143 and "node n1 (ranks 1) lost" in ends[r]["why"], ends[r]
+    assert ends[1]["code"] == 143 and "head node lost" in ends[1]["why"], ends[1]
+    c.proxy.partition(False)
+    status = final_status(c, "job")
+    assert status.state == "failed" and "node n1 (ranks 1) lost" in status.reason, status
+    assert [r.state for r in status.ranks if r.rank != 1] == ["exited", "exited"], status
+
+
 def test_the_agents_command_line_is_checked_before_a_node_runs_it() -> None:
     with pytest.raises(ValueError, match="either listens"):
         agent_args("/a.py", "n0", "/t", listen="0.0.0.0:7000", head="10.0.0.1:7000")

@@ -42,6 +42,8 @@ class Proxy:
         self.loop = asyncio.new_event_loop()
         self.writers: set[asyncio.StreamWriter] = set()
         self.connections = 0
+        #: a partition: every byte is dropped and nothing is reset (as a network that lost its route)
+        self.partitioned = False
         ready = threading.Event()
 
         def run() -> None:
@@ -58,6 +60,8 @@ class Proxy:
     async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         try:
             while data := await r.read(65536):
+                if self.partitioned:
+                    continue
                 self.captured.extend(data)
                 w.write(data)
                 await w.drain()
@@ -68,6 +72,10 @@ class Proxy:
 
     async def _relay(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         self.connections += 1
+        while self.partitioned:  # a connection attempt into the partition hears nothing
+            if await r.read(65536) == b"":
+                w.close()
+                return
         try:
             hr, hw = await asyncio.open_connection(*self.target)
         except OSError:
@@ -85,6 +93,10 @@ class Proxy:
                 w.transport.abort()
 
         self.loop.call_soon_threadsafe(reset)
+
+    def partition(self, on: bool = True) -> None:
+        """Drop every byte both ways from now on (``on=False``: relay again), resetting nothing."""
+        self.partitioned = on
 
     def close(self) -> None:
         async def shutdown() -> None:
