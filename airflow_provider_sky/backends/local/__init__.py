@@ -32,5 +32,11 @@ BACKEND = BackendInfo(
             "description": "e.g. H100:8; empty: found with nvidia-smi / rocm-smi",
             "schema": {"type": ["string", "null"]},
         },
+        "node_agent": {
+            "label": "Node agents",
+            "description": "Start a node agent on each node when it has python3: the gang's fail-fast and status "
+            "then live on its head node (off: every node is polled and cancelled by a script)",
+            "schema": {"type": ["boolean", "null"], "default": True},
+        },
     },
 )
