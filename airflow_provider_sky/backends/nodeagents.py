@@ -74,11 +74,12 @@ def forget(key: tuple[Any, ...]) -> None:
         _TOKENS.pop(key, None)
 
 
-def agents_on(config: Any, key: str = "node_agent") -> bool:
-    """A connection's ``node_agent`` setting: on unless it says false (``false``, ``0``, ``no``, ``off``)."""
+def agents_on(config: Any, default: bool = True, key: str = "node_agent") -> bool:
+    """A connection's ``node_agent`` setting (``true``/``false``, ``1``/``0``, ``yes``/``no``, ``on``/``off``),
+    ``default`` when it is not set."""
     value = config.get(key) if hasattr(config, "get") else None
     if value in (None, ""):
-        return True
+        return default
     if isinstance(value, str):
         return value.strip().lower() not in ("0", "false", "no", "off")
     return bool(value)

@@ -34,9 +34,9 @@ BACKEND = BackendInfo(
         },
         "node_agent": {
             "label": "Node agents",
-            "description": "Start a node agent on each node when it has python3: the gang's fail-fast and status "
-            "then live on its head node (off: every node is polled and cancelled by a script)",
-            "schema": {"type": ["boolean", "null"], "default": True},
+            "description": "Start a node agent per local node (off by default: on one machine the rank "
+            "wrappers already stop a failed gang's siblings with nothing polling)",
+            "schema": {"type": ["boolean", "null"], "default": False},
         },
     },
 )

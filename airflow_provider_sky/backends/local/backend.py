@@ -140,10 +140,13 @@ class LocalBackend(Backend):
         self,
         state_dir: str | os.PathLike[str] | None = None,
         accelerators: str | None = None,
-        node_agent: bool = True,
+        node_agent: bool = False,
     ) -> None:
         self.state_dir = Path(state_dir) if state_dir else default_state_dir()
-        #: a node agent per local node (``backends/nodeagents.py``), the head's on 127.0.0.1
+        #: a node agent per local node (``backends/nodeagents.py``), the head's on 127.0.0.1. Off unless
+        #: the connection turns it on: every local node is on this machine, where the rank wrappers
+        #: already stop their siblings with nothing polling and a status is one call per poll; an
+        #: agent would add a Python process per node and no guarantee
         self.node_agent = node_agent
         self.agents = HostAgents(self.kind, self.runner, _map, listen="127.0.0.1", head_address=_loopback)
         self.base = self.state_dir / "local"
@@ -158,7 +161,7 @@ class LocalBackend(Backend):
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> LocalBackend:
-        return cls(config.get("state_dir"), config.get("accelerators"), agents_on(config))
+        return cls(config.get("state_dir"), config.get("accelerators"), agents_on(config, default=False))
 
     def inventory(self) -> Inventory:
         """This machine's GPUs: declared in the connection, else found with nvidia-smi / rocm-smi (once)."""
@@ -184,7 +187,7 @@ class LocalBackend(Backend):
         )
 
     def config(self) -> dict[str, Any]:
-        return {"state_dir": str(self.state_dir)} | ({} if self.node_agent else {"node_agent": False})
+        return {"state_dir": str(self.state_dir)} | ({"node_agent": True} if self.node_agent else {})
 
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
