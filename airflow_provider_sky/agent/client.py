@@ -89,9 +89,15 @@ class AgentRank:
         return self.state in TERMINAL
 
     @property
+    def on_lost_node(self) -> bool:
+        """Its own node was lost (the head heard nothing from its agent): the gang's failure itself, not
+        a cancel that reached it (its ``why`` then says why the node was lost)."""
+        return self.state == "lost" and self.why.startswith(f"node {self.node} lost:")
+
+    @property
     def reason(self) -> str:
         """The cancel reason as users read it (``rank 2 failed first: exited with code 1``)."""
-        return runtime.node_cancel_reason(self.why) if self.why else ""
+        return runtime.node_cancel_reason(self.why) if self.why and not self.on_lost_node else ""
 
     def to_raw(self, job_id: str) -> runtime.RawRankStatus:
         """The rank as the per-node status script reports it, for the gang policy (``gang.classify``):
@@ -105,7 +111,7 @@ class AgentRank:
             start=self.start,
             end=self.end,
             log_size=self.log_size or 0,
-            cancel_requested=bool(self.why),
+            cancel_requested=bool(self.why) and not self.on_lost_node,
             log_offset=0,
             log_chunk=b"",
             orphaned=self.orphaned,

@@ -19,42 +19,29 @@ from the head pod once per process (:func:`token_of`), keyed by the head pod and
 from __future__ import annotations
 
 import logging
-import secrets
 import shlex
-import threading
-from typing import Any
 
-from airflow_provider_sky.agent import agent_args, agent_source, new_token
+from airflow_provider_sky.agent import agent_args, new_token
+from airflow_provider_sky.backends import nodeagents
+from airflow_provider_sky.backends.nodeagents import (
+    EXTRA_KEY,
+    agent_file_lines,
+    endpoint,
+    new_port,
+    token_line,
+)
 
 log = logging.getLogger(__name__)
 
 #: the agent's directory under the pod's home (0700): agent.py, token (0600), run.sh
 AGENT_DIR = ".sky_agent"
-#: the handle's ``extra`` key: ``{"host": head pod IP, "port": P}`` (no secret)
-EXTRA_KEY = "agent"
 #: how many times (0.1 s apart) the provisioning exec wakes the pod's entrypoint until it runs the agent
 AGENT_WAKE_TRIES = 300
-#: the agents' ports: random per cluster, above the usual service ports
-PORT_RANGE = (20000, 60000)
-_MARK = "SKY_AGENT_FILE_END_7f3c"
-
-_TOKENS: dict[tuple[str, str, int], bytes] = {}
-_TOKENS_LOCK = threading.Lock()
-
-
-def new_port() -> int:
-    return PORT_RANGE[0] + secrets.randbelow(PORT_RANGE[1] - PORT_RANGE[0])
 
 
 def start_script(pod: str, token: bytes, head_ip: str, port: int, head: bool) -> str:
     """The per-pod script of the provisioning exec: prints the pod's home, then ``AGENT`` after it set
     up and woke the agent, or ``NOPYTHON``. The token is in the script (on stdin), not on a command line."""
-    source = agent_source()
-    if _MARK in source:  # pragma: no cover - the heredoc's end marker must not occur in the file
-        raise ValueError("the agent's source contains the heredoc marker")
-    tok = token.decode()
-    if not tok.isalnum():
-        raise ValueError("the cluster token must be hex")
     d = '"$h"/' + AGENT_DIR
     if head:
         args = agent_args("AGENT_PY", pod, "TOKEN_FILE", listen=f"0.0.0.0:{port}")
@@ -69,11 +56,9 @@ def start_script(pod: str, token: bytes, head_ip: str, port: int, head: bool) ->
             "command -v python3 >/dev/null 2>&1 || { echo NOPYTHON; exit 0; }",
             "umask 077",
             f"mkdir -p {d} && chmod 700 {d} || exit 1",
-            f"cat > {d}/agent.py.tmp <<'{_MARK}'",
-            source.rstrip("\n"),
-            _MARK,
+            *agent_file_lines(f"{d}/agent.py.tmp"),
             f"mv {d}/agent.py.tmp {d}/agent.py || exit 1",
-            f"printf '%s\\n' '{tok}' > {d}/token.tmp && chmod 600 {d}/token.tmp && mv {d}/token.tmp {d}/token",
+            token_line(token, f"{d}/token"),
             f"printf '%s\\n' {shlex.quote(run)} > {d}/run.sh.tmp && mv {d}/run.sh.tmp {d}/run.sh",
             # pid 1 is the entrypoint idling: woken, it execs run.sh. A wake-up can be lost (a signal
             # before its trap is set, or between its look for run.sh and its wait): sent again while
@@ -92,29 +77,15 @@ def token_script() -> str:
 
 
 def remember(namespace: str, head_pod: str, port: int, token: bytes) -> None:
-    with _TOKENS_LOCK:
-        _TOKENS[(namespace, head_pod, port)] = token
+    nodeagents.remember(("kubernetes", namespace, head_pod, port), token)
 
 
 def cached(namespace: str, head_pod: str, port: int) -> bytes | None:
-    with _TOKENS_LOCK:
-        return _TOKENS.get((namespace, head_pod, port))
+    return nodeagents.cached(("kubernetes", namespace, head_pod, port))
 
 
 def forget(namespace: str, head_pod: str, port: int) -> None:
-    with _TOKENS_LOCK:
-        _TOKENS.pop((namespace, head_pod, port), None)
-
-
-def endpoint(extra: Any) -> tuple[str, int] | None:
-    """The head agent's address from a handle's ``extra`` (None: no agents on this cluster)."""
-    info = extra.get(EXTRA_KEY) if hasattr(extra, "get") else None
-    if not isinstance(info, dict):
-        return None
-    host, port = info.get("host"), info.get("port")
-    if not isinstance(host, str) or not host or not isinstance(port, int):
-        return None
-    return host, port
+    nodeagents.forget(("kubernetes", namespace, head_pod, port))
 
 
 __all__ = [

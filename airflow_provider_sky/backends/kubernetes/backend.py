@@ -14,7 +14,6 @@ the pod.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import dataclasses
 import logging
@@ -24,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
+from airflow_provider_sky.backends import nodeagents
 from airflow_provider_sky.backends.base import (
     Backend,
     BackendError,
@@ -90,10 +90,10 @@ NEEDED_PERMISSIONS = (
 #: the head pod's Service for ``resources.ports`` (a refusal then names the rule)
 OPTIONAL_PERMISSIONS = (("create", "services", None),)
 #: how long provisioning waits for every pod's agent to join the head's (else: the per-node path)
-AGENT_JOIN_WAIT = 60.0
+AGENT_JOIN_WAIT = nodeagents.AGENT_JOIN_WAIT
 #: and how long for the head's agent to answer this control plane at all (pod IPs may be unreachable
 #: from outside the cluster: then the per-node path at once, not after AGENT_JOIN_WAIT)
-AGENT_REACH_WAIT = 10.0
+AGENT_REACH_WAIT = nodeagents.AGENT_REACH_WAIT
 #: a pod create answered 429 or 5xx is tried this often in all
 CREATE_TRIES = 4
 _POLL = 0.5
@@ -532,52 +532,7 @@ class KubernetesBackend(Backend):
     def _agents_joined(self, name: str, host: str, port: int, token: bytes, pods: list[str]) -> bool:
         """Whether this control plane reaches the head agent and every pod's agent joined it (within
         ``AGENT_JOIN_WAIT``): else the cluster keeps the per-node path (found at start, said in the log)."""
-        from airflow_provider_sky.agent.client import AgentClient, AgentError
-        from airflow_provider_sky.aio import run_sync
-
-        async def joined() -> list[str]:
-            client = AgentClient(host, port, token, timeout=3.0)
-            start = time.monotonic()
-            deadline = start + AGENT_JOIN_WAIT
-            missing = list(pods)
-            reached = False
-            try:
-                while time.monotonic() < deadline:
-                    try:
-                        up = await client.nodes()
-                        reached = True
-                    except AgentError:
-                        up = {}
-                        if not reached and time.monotonic() - start > AGENT_REACH_WAIT:
-                            break  # this control plane does not reach the pods: no use waiting
-                    missing = [p for p in pods if not (up.get(p) or {}).get("up")]
-                    if not missing:
-                        return []
-                    await asyncio.sleep(0.2)
-            finally:
-                await client.aclose()
-            return missing
-
-        t0 = time.monotonic()
-        missing = run_sync(joined())
-        if not missing:
-            log.info(
-                "cluster %s: %d node agents joined the head's in %.1fs",
-                name,
-                len(pods),
-                time.monotonic() - t0,
-            )
-        else:
-            log.warning(
-                "cluster %s: the node agents of %s did not join the head agent at %s:%s within %ss "
-                "(or this control plane cannot reach it): the cluster uses the per-node path",
-                name,
-                ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""),
-                host,
-                port,
-                AGENT_JOIN_WAIT,
-            )
-        return not missing
+        return nodeagents.joined(name, host, port, token, pods, AGENT_JOIN_WAIT, AGENT_REACH_WAIT)
 
     def agent_endpoint(self, handle: ClusterHandle) -> tuple[str, int, bytes] | None:
         """The head agent's address (the handle's) and the cluster's token: cached in this process,

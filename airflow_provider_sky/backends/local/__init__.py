@@ -32,5 +32,11 @@ BACKEND = BackendInfo(
             "description": "e.g. H100:8; empty: found with nvidia-smi / rocm-smi",
             "schema": {"type": ["string", "null"]},
         },
+        "node_agent": {
+            "label": "Node agents",
+            "description": "Start a node agent per local node (off by default: on one machine the rank "
+            "wrappers already stop a failed gang's siblings with nothing polling)",
+            "schema": {"type": ["boolean", "null"], "default": False},
+        },
     },
 )

@@ -23,7 +23,8 @@ import logging
 import os
 import shutil
 import socket
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ from airflow_provider_sky.backends.base import (
 )
 from airflow_provider_sky.backends.local.topdir import mark_topdir
 from airflow_provider_sky.backends.local.trash import discard
+from airflow_provider_sky.backends.nodeagents import EXTRA_KEY, HostAgents, agents_on
 from airflow_provider_sky.model.gang import rank_order
 from airflow_provider_sky.node import runtime
 from airflow_provider_sky.node.accelerators import Inventory, detect_local, indices_text, pack, parse_declared
@@ -135,9 +137,18 @@ class LocalBackend(Backend):
     )
 
     def __init__(
-        self, state_dir: str | os.PathLike[str] | None = None, accelerators: str | None = None
+        self,
+        state_dir: str | os.PathLike[str] | None = None,
+        accelerators: str | None = None,
+        node_agent: bool = False,
     ) -> None:
         self.state_dir = Path(state_dir) if state_dir else default_state_dir()
+        #: a node agent per local node (``backends/nodeagents.py``), the head's on 127.0.0.1. Off unless
+        #: the connection turns it on: every local node is on this machine, where the rank wrappers
+        #: already stop their siblings with nothing polling and a status is one call per poll; an
+        #: agent would add a Python process per node and no guarantee
+        self.node_agent = node_agent
+        self.agents = HostAgents(self.kind, self.runner, _map, listen="127.0.0.1", head_address=_loopback)
         self.base = self.state_dir / "local"
         #: dot-prefixed: no cluster name starts with a dot, so no cluster's tree can be the records
         self.records = self.base / RECORDS_DIR
@@ -150,7 +161,7 @@ class LocalBackend(Backend):
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> LocalBackend:
-        return cls(config.get("state_dir"), config.get("accelerators"))
+        return cls(config.get("state_dir"), config.get("accelerators"), agents_on(config, default=False))
 
     def inventory(self) -> Inventory:
         """This machine's GPUs: declared in the connection, else found with nvidia-smi / rocm-smi (once)."""
@@ -176,7 +187,7 @@ class LocalBackend(Backend):
         )
 
     def config(self) -> dict[str, Any]:
-        return {"state_dir": str(self.state_dir)}
+        return {"state_dir": str(self.state_dir)} | ({"node_agent": True} if self.node_agent else {})
 
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
@@ -311,11 +322,41 @@ class LocalBackend(Backend):
         if problems := self.spec_problems(spec):  # checked before provisioning too (hook.check)
             raise problems_error(self.kind, problems)
 
+        made: list[bool] = []
+
         def attempt() -> ClusterHandle:
             with self._lock():
+                made[:] = [self._load(name) is None]
                 return self._provision_locked(name, spec, holder)
 
-        return self._wait_out_teardown(attempt, 0.2)
+        handle = self._wait_out_teardown(attempt, 0.2)
+        if made == [True] and self.node_agent:
+            handle = self._start_agents(handle)
+        return handle
+
+    # -- node agents ------------------------------------------------------------------------------
+
+    def _start_agents(self, handle: ClusterHandle) -> ClusterHandle:
+        """A new cluster's node agents, one process per node; once every one joined the head, the
+        record says where the head listens (``extra["agent"]``). Else the per-node path."""
+        where = self.agents.start(handle.name, handle.nodes)
+        if where is None:
+            return handle
+        with self._lock():
+            record = self._load(handle.name)
+            if record is None or record.get("down"):
+                return handle  # torn down meanwhile: its teardown ended the agents
+            record["extra"] = {**(record.get("extra") or {}), EXTRA_KEY: where}
+            self._store(handle.name, record)
+            return ClusterHandle.from_dict(record)
+
+    def agent_endpoint(self, handle: ClusterHandle) -> tuple[str, int, bytes] | None:
+        """The head agent's address (the handle's) and the token: cached in this process, else read
+        from the head node's directory (one call)."""
+        return self.agents.endpoint(handle)
+
+    def forget_agent(self, handle: ClusterHandle) -> None:
+        self.agents.forget(handle)
 
     def _provision_locked(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
         acc = spec.resources.accelerators
@@ -479,6 +520,25 @@ class LocalBackend(Backend):
             else:
                 self._store(name, left)
         return teardown_result(unclean, nodes)
+
+
+def _loopback(node: Node) -> str:
+    return "127.0.0.1"
+
+
+def _map(fn: Callable[[Node], Any], nodes: Sequence[Node]) -> list[Any]:
+    """``fn`` over ``nodes``, 16 at a time; exceptions are returned, not raised."""
+
+    def safe(node: Node) -> Any:
+        try:
+            return fn(node)
+        except Exception as exc:  # reported per node by the caller
+            return exc
+
+    if not nodes:
+        return []
+    with ThreadPoolExecutor(min(16, len(nodes))) as pool:
+        return list(pool.map(safe, nodes))
 
 
 def _reported(output: str, word: str) -> set[str]:

@@ -66,6 +66,12 @@ BACKEND = BackendInfo(
             "gang with retries",
             "schema": _STR,
         },
+        "node_agent": {
+            "label": "Node agents",
+            "description": "Start a node agent on each host when it has python3: the gang's fail-fast and status "
+            "then live on its head host (off: every host is polled and cancelled over SSH)",
+            "schema": {"type": ["boolean", "null"], "default": True},
+        },
         "ssh_conn_id": {
             "label": "Reuse an ssh connection",
             "description": "Take hosts, user and key from this standard ssh connection",

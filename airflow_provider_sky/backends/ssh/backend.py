@@ -46,6 +46,7 @@ from airflow_provider_sky.backends.base import (
     with_resources_recorded,
 )
 from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
+from airflow_provider_sky.backends.nodeagents import EXTRA_KEY, HostAgents, endpoint
 from airflow_provider_sky.backends.ssh.claim import CLAIM_SCRIPT, RELEASE_SCRIPT, TEARDOWN_GUARD, owner_of
 from airflow_provider_sky.backends.ssh.config import SSHSettings, host_layout, parse_ssh_config
 from airflow_provider_sky.model.gang import rank_order
@@ -167,6 +168,9 @@ class SSHBackend(Backend):
         self._runners: dict[tuple[str, int], SSHRunner] = {}
         self._probes: dict[tuple[str, int], tuple[float, HostProbe | Exception]] = {}
         self._probes_lock = threading.Lock()
+        #: the hosts' node agents: the head listens on every address of its host (the others and the
+        #: control plane reach it at its node's IP; nothing is accepted before the token is proven)
+        self.agents = HostAgents(self.kind, self.runner, self._map, listen="0.0.0.0")
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> SSHBackend:
@@ -488,7 +492,11 @@ class SSHBackend(Backend):
             ClusterHandle(name=name, backend=self.kind, nodes=tuple(nodes), cloud="ssh"), res
         )
 
+        made = False
+
         def join(record: dict[str, Any] | None) -> tuple[dict[str, Any], ClusterHandle]:
+            nonlocal made
+            made = record is None
             if record is None:
                 return new_record(fresh, holder), fresh
             check_reusable(record, name, spec.num_nodes)  # it may have changed since it was read
@@ -517,7 +525,34 @@ class SSHBackend(Backend):
         spare = [p for p in claimed if (p.host, p.port) not in used]  # joined a cluster made meanwhile
         if spare:
             self._release(name, spare)
+        if made and self.settings.node_agent:
+            handle = self._start_agents(handle)
         return handle
+
+    # -- node agents ------------------------------------------------------------------------------
+
+    def _start_agents(self, handle: ClusterHandle) -> ClusterHandle:
+        """A new cluster's node agents, one per host; once every one joined the head, the record says
+        where the head listens (``extra["agent"]``: address and port only). Else the per-node path."""
+        where = self.agents.start(handle.name, handle.nodes)
+        if where is None:
+            return handle
+
+        def note(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, ClusterHandle]:
+            if record is None or record.get("down"):
+                return record, handle  # torn down meanwhile: its teardown ends the agents
+            record = {**record, "extra": {**(record.get("extra") or {}), EXTRA_KEY: where}}
+            return record, ClusterHandle.from_dict(record)
+
+        return self.records.update(handle.name, note)
+
+    def agent_endpoint(self, handle: ClusterHandle) -> tuple[str, int, bytes] | None:
+        """The head agent's address (the handle's) and the token: cached in this process, else read
+        from the head host (one call)."""
+        return self.agents.endpoint(handle)
+
+    def forget_agent(self, handle: ClusterHandle) -> None:
+        self.agents.forget(handle)
 
     def replace_nodes(self, handle: ClusterHandle, ranks: Sequence[int]) -> ClusterHandle:
         """A lost host's rank goes to the first spare host (``spare_hosts``) that answers, has what the
@@ -577,7 +612,23 @@ class SSHBackend(Backend):
                     )
             return record, ClusterHandle.from_dict(record)
 
-        return self.records.update(name, change)
+        new = self.records.update(name, change)
+        self._agents_for_replaced(handle, new, ranks)
+        return new
+
+    def _agents_for_replaced(self, old: ClusterHandle, new: ClusterHandle, ranks: Sequence[int]) -> None:
+        """The agent of each host that took a lost host's rank joins the head (the gang's next start
+        through the head names it); without one the cluster's start takes the per-node path."""
+        where = endpoint(new.extra)
+        if where is None:
+            return
+        found = self.agent_endpoint(new)
+        if found is None:
+            return
+        for rank in ranks:
+            node = new.nodes[rank]
+            if node.node_id != old.nodes[rank].node_id and rank > 0:
+                self.agents.start_one(node, new.nodes[0], where, found[2])
 
     def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
         """See :meth:`Backend.terminate`. The record on the head is updated first (the lease released,

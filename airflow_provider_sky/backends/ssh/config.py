@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from airflow_provider_sky.backends.base import BackendError
+from airflow_provider_sky.backends.nodeagents import agents_on
 from airflow_provider_sky.node.accelerators import Inventory, declared_inventory
 from airflow_provider_sky.runners.ssh.config import HostKeyPolicy, is_policy
 
@@ -41,6 +42,9 @@ class SSHSettings:
     accelerators: Any = None
     #: hosts kept aside: one takes the rank of a host lost during a gang with retries (``spare_hosts``)
     spare_hosts: tuple[str, ...] = ()
+    #: start a node agent on each host that has python3 (``backends/nodeagents.py``); off: the
+    #: per-node path only (``node_agent: false``)
+    node_agent: bool = True
 
 
 def _given(value: Any) -> bool:
@@ -125,6 +129,7 @@ def parse_ssh_config(config: Mapping[str, Any]) -> SSHSettings:
         max_parallel=number(config, "max_parallel", DEFAULT_MAX_PARALLEL, int),
         accelerators=config.get("accelerators"),
         spare_hosts=_spares(config.get("spare_hosts")),
+        node_agent=agents_on(config),
     )
 
 

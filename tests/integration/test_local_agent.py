@@ -1,0 +1,90 @@
+"""The node agent on the local backend (``node_agent: true``): an agent process per local node, started
+through the local runner, the head on 127.0.0.1; the same code as the SSH hosts' (``backends/nodeagents.py``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from leaks import job_processes
+
+from airflow_provider_sky.backends.local import LocalBackend
+from airflow_provider_sky.backends.nodeagents import EXTRA_KEY, endpoint
+from airflow_provider_sky.backends.registry import by_kind
+from airflow_provider_sky.spec import task_from_args
+from airflow_provider_sky.watch.jobs import GangClient
+
+N = 4
+#: see tests/integration/test_ssh_agent.py
+FAILFAST_MARGIN = 3.0
+
+
+def _agents(state: Path) -> list[tuple[int, str]]:
+    return [(pid, cmd) for pid, cmd in job_processes(state) if "agent.py --node " in cmd]
+
+
+def test_agents_are_off_unless_the_connection_turns_them_on(sky_home: Path) -> None:
+    assert not by_kind("local").make({"state_dir": str(sky_home)}).node_agent  # type: ignore[attr-defined]
+    b = by_kind("local").make({"state_dir": str(sky_home), "node_agent": "true"})
+    assert isinstance(b, LocalBackend) and b.node_agent
+    h = LocalBackend(sky_home).provision("off", task_from_args(num_nodes=2, run="true"))
+    assert EXTRA_KEY not in h.extra and _agents(sky_home) == []
+    LocalBackend(sky_home).terminate("off")
+
+
+def test_a_gang_with_agents_fails_fast_with_nothing_polling_and_teardown_leaves_nothing(sky_home: Path) -> None:
+    b = LocalBackend(sky_home, node_agent=True)
+    h = b.provision("agt", task_from_args(num_nodes=N, run="true"))
+    try:
+        assert endpoint(h.extra) == ("127.0.0.1", h.extra[EXTRA_KEY]["port"])
+        agents = _agents(sky_home)
+        assert sorted(cmd.split("--node ")[1].split()[0] for _, cmd in agents) == [f"node-{i}" for i in range(N)]
+        token = Path(f"{h.nodes[0].root}/.agent/token").read_bytes().strip()
+        assert oct(os.stat(f"{h.nodes[0].root}/.agent/token").st_mode & 0o777) == "0o600"
+        for pid, _ in agents:  # the token is in its file only
+            assert token not in Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert token not in Path(f"/proc/{pid}/environ").read_bytes()
+        b.forget_agent(h)
+        found = b.agent_endpoint(h)
+        assert found is not None and found[2] == token
+
+        run = f'if [ "$SKYPILOT_NODE_RANK" = "{N - 1}" ]; then sleep 2; exit 1; fi; sleep 10000'
+        c = GangClient(b, h)
+        c.launch(task_from_args(num_nodes=N, run=run), "ff")
+        assert (c.agent_calls, c.node_calls) == (1, 0)
+        time.sleep(2 + FAILFAST_MARGIN)  # nothing polls meanwhile
+        status = c.peek("ff")
+        assert (c.agent_calls, c.node_calls) == (2, 0)
+        states = {r.rank: r.state.value for r in status.ranks}
+        assert states == {0: "cancelled", 1: "cancelled", 2: "cancelled", N - 1: "failed"}, status.ranks
+        assert f"rank {N - 1} failed first" in status.by_rank(0).reason
+    finally:
+        assert b.terminate("agt").removed
+    deadline = time.monotonic() + 5
+    while job_processes(sky_home) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job_processes(sky_home) == []  # no agent, no rank left
+
+
+def test_a_machine_without_python3_keeps_the_per_node_path(
+    sky_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = tmp_path / "bin"  # this machine's tools, without any python
+    bin_dir.mkdir()
+    for d in ("/usr/local/bin", "/usr/bin", "/bin"):
+        for tool in Path(d).iterdir() if Path(d).is_dir() else ():
+            if not tool.name.startswith("python") and not (bin_dir / tool.name).exists():
+                (bin_dir / tool.name).symlink_to(tool)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    b = LocalBackend(sky_home, node_agent=True)
+    h = b.provision("nopy", task_from_args(num_nodes=2, run="true"))
+    try:
+        assert EXTRA_KEY not in h.extra and b.agent_endpoint(h) is None
+        assert _agents(sky_home) == []
+        c = GangClient(b, h)
+        c.launch(task_from_args(num_nodes=2, run="true"), "j")
+        assert c.agent_calls == 0
+    finally:
+        b.terminate("nopy")
