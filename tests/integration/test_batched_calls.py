@@ -294,6 +294,7 @@ def test_a_rank_that_ends_during_a_poll_is_not_reported_with_a_short_log(
 
 @needs_sshd
 def test_ssh_keeps_one_call_per_node(tmp_path: Path) -> None:
+    """The per-node path (hosts without node agents): a poll and a cancel are one call per host."""
     from airflow_provider_sky.backends.ssh import SSHBackend
 
     with SSHDCluster(3, tmp_path) as c:
@@ -305,6 +306,7 @@ def test_ssh_keeps_one_call_per_node(tmp_path: Path) -> None:
                 known_hosts=c.known_hosts_path,
                 connect_timeout=5.0,
                 ready_timeout=5.0,
+                node_agent=False,
             )
             spec = task_from_args(num_nodes=3, run='echo "on $(whoami)"; sleep 600')
             client = GangClient(b, b.provision("s3", spec))

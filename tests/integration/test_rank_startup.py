@@ -1,4 +1,5 @@
-"""A rank task's start-up costs one remote call, to its own rank's node.
+"""A rank task's start-up costs one remote call, to its own rank's node (the per-node path: with node
+agents it is one call to the head, tests/integration/test_ssh_agent.py).
 
 Each rank task used to poll the whole gang to read its own rank: N rank tasks starting together made N²
 calls, which queued past the status timeout on 2 cores and hung a 64-rank run. Real SSH hosts, so the
@@ -24,12 +25,13 @@ pytestmark = needs_sshd
 
 def test_a_rank_task_looks_at_its_own_rank_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with SSHDCluster(3, tmp_path) as c:
-        monkeypatch.setenv("AIRFLOW_CONN_SKY_STARTUP", c.sky_ssh_connection())
+        monkeypatch.setenv("AIRFLOW_CONN_SKY_STARTUP", c.sky_ssh_connection(node_agent=False))
         hook_conf = {
             "key_file": c.client_key_path,
             "known_hosts": c.known_hosts_path,
             "connect_timeout": 5.0,
             "ready_timeout": 5.0,
+            "node_agent": False,
         }
         b = SSHBackend(c.host_list(), user="", **hook_conf)  # type: ignore[arg-type]
         spec = task_from_args(num_nodes=3, run='if [ "$SKYPILOT_NODE_RANK" = 1 ]; then exit 0; fi; sleep 600')

@@ -352,9 +352,9 @@ class SSHDCluster:
         """``user@host:port`` of every node, head first: the hosts of a ``sky_ssh`` connection."""
         return [f"{n.user}@{n.host}:{n.port}" for n in self.nodes]
 
-    def sky_ssh_connection(self) -> str:
+    def sky_ssh_connection(self, **extra_fields: Any) -> str:
         """A ``sky_ssh`` connection over every node, as JSON for an ``AIRFLOW_CONN_*`` variable."""
-        extra = {"key_file": self.client_key_path, "known_hosts": self.known_hosts_path}
+        extra = {"key_file": self.client_key_path, "known_hosts": self.known_hosts_path, **extra_fields}
         return json.dumps({"conn_type": "sky_ssh", "host": ",".join(self.host_list()), "extra": extra})
 
     def rank_processes(self) -> dict[str, list[tuple[int, str]]]:
