@@ -115,7 +115,9 @@ class AgentRank:
             log_offset=0,
             log_chunk=b"",
             orphaned=self.orphaned,
-            cancel_reason=self.reason,
+            # a lost node's rank: the head's word on why its node was lost (``its agent stopped
+            # answering for 10s``), which the gang policy tells as the rank's reason
+            cancel_reason=self.why.split(" lost: ", 1)[1] if self.on_lost_node else self.reason,
             oom=self.oom,
             hung=self.hung,
             progress=self.progress,

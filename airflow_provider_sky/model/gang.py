@@ -227,11 +227,12 @@ def classify(raw: RawRankStatus, ip: str, observed_at: float) -> RankStatus:
             st.state, st.reason = CANCELLED, cancelled
         else:
             st.state = LOST
-            st.reason = (
-                f"node {ip} lost: the rank's process vanished without an exit code"
-                if raw.state == "lost"
-                else f"node {ip} lost: the rank's job directory is gone"
-            )
+            if raw.state == "missing":
+                why = "the rank's job directory is gone"
+            else:  # the head agent's word on why, when it found the node lost
+                why = raw.cancel_reason or "the rank's process vanished without an exit code"
+            st.reason = f"node {ip} lost: {why}"
+
             st.end = st.end or observed_at
     elif raw.state == "pending":
         st.state = PENDING

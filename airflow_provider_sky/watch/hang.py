@@ -105,8 +105,9 @@ class HangWatch:
         reason = hang_reason(self.timeout, ranks)
         log.warning("Job %s: %s; dumping their stacks, then cancelling the gang", job_id, reason)
         await dump_stacks(client, job_id, ranks, reason)
-        pending = [r.rank for r in poll.status.ranks if not r.terminal]
-        await client.acancel(job_id, pending, grace, wait=False, reason=reason)
+        # the whole gang (a rank that ended is left as it is): on a cluster with node agents that is one
+        # call, and the head's verdict is this reason before it sees a hung rank's SIGTERM exit
+        await client.acancel(job_id, None, grace, wait=False, reason=reason)
         poll.status.cancel_requested = True
         poll.status.cancel_reason = reason
 
