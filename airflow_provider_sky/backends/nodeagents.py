@@ -28,6 +28,7 @@ import shlex
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from airflow_provider_sky.agent import agent_args, agent_source, new_token
@@ -269,15 +270,18 @@ class HostAgents:
         *,
         listen: str = "0.0.0.0",
         head_address: Callable[[Node], str] | None = None,
+        reach: Callable[[Node, int], tuple[str, int]] | None = None,
     ) -> None:
         #: ``kind``: the backend's (the token cache's key); ``map_fn``: the backend's bounded parallel map
         #: (exceptions returned); ``listen``: the head's bind address; ``head_address``: where the other
-        #: nodes and the control plane reach the head (default: its node's IP)
+        #: nodes reach the head (default: its node's IP); ``reach``: where this control plane reaches the
+        #: head's port (default: the same address; EC2: a relay over SSH)
         self.kind = kind
         self.runner_of = runner_of
         self.map_fn = map_fn
         self.listen = listen
         self.head_address = head_address or (lambda n: n.ip)
+        self.reach = reach
 
     def start(self, name: str, nodes: Sequence[Node]) -> dict[str, Any] | None:
         """Start every node's agent and check they joined the head: the handle's ``extra["agent"]``, or
@@ -326,7 +330,8 @@ class HostAgents:
                 )
                 self.stop(started)
                 return None
-            if not joined(name, address, port, token, [n.node_id for n in nodes]):
+            here = self.reach(head, port) if self.reach is not None else (address, port)
+            if not joined(name, here[0], here[1], token, [n.node_id for n in nodes]):
                 self.stop(started)
                 return None
         except Exception as exc:  # a host that did not answer: the per-node path, the cluster still works
@@ -370,12 +375,30 @@ class HostAgents:
                 )
                 return None
             remember(key, token)
+        if self.reach is not None:
+            host, port = self.reach(head, port)
         return host, port, token
 
     def forget(self, handle: Any) -> None:
         where = endpoint(handle.extra)
         if where is not None and handle.nodes:
             forget(host_token_key(self.kind, handle.nodes[0], where[1]))
+
+
+def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any], most: int = 16) -> list[Any]:
+    """``fn`` over ``items``, ``most`` at a time; exceptions are returned, not raised (reported per item
+    by the caller)."""
+
+    def safe(item: Any) -> Any:
+        try:
+            return fn(item)
+        except Exception as exc:
+            return exc
+
+    if not items:
+        return []
+    with ThreadPoolExecutor(min(most, len(items))) as pool:
+        return list(pool.map(safe, items))
 
 
 __all__ = [
@@ -393,6 +416,7 @@ __all__ = [
     "host_start_script",
     "joined",
     "new_port",
+    "parallel_map",
     "remember",
     "token_line",
 ]

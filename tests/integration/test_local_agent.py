@@ -34,13 +34,17 @@ def test_agents_are_off_unless_the_connection_turns_them_on(sky_home: Path) -> N
     LocalBackend(sky_home).terminate("off")
 
 
-def test_a_gang_with_agents_fails_fast_with_nothing_polling_and_teardown_leaves_nothing(sky_home: Path) -> None:
+def test_a_gang_with_agents_fails_fast_with_nothing_polling_and_teardown_leaves_nothing(
+    sky_home: Path,
+) -> None:
     b = LocalBackend(sky_home, node_agent=True)
     h = b.provision("agt", task_from_args(num_nodes=N, run="true"))
     try:
         assert endpoint(h.extra) == ("127.0.0.1", h.extra[EXTRA_KEY]["port"])
         agents = _agents(sky_home)
-        assert sorted(cmd.split("--node ")[1].split()[0] for _, cmd in agents) == [f"node-{i}" for i in range(N)]
+        assert sorted(cmd.split("--node ")[1].split()[0] for _, cmd in agents) == [
+            f"node-{i}" for i in range(N)
+        ]
         token = Path(f"{h.nodes[0].root}/.agent/token").read_bytes().strip()
         assert oct(os.stat(f"{h.nodes[0].root}/.agent/token").st_mode & 0o777) == "0o600"
         for pid, _ in agents:  # the token is in its file only

@@ -119,7 +119,9 @@ def test_every_host_runs_an_agent_and_the_token_stays_in_its_0600_file(
 def test_start_status_and_cancel_are_one_call_each_to_the_head(cluster: tuple[SSHBackend, Any]) -> None:
     b, h = cluster
     c = GangClient(b, h)
-    assert c.launch(task_from_args(num_nodes=N, run="sleep 10000"), "cx") == dict.fromkeys(range(N), "STARTED")
+    assert c.launch(task_from_args(num_nodes=N, run="sleep 10000"), "cx") == dict.fromkeys(
+        range(N), "STARTED"
+    )
     assert (c.agent_calls, c.node_calls) == (1, 0)  # the start: one call to the head, no SSH call per host
     status = c.peek("cx")
     assert (c.agent_calls, c.node_calls) == (2, 0)  # a status: one call
@@ -149,7 +151,9 @@ def test_a_failure_on_host_3_stops_the_siblings_on_every_host_with_nothing_polli
     status = c.peek("ff")
     states = {r.rank: r.state.value for r in status.ranks}
     assert states == {0: "cancelled", 1: "cancelled", 2: "cancelled", N - 1: "failed"}, (states, took)
-    assert all(f"rank {N - 1} failed first: exited with code 1" in status.by_rank(r).reason for r in range(N - 1))
+    assert all(
+        f"rank {N - 1} failed first: exited with code 1" in status.by_rank(r).reason for r in range(N - 1)
+    )
     failed = status.by_rank(N - 1)
     assert failed.end is not None
     last = max(r.end or 0 for r in status.ranks)
