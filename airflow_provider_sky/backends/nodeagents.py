@@ -13,10 +13,12 @@ The head (rank 0's node) listens on a free port (``--listen ADDR:0``, the port i
 its port file); every other node's agent is started afterwards and connects to it. A node without
 ``python3`` (or ``setsid``) starts nothing: the cluster keeps the per-node path.
 
-Each agent carries ``SKY_PROVIDER_MARK=<node root>/jobs/`` in its environment, the mark the teardown's
-and the keeper's idle-down kill everything of a node root by (``teardown.sh``, ``keeper.sh``): so the
-agents go with their cluster on every path that ends one, and nothing of theirs is left. No rank's own
-mark (``<root>/jobs/<job>/<rank>/``) matches it, so a job's cancel never touches the agent.
+Each agent carries ``SKY_PROVIDER_MARK=<node root>/jobs/`` in its initial environment, the mark the
+teardown's and the keeper's idle-down kill everything of a node root by (``teardown.sh``, ``keeper.sh``):
+so the agents go with their cluster on every path that ends one, and nothing of theirs is left. No rank's
+own mark (``<root>/jobs/<job>/<rank>/``) matches it, so a job's cancel never touches the agent; and the
+agent takes it out of the environment its children inherit (the launch scripts, the keeper they start),
+so the keeper's idle-down does not end itself before it removed the node's files.
 """
 
 from __future__ import annotations
@@ -51,6 +53,13 @@ HOST_AGENT_DIR = ".agent"
 #: how long a head's start waits for its port file (tenths of a second)
 _PORT_WAIT_TICKS = 150
 _MARK = "SKY_AGENT_FILE_END_7f3c"
+#: runs the agent's file (argv[1]) as __main__ after taking the mark out of the environment its children
+#: inherit; the process's own initial environment (``/proc/<pid>/environ``, what the teardown's and the
+#: keeper's scans read) keeps it
+_UNMARKED = (
+    "import os, runpy, sys; os.environ.pop('SKY_PROVIDER_MARK', None); sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 _TOKENS: dict[tuple[Any, ...], bytes] = {}
 _TOKENS_LOCK = threading.Lock()
@@ -202,7 +211,9 @@ def host_start_script(
         head=head,
         port_file=f"{d}/port" if listen is not None else None,
     )
-    cmd = " ".join(shlex.quote(a) for a in args)
+    # python3 -c _UNMARKED agent.py ...: the agent runs as its own __main__, without the mark in the
+    # environment its children inherit (the keeper it starts must not carry it: idle_down kills by it)
+    cmd = " ".join(shlex.quote(a) for a in [args[0], "-c", _UNMARKED, *args[1:]])
     mark = shlex.quote(f"{root.rstrip('/')}/jobs/")
     wait = (
         [
