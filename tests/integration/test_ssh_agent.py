@@ -201,3 +201,19 @@ def test_node_agent_off_in_the_connection_keeps_the_per_node_path(hosts: SSHDClu
     finally:
         b.terminate("agt-off")
         b.close()
+
+
+def test_idle_down_ends_the_agents_with_the_cluster(hosts: SSHDCluster) -> None:
+    """The keeper's idle_down (no teardown, no Airflow) removes the node's files and ends its agent."""
+    b = _backend(hosts)
+    spec = task_from_args(num_nodes=2, run="true")
+    h = b.provision("agt-idle", spec)
+    try:
+        assert endpoint(h.extra) is not None and len(_procs(hosts, "agent.py --node ")) == 2
+        GangClient(b, h).launch(spec, "j", idle_down=2)
+        left = _wait_gone(hosts, "agent.py --node ", 30)
+        assert left == {}, left
+        assert not any(Path(n.root).exists() for n in h.nodes)
+    finally:
+        b.terminate("agt-idle")
+        b.close()
