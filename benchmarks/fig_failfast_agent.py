@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> None:
                 say(f"  rep {i + 1}: exit->last sibling gone {r['exit_to_last_sibling_gone_s']}s, {r}")
                 reps.append(r)
             out["fail_fast"] = reps
-            gone = [r["exit_to_last_sibling_gone_s"] for r in reps if r["exit_to_last_sibling_gone_s"] is not None]
+            gone = [
+                r["exit_to_last_sibling_gone_s"] for r in reps if r["exit_to_last_sibling_gone_s"] is not None
+            ]
             out["exit_to_last_sibling_gone_median_s"] = _median(gone)
             out["goal_gone_under_0.3s_met"] = bool(gone) and statistics.median(gone) < 0.3
             out["status"] = status_calls(b, h, n, "sta", args.polls, args.interval)
@@ -149,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
             b.close()
             ssh.close_all()
     out["load_after"] = os.getloadavg()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     out["commit"] = commit
     path = Path(args.out or f"benchmarks/results/fig1c-agent-{time.strftime('%Y-%m-%d')}-{commit}.json")
     path.write_text(json.dumps(out, indent=1) + "\n")

@@ -13,10 +13,12 @@ The head (rank 0's node) listens on a free port (``--listen ADDR:0``, the port i
 its port file); every other node's agent is started afterwards and connects to it. A node without
 ``python3`` (or ``setsid``) starts nothing: the cluster keeps the per-node path.
 
-Each agent carries ``SKY_PROVIDER_MARK=<node root>/jobs/`` in its environment, the mark the teardown's
-and the keeper's idle-down kill everything of a node root by (``teardown.sh``, ``keeper.sh``): so the
-agents go with their cluster on every path that ends one, and nothing of theirs is left. No rank's own
-mark (``<root>/jobs/<job>/<rank>/``) matches it, so a job's cancel never touches the agent.
+Each agent carries ``SKY_PROVIDER_MARK=<node root>/jobs/`` in its initial environment, the mark the
+teardown's and the keeper's idle-down kill everything of a node root by (``teardown.sh``, ``keeper.sh``):
+so the agents go with their cluster on every path that ends one, and nothing of theirs is left. No rank's
+own mark (``<root>/jobs/<job>/<rank>/``) matches it, so a job's cancel never touches the agent; and the
+agent takes it out of the environment its children inherit (the launch scripts, the keeper they start),
+so the keeper's idle-down does not end itself before it removed the node's files.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import shlex
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from airflow_provider_sky.agent import agent_args, agent_source, new_token
@@ -50,6 +53,13 @@ HOST_AGENT_DIR = ".agent"
 #: how long a head's start waits for its port file (tenths of a second)
 _PORT_WAIT_TICKS = 150
 _MARK = "SKY_AGENT_FILE_END_7f3c"
+#: runs the agent's file (argv[1]) as __main__ after taking the mark out of the environment its children
+#: inherit; the process's own initial environment (``/proc/<pid>/environ``, what the teardown's and the
+#: keeper's scans read) keeps it
+_UNMARKED = (
+    "import os, runpy, sys; os.environ.pop('SKY_PROVIDER_MARK', None); sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 _TOKENS: dict[tuple[Any, ...], bytes] = {}
 _TOKENS_LOCK = threading.Lock()
@@ -201,7 +211,9 @@ def host_start_script(
         head=head,
         port_file=f"{d}/port" if listen is not None else None,
     )
-    cmd = " ".join(shlex.quote(a) for a in args)
+    # python3 -c _UNMARKED agent.py ...: the agent runs as its own __main__, without the mark in the
+    # environment its children inherit (the keeper it starts must not carry it: idle_down kills by it)
+    cmd = " ".join(shlex.quote(a) for a in [args[0], "-c", _UNMARKED, *args[1:]])
     mark = shlex.quote(f"{root.rstrip('/')}/jobs/")
     wait = (
         [
@@ -269,15 +281,18 @@ class HostAgents:
         *,
         listen: str = "0.0.0.0",
         head_address: Callable[[Node], str] | None = None,
+        reach: Callable[[Node, int], tuple[str, int]] | None = None,
     ) -> None:
         #: ``kind``: the backend's (the token cache's key); ``map_fn``: the backend's bounded parallel map
         #: (exceptions returned); ``listen``: the head's bind address; ``head_address``: where the other
-        #: nodes and the control plane reach the head (default: its node's IP)
+        #: nodes reach the head (default: its node's IP); ``reach``: where this control plane reaches the
+        #: head's port (default: the same address; EC2: a relay over SSH)
         self.kind = kind
         self.runner_of = runner_of
         self.map_fn = map_fn
         self.listen = listen
         self.head_address = head_address or (lambda n: n.ip)
+        self.reach = reach
 
     def start(self, name: str, nodes: Sequence[Node]) -> dict[str, Any] | None:
         """Start every node's agent and check they joined the head: the handle's ``extra["agent"]``, or
@@ -326,7 +341,8 @@ class HostAgents:
                 )
                 self.stop(started)
                 return None
-            if not joined(name, address, port, token, [n.node_id for n in nodes]):
+            here = self.reach(head, port) if self.reach is not None else (address, port)
+            if not joined(name, here[0], here[1], token, [n.node_id for n in nodes]):
                 self.stop(started)
                 return None
         except Exception as exc:  # a host that did not answer: the per-node path, the cluster still works
@@ -370,12 +386,30 @@ class HostAgents:
                 )
                 return None
             remember(key, token)
+        if self.reach is not None:
+            host, port = self.reach(head, port)
         return host, port, token
 
     def forget(self, handle: Any) -> None:
         where = endpoint(handle.extra)
         if where is not None and handle.nodes:
             forget(host_token_key(self.kind, handle.nodes[0], where[1]))
+
+
+def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any], most: int = 16) -> list[Any]:
+    """``fn`` over ``items``, ``most`` at a time; exceptions are returned, not raised (reported per item
+    by the caller)."""
+
+    def safe(item: Any) -> Any:
+        try:
+            return fn(item)
+        except Exception as exc:
+            return exc
+
+    if not items:
+        return []
+    with ThreadPoolExecutor(min(most, len(items))) as pool:
+        return list(pool.map(safe, items))
 
 
 __all__ = [
@@ -393,6 +427,7 @@ __all__ = [
     "host_start_script",
     "joined",
     "new_port",
+    "parallel_map",
     "remember",
     "token_line",
 ]

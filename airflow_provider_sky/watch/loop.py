@@ -95,6 +95,12 @@ async def watch(
                     r.state = RUNNING
             else:
                 st.unreachable_since.pop(r.rank, None)
+                if (
+                    r.state == LOST
+                    and (why := await _lost_reason(client, r.rank, st))
+                    and why not in r.reason
+                ):
+                    r.reason += f"; {why}"  # a node the head's agent found lost (EC2: the instance's end)
         just_cancelled = False
         if fail_fast and poll.status.failed:
             # every rank still running gets the cancel; one that did not answer this round (its call

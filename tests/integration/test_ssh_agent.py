@@ -201,3 +201,49 @@ def test_node_agent_off_in_the_connection_keeps_the_per_node_path(hosts: SSHDClu
     finally:
         b.terminate("agt-off")
         b.close()
+
+
+def test_idle_down_ends_the_agents_with_the_cluster(hosts: SSHDCluster) -> None:
+    """The keeper's idle_down (no teardown, no Airflow) removes the node's files and ends its agent."""
+    b = _backend(hosts)
+    spec = task_from_args(num_nodes=2, run="true")
+    h = b.provision("agt-idle", spec)
+    try:
+        assert endpoint(h.extra) is not None and len(_procs(hosts, "agent.py --node ")) == 2
+        GangClient(b, h).launch(spec, "j", idle_down=2)
+        left = _wait_gone(hosts, "agent.py --node ", 30)
+        assert left == {}, left
+        assert not any(Path(n.root).exists() for n in h.nodes)
+    finally:
+        b.terminate("agt-idle")
+        b.close()
+
+
+def test_a_spare_host_that_takes_a_rank_gets_an_agent_that_joins_the_head(hosts: SSHDCluster) -> None:
+    hl = hosts.host_list()
+    b_hosts = SSHBackend(
+        hl[:3],
+        spare_hosts=tuple(hl[3:]),
+        user="",
+        key_file=hosts.client_key_path,
+        known_hosts=hosts.known_hosts_path,
+        connect_timeout=5.0,
+        ready_timeout=5.0,
+    )
+    spec = task_from_args(num_nodes=3, run="true")
+    h = b_hosts.provision("agt-spare", spec)
+    try:
+        assert endpoint(h.extra) is not None
+        hosts.kill_node(1)  # the host is lost (its agent with it)
+        new = b_hosts.replace_nodes(h, [1])
+        assert new.nodes[1].ip == hosts.nodes[3].host and endpoint(new.extra) == endpoint(h.extra)
+        assert 3 in _procs(hosts, "agent.py --node " + new.nodes[1].node_id + " ")
+        c = GangClient(b_hosts, new)  # the start names the spare's node: the head knows it
+        c.launch(task_from_args(num_nodes=3, run="sleep 1"), "sp")
+        assert (c.agent_calls, c.node_calls) == (1, 0)
+    finally:
+        b_hosts.terminate("agt-spare")
+        b_hosts.close()
+        hosts.restart_node(1)
+        ssh.close_all()
+    assert _wait_gone(hosts, "agent.py", 10) == {}

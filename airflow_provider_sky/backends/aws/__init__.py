@@ -83,6 +83,13 @@ BACKEND = BackendInfo(
             "down idle; the instance is launched to terminate on shutdown. none: never (reap() ends them)",
             "schema": {"type": ["string", "null"], "default": "sudo -n shutdown -h now"},
         },
+        "node_agent": {
+            "label": "Node agents",
+            "description": "Start a node agent on each instance when it has python3 (in the cluster's own "
+            "security group): the gang's fail-fast and status then live on its head instance (off: every "
+            "instance is polled and cancelled over SSH)",
+            "schema": {"type": ["boolean", "null"], "default": True},
+        },
         "host_key_policy": {
             "label": "Host key policy",
             "description": "pin (the key first seen at provision is pinned for the instance's life) or skip",

@@ -41,11 +41,13 @@ from airflow_provider_sky.backends.base import (
     new_record,
 )
 from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
+from airflow_provider_sky.backends.nodeagents import EXTRA_KEY, HostAgents, parallel_map
 from airflow_provider_sky.model.gang import rank_order
 from airflow_provider_sky.node import runtime
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.ssh import SSHNodeConfig, SSHRunner, wait_for_ssh
 from airflow_provider_sky.runners.ssh.keys import load_private_key
+from airflow_provider_sky.runners.ssh.relay import Relay
 from airflow_provider_sky.spec import BackendCapabilities, Resources, TaskSpec
 from airflow_provider_sky.spec.nodes import existing_cluster, num_nodes_problem
 
@@ -105,6 +107,18 @@ class AWSBackend(Backend):
         )
         self._client: Any = None
         self._runners: dict[tuple[str, int], SSHRunner] = {}
+        #: the node agents: the head listens on its instance's every address; the others reach it at its
+        #: private IP (the cluster's own group lets its members reach each other, nothing else in);
+        #: this control plane, outside the group, through a relay over the head's SSH connection
+        self.agents = HostAgents(
+            self.kind,
+            self.runner,
+            lambda fn, nodes: parallel_map(fn, nodes, PROBE_PARALLEL),
+            listen="0.0.0.0",
+            head_address=self.agent_address,
+            reach=self._agent_relay,
+        )
+        self._relays: dict[tuple[str, int, int], Relay] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -122,9 +136,60 @@ class AWSBackend(Backend):
         return str(self.ec2.meta.region_name)
 
     def close(self) -> None:
+        with self._lock:
+            relays, self._relays = list(self._relays.values()), {}
+        for relay in relays:
+            relay.close()
         for r in self._runners.values():
             r.close()
         self._runners.clear()
+
+    # -- node agents ---------------------------------------------------------------------------------
+
+    def agent_address(self, node: Node) -> str:
+        """Where the other instances reach the head's agent: its private IP (traffic within the
+        cluster's own security group). Tests replace this with their fake network's address."""
+        return node.ip
+
+    def _agent_relay(self, head: Node, port: int) -> tuple[str, int]:
+        """This control plane's way to the head's agent port: a local port relayed over the head's SSH
+        connection (one per head and port in this process)."""
+        key = (str(head.extra["host"]), int(head.extra["port"]), port)
+        runner = self.runner(head)  # takes the lock itself
+        with self._lock:
+            relay = self._relays.get(key)
+            if relay is None:
+                relay = self._relays[key] = Relay(runner, port)
+            return relay.address
+
+    def _start_agents(self, handle: ClusterHandle, own_group: bool) -> ClusterHandle:
+        """A new cluster's node agents (only in its own security group: groups the connection names may
+        not let the instances reach each other); once every one joined, the record says where the head
+        listens. Else the per-node path."""
+        if not self.settings.node_agent:
+            return handle
+        if not own_group:
+            log.info("cluster %s: security_group_ids given: no node agents (the per-node path)", handle.name)
+            return handle
+        where = self.agents.start(handle.name, handle.nodes)
+        if where is None:
+            return handle
+
+        def note(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, ClusterHandle]:
+            if record is None or record.get("down"):
+                return record, handle
+            record = {**record, "extra": {**(record.get("extra") or {}), EXTRA_KEY: where}}
+            return record, replace(handle, extra={**handle.extra, EXTRA_KEY: where})
+
+        return self.records(handle.nodes[0]).update(handle.name, note)
+
+    def agent_endpoint(self, handle: ClusterHandle) -> tuple[str, int, bytes] | None:
+        """A relay to the head agent's port and the token: cached in this process, else read from the
+        head instance (one SSH call)."""
+        return self.agents.endpoint(handle)
+
+    def forget_agent(self, handle: ClusterHandle) -> None:
+        self.agents.forget(handle)
 
     # -- reaching a node ---------------------------------------------------------------------------
 
@@ -251,7 +316,9 @@ class AWSBackend(Backend):
         if sorted(known) == sorted(str(i["InstanceId"]) for i in ordered):  # the record's rank order (a
             by_id = {str(i["InstanceId"]): i for i in ordered}  # replacement keeps the ranks it had)
             ordered = [by_id[str(n["node_id"])] for n in record.get("nodes") or ()]
-        return self._handle(name, [self._node(name, i, known.get(i["InstanceId"])) for i in ordered])
+        return _with_agent(
+            self._handle(name, [self._node(name, i, known.get(i["InstanceId"])) for i in ordered]), record
+        )
 
     # -- choosing ------------------------------------------------------------------------------------
 
@@ -305,7 +372,7 @@ class AWSBackend(Backend):
             nodes = self._reach(name, self._ordered(name, instances), {})
             handle = self._handle(name, nodes)
             # a new instance's disk is new: a record there is not this cluster's, so it is replaced
-            return self.records(nodes[0]).update(name, lambda rec: (new_record(handle, holder), handle))
+            handle = self.records(nodes[0]).update(name, lambda rec: (new_record(handle, holder), handle))
         except BaseException as exc:
             done, gone, left = self._undo(name, made)
             if isinstance(exc, BackendError) and not isinstance(exc, ClusterBusy):
@@ -318,6 +385,7 @@ class AWSBackend(Backend):
             if done:
                 log.warning("cluster %s: after a failed provision: %s", name, done)
             raise
+        return self._start_agents(handle, own_group=bool(made.groups))
 
     def _create(self, name: str, spec: TaskSpec, made: _Made) -> list[dict[str, Any]]:
         """One RunInstances for all N (MinCount = N: EC2 gives every instance or none), then the head
@@ -480,7 +548,7 @@ class AWSBackend(Backend):
         check_reusable(record, name, spec.num_nodes)
         new = add_lease(record, holder)
         new["nodes"] = [n for n in handle.to_dict()["nodes"]]  # addresses may change across stop/start
-        return new, handle
+        return new, _with_agent(handle, record)
 
     def _reuse(
         self, name: str, spec: TaskSpec, holder: str | None, instances: list[dict[str, Any]]
@@ -638,3 +706,9 @@ class AWSBackend(Backend):
             raise api.client_error(f"reaching EC2 in {self.settings.region or 'the region'}", exc) from None
         self.public_key()
         return f"EC2 {self.region}: {len(zones)} zones; credentials accepted; SSH key loads"
+
+
+def _with_agent(handle: ClusterHandle, record: Mapping[str, Any]) -> ClusterHandle:
+    """The handle with the record's ``extra["agent"]`` (where the head agent listens), if it has one."""
+    agent = (record.get("extra") or {}).get(EXTRA_KEY)
+    return replace(handle, extra={**handle.extra, EXTRA_KEY: agent}) if agent else handle

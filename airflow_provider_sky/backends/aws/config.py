@@ -53,6 +53,8 @@ class AWSSettings:
     host_key_policy: str = "pin"
     #: run by a node at idle_down to power itself off ('': nodes never power off; reap() ends them)
     poweroff_command: str = DEFAULT_POWEROFF
+    #: a node agent per instance (``backends/nodeagents.py``) when the cluster has its own security group
+    node_agent: bool = True
     #: ``(region) -> boto3 session``: the linked aws connection's session as the Amazon provider makes it
     #: (``hooks/aws.py``: role_arn, profile_name, ...); None: the keys above, else boto3's default chain
     session_factory: Callable[[str | None], Any] | None = field(default=None, repr=False, compare=False)
@@ -142,6 +144,7 @@ def parse_aws_config(config: Mapping[str, Any]) -> AWSSettings:
         provision_timeout=number(config, "provision_timeout", DEFAULT_PROVISION_TIMEOUT, float),
         host_key_policy=policy,
         poweroff_command=_poweroff(config.get("poweroff_command")),
+        node_agent=config.get("node_agent") in (None, "") or _flag(config, "node_agent"),
         session_factory=config.get("session_factory"),
     )
 

@@ -23,8 +23,7 @@ import logging
 import os
 import shutil
 import socket
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -53,7 +52,7 @@ from airflow_provider_sky.backends.base import (
 )
 from airflow_provider_sky.backends.local.topdir import mark_topdir
 from airflow_provider_sky.backends.local.trash import discard
-from airflow_provider_sky.backends.nodeagents import EXTRA_KEY, HostAgents, agents_on
+from airflow_provider_sky.backends.nodeagents import EXTRA_KEY, HostAgents, agents_on, parallel_map
 from airflow_provider_sky.model.gang import rank_order
 from airflow_provider_sky.node import runtime
 from airflow_provider_sky.node.accelerators import Inventory, detect_local, indices_text, pack, parse_declared
@@ -148,7 +147,9 @@ class LocalBackend(Backend):
         #: already stop their siblings with nothing polling and a status is one call per poll; an
         #: agent would add a Python process per node and no guarantee
         self.node_agent = node_agent
-        self.agents = HostAgents(self.kind, self.runner, _map, listen="127.0.0.1", head_address=_loopback)
+        self.agents = HostAgents(
+            self.kind, self.runner, parallel_map, listen="127.0.0.1", head_address=_loopback
+        )
         self.base = self.state_dir / "local"
         #: dot-prefixed: no cluster name starts with a dot, so no cluster's tree can be the records
         self.records = self.base / RECORDS_DIR
@@ -524,21 +525,6 @@ class LocalBackend(Backend):
 
 def _loopback(node: Node) -> str:
     return "127.0.0.1"
-
-
-def _map(fn: Callable[[Node], Any], nodes: Sequence[Node]) -> list[Any]:
-    """``fn`` over ``nodes``, 16 at a time; exceptions are returned, not raised."""
-
-    def safe(node: Node) -> Any:
-        try:
-            return fn(node)
-        except Exception as exc:  # reported per node by the caller
-            return exc
-
-    if not nodes:
-        return []
-    with ThreadPoolExecutor(min(16, len(nodes))) as pool:
-        return list(pool.map(safe, nodes))
 
 
 def _reported(output: str, word: str) -> set[str]:

@@ -217,6 +217,18 @@ class SSHRunner(CommandRunner):
 
     # -- commands
 
+    @contextlib.contextmanager
+    def stream(self, command: str) -> Iterator[Channel]:
+        """A long-lived exec channel running ``command`` (a relay's node side): its stdin and stdout are
+        the caller's to use; it holds one of the host's session slots until closed."""
+        cfg = self.config
+        with self._session(lambda t: t.open_session(timeout=cfg.connect_timeout)) as chan:
+            try:
+                chan.exec_command(command)
+            except (paramiko.SSHException, EOFError, OSError) as e:
+                raise RunnerError(self.host, f"cannot start a command on {cfg.address}: {e}") from e
+            yield chan
+
     def run_script(
         self,
         script: str,
