@@ -15,6 +15,7 @@ from airflow_provider_sky.spec.common import (
     _TASK_NAME,
     _URL,
     ALTERNATIVE_KEYS,
+    IGNORED_RESOURCES,
     IGNORED_TOP,
     RANK_VARIABLES,
     TOP_LEVEL_KEYS,
@@ -300,7 +301,8 @@ class TaskSpec:
             }
         if self.setup is not None:
             out["setup"] = self.setup
-        out["run"] = self.run
+        if self.run:
+            out["run"] = self.run
         envs: dict[str, str | None] = {**self.envs, **dict.fromkeys(self.unset_envs)}
         if envs:
             out["envs"] = envs
@@ -323,6 +325,14 @@ class TaskSpec:
             return text
         # One alternation, longest first, so a secret that contains another is hidden whole.
         return re.sub("|".join(re.escape(v) for v in values), "***", text)
+
+
+#: the warning for a task without ``run`` (SkyPilot's cluster YAML: ``sky launch`` provisions and sets up)
+NO_RUN = (
+    "not given: the task runs setup only, as `sky launch` of such a YAML does, and each rank runs nothing; "
+    "to keep the cluster up for later gangs that name it, give it a cluster_name and no teardown "
+    "(SkyClusterOperator(cluster_name=...), or sky_gang(cluster_name=..., down=False))"
+)
 
 
 def _parse_script(value: object, where: str, required: bool) -> str | None:
@@ -402,6 +412,29 @@ def _merge_resources(
     return merged
 
 
+def _drop_ignored_resources(value: object) -> tuple[object, tuple[tuple[str, str], ...]]:
+    """``resources`` without the SkyPilot keys accepted and left out (``job_recovery``), also inside its
+    ``any_of`` / ``ordered`` entries, and (field, why) for each one given."""
+    if not isinstance(value, Mapping):
+        return value, ()
+    found: dict[str, str] = {}
+    out = {k: v for k, v in value.items() if k not in IGNORED_RESOURCES}
+    found.update({f"resources.{k}": IGNORED_RESOURCES[k] for k in value if k in IGNORED_RESOURCES})
+    for key in ALTERNATIVE_KEYS:
+        entries = out.get(key)
+        if isinstance(entries, (list, tuple)):
+            kept: list[object] = []
+            for i, entry in enumerate(entries):
+                if isinstance(entry, Mapping):
+                    for k in entry:
+                        if k in IGNORED_RESOURCES:
+                            found[f"resources.{key}[{i}].{k}"] = IGNORED_RESOURCES[k]
+                    entry = {k: v for k, v in entry.items() if k not in IGNORED_RESOURCES}
+                kept.append(entry)
+            out[key] = kept
+    return out, tuple(found.items())
+
+
 def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | None = None) -> TaskSpec:
     """Parse a SkyPilot task YAML mapping as is.
 
@@ -422,6 +455,8 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
     if overrides:
         _check_keys("", overrides, TOP_LEVEL_KEYS, _SKYPILOT_ONLY_TOP)
     data = _merge(obj, overrides)
+    data["resources"], dropped = _drop_ignored_resources(data.get("resources"))
+    ignored += dropped
 
     # Each field is parsed even when another failed: one error names every problem of the task.
     problems: list[SpecError] = []
@@ -433,7 +468,9 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
             problems.append(err)
             return default
 
-    run = attempt(lambda: _parse_script(data.get("run"), "run", required=True), None) or ""
+    run = attempt(lambda: _parse_script(data.get("run"), "run", required=False), None) or ""
+    if not run:
+        ignored += (("run", NO_RUN),)
     name = data.get("name")
     if name is not None and (not isinstance(name, str) or not _TASK_NAME.fullmatch(name)):
         problems.append(

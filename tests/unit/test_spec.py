@@ -57,10 +57,6 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
     ("num_nodes true", _task(num_nodes=True), "num_nodes", "whole number"),
     ("num_nodes false", _task(num_nodes=False), "num_nodes", "whole number"),
     ("num_nodes none", _task(num_nodes=None), "num_nodes", "whole number"),
-    ("run missing", {"num_nodes": 2}, "run", "required"),
-    ("run empty", {"run": ""}, "run", "required"),
-    ("run whitespace", {"run": "  \n\t"}, "run", "required"),
-    ("run none", {"run": None}, "run", "required"),
     ("run list", {"run": ["echo a", "echo b"]}, "run", "must be a string"),
     ("run nul", {"run": "echo a\0b"}, "run", "NUL"),
     ("setup list", _task(setup=["pip install x"]), "setup", "must be a string"),
@@ -70,13 +66,6 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
     ("unknown top key far", _task(zzzz=1), "zzzz", "valid keys are"),
     ("resources key at top", _task(accelerators="V100"), "accelerators", "belongs under resources"),
     ("skypilot-only top key", _task(pool={"workers": 2}), "pool", "does not support"),
-    (
-        "skypilot inputs",
-        _task(inputs={"gs://b": 70}),
-        "inputs",
-        "SkyPilot key this provider does not support",
-    ),
-    ("skypilot outputs", _task(outputs={"gs://b": 7}), "outputs", "optimizer hint"),
     ("non-string top key", cast("dict[str, object]", {"run": "x", 3: "y"}), "task", "keys must be strings"),
     (
         "unknown resources key",
@@ -86,14 +75,6 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
     ),
     ("unknown resources key cpu", _res(cpu=4), "resources.cpu", "did you mean 'cpus'?"),
     ("skypilot-only resources key", _res(autostop=10), "resources.autostop", "does not support"),
-    ("job_recovery", _res(job_recovery="failover"), "resources.job_recovery", "retries="),
-    ("spot_recovery", _res(spot_recovery="FAILOVER"), "resources.spot_recovery", "old name of SkyPilot's"),
-    (
-        "spot_recovery in any_of",
-        _res(any_of=[{"cpus": 2, "spot_recovery": "x"}]),
-        "resources.any_of[0].spot_recovery",
-        "does not support",
-    ),
     ("gpus and accelerators", _res(gpus="H100:8", accelerators="A100:8"), "resources.gpus", "keep one"),
     ("gpus bad", _res(gpus="H100:0"), "resources.accelerators", "greater than 0"),
     ("disk_tier bad", _res(disk_tier="fast"), "resources.disk_tier", "one of low, medium, high, ultra, best"),
@@ -172,7 +153,14 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
     ("labels none value", _res(labels={"team": None}), "resources.labels.team", "value must be given"),
     ("labels int key", _res(labels={1: "a"}), "resources.labels", "non-empty strings"),
     ("instance_type int", _res(instance_type=5), "resources.instance_type", "non-empty string"),
-    ("image_id dict", _res(image_id={"us-east-1": "ami-1"}), "resources.image_id", "non-empty string"),
+    ("image_id empty mapping", _res(image_id={}), "resources.image_id", "empty mapping"),
+    ("image_id region list", _res(image_id={"us-east-1": ["a"]}), "resources.image_id", "region names"),
+    (
+        "image_id without the region asked",
+        _res(infra="aws/eu-west-1", image_id={"us-east-1": "ami-1"}),
+        "resources.image_id",
+        "no image for region 'eu-west-1'",
+    ),
     ("infra and cloud disagree", _res(infra="aws/us-east-1", cloud="gcp"), "resources.cloud", "disagrees"),
     (
         "infra and region disagree",
@@ -1611,3 +1599,54 @@ def test_a_storage_mount_in_copy_mode_is_its_source(tmp_path: Path) -> None:
     }
     for mount in ({"source": "s3://bkt", "mode": "MOUNT"}, {"source": "s3://bkt"}):
         assert parse_task(_task(file_mounts={"/d": mount})).storage["/d"].url == "s3://bkt"
+
+
+# ------------------------------------------------------------------ SkyPilot keys accepted with a warning
+
+
+def test_a_task_without_run_runs_setup_only_and_says_so() -> None:
+    """SkyPilot's cluster YAML (``sky launch`` provisions and sets up; later jobs name the cluster)."""
+    for task in ({"num_nodes": 2, "setup": "pip install x"}, {"run": None}, {"run": "  \n"}):
+        spec = parse_task(task)
+        assert spec.run == ""
+        assert [f for f, _ in spec.ignored] == ["run"]
+        assert "setup only" in spec.ignored[0][1] and "down=False" in spec.ignored[0][1]
+        assert "run" not in spec.to_dict() and parse_task(spec.to_dict()) == spec
+    assert parse_task(_task()).ignored == ()
+
+
+def test_inputs_and_outputs_are_optimizer_hints_named_as_ignored() -> None:
+    spec = parse_task(_task(inputs={"s3://b/x": 70}, outputs={"s3://b/y": 1}))
+    assert [f for f, _ in spec.ignored] == ["inputs", "outputs"]
+    assert all("optimizer hint" in why for _, why in spec.ignored)
+    assert "inputs" not in spec.to_dict() and spec == parse_task(_task())
+
+
+def test_job_recovery_is_named_as_ignored_with_the_retries_to_use() -> None:
+    """``sky launch`` does not use managed-jobs recovery either; here the gang's retries= does that."""
+    spec = parse_task(_res(cpus=2, job_recovery={"strategy": "FAILOVER", "max_restarts_on_errors": 3}))
+    assert spec.ignored[0][0] == "resources.job_recovery" and "retries=" in spec.ignored[0][1]
+    assert spec.resources == parse_task(_res(cpus=2)).resources
+    spec = parse_task(_res(any_of=[{"cpus": 2, "spot_recovery": "x"}, {"cpus": 4}]))
+    assert [f for f, _ in spec.ignored] == ["resources.any_of[0].spot_recovery"]
+    assert "old name" in spec.ignored[0][1] and len(spec.alternatives) == 2
+
+
+def test_a_per_region_image_id_is_one_alternative_per_region() -> None:
+    images = {"us-east-1": "ami-east", "us-west-2": "ami-west"}
+    spec = parse_task(_res(infra="aws", image_id=images))
+    assert [(r.cloud, r.region, r.image_id) for r in spec.resource_choices] == [
+        ("aws", "us-east-1", "ami-east"),
+        ("aws", "us-west-2", "ami-west"),
+    ]
+    # a region given picks its image
+    for res in ({"infra": "aws/us-west-2"}, {"cloud": "aws", "region": "us-west-2"}):
+        spec = parse_task(_res(**res, image_id=images))
+        assert (spec.resources.region, spec.resources.image_id, spec.alternatives) == (
+            "us-west-2",
+            "ami-west",
+            (),
+        )
+    # written back as SkyPilot alternatives, it reads back the same
+    spec = parse_task(_res(image_id=images))
+    assert parse_task(spec.to_dict()) == spec
