@@ -1304,7 +1304,7 @@ def test_every_problem_of_the_task_itself_is_named_in_one_error() -> None:
     with pytest.raises(SpecError) as err:
         parse_task(
             {
-                "run": "",
+                "run": ["echo a"],
                 "num_nodes": 0,
                 "envs": {"RANK": "1"},
                 "secrets": {"SA_JSON": {"private_key": SECRET}},
