@@ -1321,7 +1321,7 @@ def test_every_problem_of_the_task_itself_is_named_in_one_error() -> None:
         "num_nodes",
         "file_mounts.~data",
     ], err.value
-    assert err.value.message.startswith("6 problems in this task: run: required")
+    assert err.value.message.startswith("6 problems in this task: run: must be a string")
     _assert_hidden(str(err.value))
     # one problem is reported as it always was
     with pytest.raises(SpecError) as one:
