@@ -335,12 +335,9 @@ NO_RUN = (
 )
 
 
-def _parse_script(value: object, where: str, required: bool) -> str | None:
+def _parse_script(value: object, where: str) -> str | None:
+    """Shell commands; None when not given (or blank)."""
     if value is None or (isinstance(value, str) and not value.strip()):
-        if required:
-            raise SpecError(
-                where, "required: give the shell commands every node runs, e.g. run: python train.py"
-            )
         return None
     if not isinstance(value, str):
         raise SpecError(
@@ -468,7 +465,7 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
             problems.append(err)
             return default
 
-    run = attempt(lambda: _parse_script(data.get("run"), "run", required=False), None) or ""
+    run = attempt(lambda: _parse_script(data.get("run"), "run"), None) or ""
     if not run:
         ignored += (("run", NO_RUN),)
     name = data.get("name")
@@ -497,7 +494,7 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         lambda: _parse_resource_options(data.get("resources")), (Resources(),)
     )
     num_nodes = attempt(lambda: _parse_num_nodes(data.get("num_nodes", 1)), 1)
-    setup = attempt(lambda: _parse_script(data.get("setup"), "setup", required=False), None)
+    setup = attempt(lambda: _parse_script(data.get("setup"), "setup"), None)
     workdir = attempt(
         lambda: _opt_str(data.get("workdir"), "workdir", "a local directory synced to every node"), None
     )
