@@ -200,7 +200,7 @@ def source_problems(spec: TaskSpec) -> list[tuple[str, str]]:
     """(field, why) for each local ``workdir`` / ``file_mounts`` source that is not there (a workdir must
     be a directory): found before provisioning, not when the files are copied to provisioned nodes."""
     problems: list[tuple[str, str]] = []
-    if spec.workdir and not is_bucket_source(spec.workdir):
+    if spec.workdir and spec.workdir_git is None and not is_bucket_source(spec.workdir):
         path = os.path.expanduser(spec.workdir)
         if not os.path.exists(path):
             problems.append(("workdir", f"{spec.workdir} does not exist; fix the path"))
@@ -210,6 +210,72 @@ def source_problems(spec: TaskSpec) -> list[tuple[str, str]]:
         if not is_bucket_source(src) and not os.path.exists(os.path.expanduser(src)):
             problems.append((f"file_mounts.{dest}", f"{src} does not exist; fix the path"))
     return problems
+
+
+# ---------------------------------------------------------------------------------------------------------
+# workdir: a local directory, or SkyPilot's git repository
+
+
+@dataclass(frozen=True)
+class GitWorkdir:
+    """SkyPilot's ``workdir: {url, ref}``: every node checks the repository out into ``~/sky_workdir``
+    (``ref``: a branch, tag or commit; None: the remote's default branch), where setup and run start."""
+
+    url: str
+    ref: str | None = None
+
+    def to_dict(self) -> dict[str, str]:
+        return {"url": self.url, **({"ref": self.ref} if self.ref else {})}
+
+
+#: a git URL a node can fetch: ``https://``, ``http://``, ``ssh://``, ``git://``, ``file://`` or scp-like
+#: ``user@host:path``; never one git would read as an option or a transport helper (``ext::``)
+_GIT_URL = re.compile(r"(?:(?:https?|ssh|git|file)://[^\s]+|[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:[^\s]+)")
+_GIT_REF = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/+-]*")
+_GIT_FIX = "e.g. workdir: {url: https://github.com/org/repo.git, ref: main}"
+
+
+def _parse_workdir(value: object) -> tuple[str | None, GitWorkdir | None]:
+    """(local directory, None) or (the URL, the repository): a string is a local directory synced to every
+    node; a mapping is a git repository every node checks out (SkyPilot's ``{url, ref}``)."""
+    where = "workdir"
+    if not isinstance(value, Mapping):
+        path = _opt_str(value, where, "a local directory synced to every node, or {url: ..., ref: ...}")
+        if path is not None and (_URL.match(path) or _GIT_URL.fullmatch(path)):
+            raise SpecError(
+                where,
+                f"{path!r} is a URL; a string workdir is a local directory. For a git repository every "
+                f"node checks out, write it as a mapping: {_GIT_FIX}",
+            )
+        return path, None
+    unknown = sorted(str(k) for k in value if k not in ("url", "ref"))
+    if unknown:
+        raise SpecError(f"{where}.{unknown[0]}", f"is not a key of a git workdir (url, ref); {_GIT_FIX}")
+    url = value.get("url")
+    if not isinstance(url, str) or not _GIT_URL.fullmatch(url.strip()):
+        raise SpecError(
+            f"{where}.url",
+            f"must be a git URL (https://, ssh://, git://, file:// or user@host:path), got {url!r}; {_GIT_FIX}",
+        )
+    url = url.strip()
+    if re.match(r"[a-z]+://[^/@]*:[^/@]*@", url):
+        raise SpecError(
+            f"{where}.url",
+            "has a password or token in it, which would reach the nodes' command lines and logs; give a URL "
+            "without it (a public repository, or one the nodes reach with their own credentials)",
+        )
+    ref = value.get("ref")
+    if ref is not None:
+        if isinstance(ref, (int, float)) and not isinstance(ref, bool):
+            ref = str(ref)  # a numeric tag or commit YAML read as a number
+        if not isinstance(ref, str) or not _GIT_REF.fullmatch(ref.strip()) or ".." in ref:
+            raise SpecError(
+                f"{where}.ref",
+                f"must be a branch, tag or commit (letters, digits, '.', '_', '/', '+', '-'; not starting "
+                f"with '-' or '.'), got {ref!r}",
+            )
+        ref = ref.strip()
+    return url, GitWorkdir(url, ref)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -227,7 +293,10 @@ class TaskSpec:
     setup: str | None = None
     envs: dict[str, str] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=dict, repr=False)
+    #: the local directory synced to every node's ``~/sky_workdir``, or the URL of ``workdir_git``
     workdir: str | None = None
+    #: SkyPilot's ``workdir: {url, ref}``: the repository every node checks out into ``~/sky_workdir``
+    workdir_git: GitWorkdir | None = None
     #: destination -> what every node gets a copy of before setup: a local path or an ``s3://`` URL
     file_mounts: dict[str, str] = field(default_factory=dict)
     #: destination -> the S3 bucket mounted there on every node (SkyPilot's ``mode: MOUNT`` /
@@ -291,7 +360,9 @@ class TaskSpec:
             out["resources"] = {"ordered": [_resources_to_dict(r) for r in self.alternatives]}
         elif resources := _resources_to_dict(self.resources):
             out["resources"] = resources
-        if self.workdir is not None:
+        if self.workdir_git is not None:
+            out["workdir"] = self.workdir_git.to_dict()
+        elif self.workdir is not None:
             out["workdir"] = self.workdir
         if self.file_mounts or self.storage or self.mounts_at_launch:
             out["file_mounts"] = {
@@ -495,9 +566,7 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
     )
     num_nodes = attempt(lambda: _parse_num_nodes(data.get("num_nodes", 1)), 1)
     setup = attempt(lambda: _parse_script(data.get("setup"), "setup"), None)
-    workdir = attempt(
-        lambda: _opt_str(data.get("workdir"), "workdir", "a local directory synced to every node"), None
-    )
+    workdir, workdir_git = attempt(lambda: _parse_workdir(data.get("workdir")), (None, None))
     no_mounts: tuple[dict[str, str], dict[str, StorageMount], dict[str, object]] = ({}, {}, {})
     file_mounts, storage, mounts_at_launch = attempt(
         lambda: _parse_file_mounts(data.get("file_mounts"), envs, bool(workdir), frozenset(unset_envs)),
@@ -517,6 +586,7 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         envs=envs,
         secrets=secrets,
         workdir=workdir,
+        workdir_git=workdir_git,
         file_mounts=file_mounts,
         storage=storage,
         mounts_at_launch=mounts_at_launch,

@@ -23,8 +23,10 @@ from airflow_provider_sky.spec import (
     is_bucket_source,
     load_task_yaml,
     parse_task,
+    source_problems,
     task_from_args,
 )
+from airflow_provider_sky.spec.task import GitWorkdir
 
 SEED_YAML = """\
 num_nodes: 4
@@ -187,7 +189,6 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
     ("secrets not mapping", _task(secrets="x"), "secrets", "must be a mapping"),
     ("env and secret clash", _task(envs={"K": "a"}, secrets={"K": "b"}), "secrets.K", "also set in envs"),
     ("workdir int", _task(workdir=3), "workdir", "non-empty string"),
-    ("workdir dict", _task(workdir={"url": "https://x"}), "workdir", "non-empty string"),
     ("file_mounts list", _task(file_mounts=["/a"]), "file_mounts", "must be a mapping"),
     (
         "file_mounts dest env unknown",
@@ -1650,3 +1651,35 @@ def test_a_per_region_image_id_is_one_alternative_per_region() -> None:
     # written back as SkyPilot alternatives, it reads back the same
     spec = parse_task(_res(image_id=images))
     assert parse_task(spec.to_dict()) == spec
+
+
+def test_a_git_workdir_is_checked_out_on_every_node() -> None:
+    """SkyPilot's ``workdir: {url, ref}``: the URL is the workdir (run starts in ~/sky_workdir)."""
+    spec = parse_task(_task(workdir={"url": "https://github.com/org/repo.git", "ref": "v0.4.0"}))
+    assert spec.workdir == "https://github.com/org/repo.git"
+    assert spec.workdir_git == GitWorkdir("https://github.com/org/repo.git", "v0.4.0")
+    assert parse_task(spec.to_dict()) == spec and source_problems(spec) == []
+    for url in ("git@github.com:org/repo.git", "ssh://git@host/r.git", "file:///srv/r", "git://h/r"):
+        assert parse_task(_task(workdir={"url": url})).workdir_git == GitWorkdir(url)
+    assert parse_task(_task(workdir={"url": "git://h/r", "ref": 1234567})).workdir_git == GitWorkdir(
+        "git://h/r", "1234567"
+    )
+
+
+@pytest.mark.parametrize(
+    ("workdir", "field", "fragment"),
+    [
+        ({"url": "--upload-pack=touch /tmp/x"}, "workdir.url", "must be a git URL"),
+        ({"url": "ext::sh -c touch% /tmp/x"}, "workdir.url", "must be a git URL"),
+        ({"url": "https://user:tok@github.com/o/r.git"}, "workdir.url", "password or token"),
+        ({"ref": "main"}, "workdir.url", "must be a git URL"),
+        ({"url": "git://h/r", "ref": "-c core.x=y"}, "workdir.ref", "branch, tag or commit"),
+        ({"url": "git://h/r", "ref": "a..b"}, "workdir.ref", "branch, tag or commit"),
+        ({"url": "git://h/r", "branch": "main"}, "workdir.branch", "(url, ref)"),
+        ("https://github.com/o/r.git", "workdir", "write it as a mapping"),
+    ],
+)
+def test_a_git_workdir_that_could_be_misread_is_refused(workdir: object, field: str, fragment: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_task(_task(workdir=workdir))
+    assert err.value.field == field and fragment in err.value.message, err.value
