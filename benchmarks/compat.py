@@ -34,7 +34,7 @@ from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.backends.registry import by_kind
 from airflow_provider_sky.spec import BackendCapabilities, SpecError, load_task_yaml, parse_task
 from airflow_provider_sky.spec.capabilities import check_backend
-from airflow_provider_sky.spec.yamlfile import load_pipeline_yaml
+from airflow_provider_sky.spec.yamlfile import load_job_group_yaml, load_pipeline_yaml
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO.parent / "shared" / "skypilot-corpus"
@@ -150,8 +150,13 @@ def measure(corpus: Path) -> dict[str, Any]:
         path = corpus / name
         entry: dict[str, Any] = {"origin": origin, "kind": kind, "file": name}
         try:
-            if kind == "multi-doc":  # a pipeline: sky_pipeline's loader, each task checked
-                _, tasks = load_pipeline_yaml(path)
+            if kind == "multi-doc":  # sky_pipeline's loader (sky_job_group's for a job group), each task checked
+                try:
+                    _, tasks = load_pipeline_yaml(path)
+                except SpecError as exc:
+                    if not exc.field.endswith(": execution"):
+                        raise
+                    _, tasks = load_job_group_yaml(path)
                 specs = [parse_task(t) for t in tasks]
             else:
                 specs = [load_task_yaml(path)]
