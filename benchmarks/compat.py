@@ -129,6 +129,8 @@ def group_of(field: str, message: str = "") -> str:
     field is the path) -> ``(file) <the message's first words>``."""
     head, _, rest = field.partition(".")
     if "/" in head:
+        if ": " in field:  # a key of the file's header: ``path: primary_tasks``
+            return "(file) " + field.rsplit(": ", 1)[1]
         return "(file) " + message.split(":")[0][:40]
     if head in ("envs", "secrets", "file_mounts") and rest:
         return f"{head}.<key>"

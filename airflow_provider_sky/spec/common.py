@@ -41,6 +41,7 @@ TOP_LEVEL_KEYS: tuple[str, ...] = (
     "secrets",
     "workdir",
     "file_mounts",
+    "volumes",
     # not SkyPilot's: the file on each node whose content is the gang's result (``airflow_provider_sky.watch.result``)
     "result_file",
 )
@@ -68,7 +69,7 @@ RESOURCE_KEYS: tuple[str, ...] = (
 ALTERNATIVE_KEYS: tuple[str, ...] = ("any_of", "ordered")
 _ENTRY_KEYS: tuple[str, ...] = tuple(k for k in RESOURCE_KEYS if k not in ALTERNATIVE_KEYS)
 # SkyPilot keys users may copy from existing YAML; named so the error says "unsupported", not "typo".
-_SKYPILOT_ONLY_TOP = frozenset({"volumes", "pool", "event_callback", "experimental"})
+_SKYPILOT_ONLY_TOP = frozenset({"pool", "event_callback", "experimental"})
 _SKYPILOT_ONLY_RESOURCES = frozenset(
     {
         "autostop",
@@ -79,7 +80,6 @@ _SKYPILOT_ONLY_RESOURCES = frozenset(
 #: why a SkyPilot key is refused, when there is more to say than "not supported"
 _UNSUPPORTED_WHY = {
     "pool": "SkyPilot's managed-jobs worker pools",
-    "volumes": "SkyPilot volumes are not supported yet; mount the data with file_mounts",
 }
 #: SkyPilot keys accepted and left out of the spec, with why (each a warning at launch, as ``sky launch`` does)
 IGNORED_TOP: dict[str, str] = {

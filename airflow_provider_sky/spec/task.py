@@ -279,6 +279,44 @@ def _parse_workdir(value: object) -> tuple[str | None, GitWorkdir | None]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# volumes
+
+#: a Kubernetes PersistentVolumeClaim name (a DNS-1123 subdomain)
+_PVC_NAME = re.compile(r"[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?")
+
+
+def _parse_volumes(value: object) -> dict[str, str]:
+    """SkyPilot's ``volumes: {/mnt/data: NAME}``: the volume ``NAME`` mounted at that path on every node.
+    A SkyPilot volume is a PersistentVolumeClaim on Kubernetes (``sky volumes apply``); here ``NAME`` is
+    the claim of that name in the backend's namespace, which only the kubernetes backend can mount."""
+    where = "volumes"
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(
+            where, f"must be a mapping of MOUNT_PATH: VOLUME_NAME, got {_type_name(value)}; e.g. /data: my-pvc"
+        )
+    out: dict[str, str] = {}
+    for path, name in value.items():
+        at = f"{where}.{path}"
+        if (
+            not isinstance(path, str)
+            or not path.startswith("/")
+            or _CONTROL.search(path)
+            or ".." in path.split("/")
+        ):
+            raise SpecError(at, "the key is where the volume is mounted: an absolute path such as /data")
+        if not isinstance(name, str) or not _PVC_NAME.fullmatch(name):
+            raise SpecError(
+                at,
+                f"must be the volume's name (a PersistentVolumeClaim of the kubernetes backend's namespace: "
+                f"lower-case letters, digits, '-' and '.'), got {_type_name(name)} {name!r}",
+            )
+        out[path.rstrip("/") or "/"] = name
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
 # the task
 
 
@@ -305,6 +343,8 @@ class TaskSpec:
     #: file mounts as written that use an env left null (``name: ${BUCKET}``): parsed by
     #: :func:`fill_at_launch` once the value is given (nothing is provisioned before)
     mounts_at_launch: dict[str, object] = field(default_factory=dict)
+    #: mount path -> SkyPilot volume (a PersistentVolumeClaim of that name), mounted on every node
+    volumes: dict[str, str] = field(default_factory=dict)
     #: what SkyPilot's ``config: {kubernetes: {pod_config}, docker: {run_options}}`` merges into every pod
     #: (the kubernetes backend's; the other backends make no pods)
     pod_config: dict[str, Any] = field(default_factory=dict)
@@ -370,6 +410,8 @@ class TaskSpec:
                 **{k: m.to_dict() for k, m in self.storage.items()},
                 **self.mounts_at_launch,
             }
+        if self.volumes:
+            out["volumes"] = dict(self.volumes)
         if self.setup is not None:
             out["setup"] = self.setup
         if self.run:
@@ -573,6 +615,7 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         no_mounts,
     )
     result_file = attempt(lambda: _parse_result_file(data.get("result_file")), None)
+    volumes = attempt(lambda: _parse_volumes(data.get("volumes")), {})
     pod_config: dict[str, Any] = attempt(lambda: parse_config(config), {})
     if problems:
         raise _all_of(problems)
@@ -591,6 +634,7 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         storage=storage,
         mounts_at_launch=mounts_at_launch,
         pod_config=pod_config,
+        volumes=volumes,
         unset_envs=unset_envs,
         unset_secrets=unset_secrets,
         ignored=ignored,

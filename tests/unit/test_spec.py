@@ -1539,7 +1539,7 @@ def test_provisioning_refuses_a_value_never_given(tmp_path: Path) -> None:
         ),
         (
             "name: g\nexecution: parallel\n---\nname: server\nrun: x\n---\nname: client\nrun: y\n",
-            ["a SkyPilot job group (2 tasks, run at the same time: server, client)", "not supported yet"],
+            ["a SkyPilot job group (2 tasks, run at the same time: server, client)", "sky_job_group(", "failing together"],
         ),
     ],
 )
@@ -1683,3 +1683,34 @@ def test_a_git_workdir_that_could_be_misread_is_refused(workdir: object, field: 
     with pytest.raises(SpecError) as err:
         parse_task(_task(workdir=workdir))
     assert err.value.field == field and fragment in err.value.message, err.value
+
+
+def test_volumes_are_claims_mounted_on_every_node_of_the_kubernetes_backend() -> None:
+    """SkyPilot's ``volumes: {PATH: NAME}``: a PersistentVolumeClaim; the other backends refuse it by name."""
+    spec = parse_task(_task(volumes={"/mnt/data/": "train-ckpts"}))
+    assert spec.volumes == {"/mnt/data": "train-ckpts"}
+    assert parse_task(spec.to_dict()) == spec
+    k8s = BackendCapabilities(
+        name="kubernetes", max_nodes=8, supported_resources=frozenset(), clouds=frozenset(), supports_volumes=True
+    )
+    check_backend(spec, k8s)
+    ssh = BackendCapabilities(name="ssh", max_nodes=8, supported_resources=frozenset(), clouds=frozenset())
+    with pytest.raises(SpecError) as err:
+        check_backend(spec, ssh)
+    assert err.value.field == "volumes./mnt/data" and "only the kubernetes backend" in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("volumes", "fragment"),
+    [
+        (["/data"], "MOUNT_PATH: VOLUME_NAME"),
+        ({"data": "v"}, "absolute path"),
+        ({"/a/../etc": "v"}, "absolute path"),
+        ({"/data": "Not_A_Claim"}, "PersistentVolumeClaim"),
+        ({"/data": {"name": "v"}}, "PersistentVolumeClaim"),
+    ],
+)
+def test_a_volume_that_cannot_be_a_claim_is_named(volumes: object, fragment: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_task(_task(volumes=volumes))
+    assert err.value.field.startswith("volumes") and fragment in err.value.message, err.value
