@@ -92,21 +92,26 @@ def sky_job_group(
             task = {**task, "envs": {**(envs if isinstance(envs, dict) else {}), JOBGROUP_ENV: name}}
             cluster = default_cluster_name(dag.dag_id, f"sky_job_group:{outer.group_id}.{gid}")
             gangs.append(sky_gang(group_id=gid, task_config=task, cluster_name=cluster, **gang_args))
-        parts = [
-            (g.get_child_by_label("cluster"), g.get_child_by_label("job"), g.get_child_by_label("gang"))
-            for g in gangs
+        parts: list[tuple[str, Any, Any, Any]] = [
+            (
+                gid,
+                g.get_child_by_label("cluster"),
+                g.get_child_by_label("job"),
+                g.get_child_by_label("gang"),
+            )
+            for g, gid in zip(gangs, (str(t["name"]) for t in tasks), strict=True)
         ]
-        for _, job, _ in parts:  # started together: no job before every cluster is up
-            for cluster, _, _ in parts:
-                if cluster.task_id not in job.upstream_task_ids:
-                    cluster >> job
+        for _, _, job, _ in parts:  # started together: no job before every cluster is up
+            for _, first, _, _ in parts:
+                if first.task_id not in job.upstream_task_ids:
+                    first >> job
         stop = SkyJobGroupStopOperator(
             task_id="stop_together",
             group_name=name,
-            gangs=[(g.group_id, c.task_id, j.task_id) for g, (c, j, _) in zip(gangs, parts, strict=True)],
+            gangs=[(label, c.task_id, j.task_id) for label, c, j, _ in parts],
             sky_conn_id=gang_args.get("sky_conn_id", SkyHook.default_conn_name),
             grace=gang_args.get("grace", 3.0),
         )
-        for _, _, sensor in parts:
+        for _, _, _, sensor in parts:
             sensor >> stop
     return outer

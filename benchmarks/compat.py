@@ -152,7 +152,9 @@ def measure(corpus: Path) -> dict[str, Any]:
         path = corpus / name
         entry: dict[str, Any] = {"origin": origin, "kind": kind, "file": name}
         try:
-            if kind == "multi-doc":  # sky_pipeline's loader (sky_job_group's for a job group), each task checked
+            if (
+                kind == "multi-doc"
+            ):  # sky_pipeline's loader (sky_job_group's for a job group), each task checked
                 try:
                     _, tasks = load_pipeline_yaml(path)
                 except SpecError as exc:

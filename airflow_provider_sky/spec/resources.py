@@ -517,7 +517,12 @@ def _per_region_images(entry: Mapping[str, object]) -> list[Mapping[str, object]
     if not images:
         raise SpecError(where, "is an empty mapping; give region: image pairs, or one image id")
     for region, image in images.items():
-        if not isinstance(region, str) or not region.strip() or not isinstance(image, str) or not image.strip():
+        if (
+            not isinstance(region, str)
+            or not region.strip()
+            or not isinstance(image, str)
+            or not image.strip()
+        ):
             raise SpecError(
                 where,
                 f"a per-region image_id maps region names to image ids (e.g. us-east-1: ami-0123), got "

@@ -294,7 +294,8 @@ def _parse_volumes(value: object) -> dict[str, str]:
         return {}
     if not isinstance(value, Mapping):
         raise SpecError(
-            where, f"must be a mapping of MOUNT_PATH: VOLUME_NAME, got {_type_name(value)}; e.g. /data: my-pvc"
+            where,
+            f"must be a mapping of MOUNT_PATH: VOLUME_NAME, got {_type_name(value)}; e.g. /data: my-pvc",
         )
     out: dict[str, str] = {}
     for path, name in value.items():
@@ -608,14 +609,16 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
     )
     num_nodes = attempt(lambda: _parse_num_nodes(data.get("num_nodes", 1)), 1)
     setup = attempt(lambda: _parse_script(data.get("setup"), "setup"), None)
-    workdir, workdir_git = attempt(lambda: _parse_workdir(data.get("workdir")), (None, None))
+    no_workdir: tuple[str | None, GitWorkdir | None] = (None, None)
+    workdir, workdir_git = attempt(lambda: _parse_workdir(data.get("workdir")), no_workdir)
     no_mounts: tuple[dict[str, str], dict[str, StorageMount], dict[str, object]] = ({}, {}, {})
     file_mounts, storage, mounts_at_launch = attempt(
         lambda: _parse_file_mounts(data.get("file_mounts"), envs, bool(workdir), frozenset(unset_envs)),
         no_mounts,
     )
     result_file = attempt(lambda: _parse_result_file(data.get("result_file")), None)
-    volumes = attempt(lambda: _parse_volumes(data.get("volumes")), {})
+    no_volumes: dict[str, str] = {}
+    volumes = attempt(lambda: _parse_volumes(data.get("volumes")), no_volumes)
     pod_config: dict[str, Any] = attempt(lambda: parse_config(config), {})
     if problems:
         raise _all_of(problems)

@@ -41,8 +41,16 @@ def served(tmp_path: Path) -> Iterator[tuple[str, str]]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     daemon = subprocess.Popen(
-        ["git", "daemon", "--reuseaddr", "--export-all", f"--base-path={base}", "--listen=127.0.0.1",
-         f"--port={port}", str(base)],
+        [
+            "git",
+            "daemon",
+            "--reuseaddr",
+            "--export-all",
+            f"--base-path={base}",
+            "--listen=127.0.0.1",
+            f"--port={port}",
+            str(base),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -71,7 +79,13 @@ def test_every_local_node_checks_out_the_ref_and_a_reused_cluster_moves_on(
     spec = _spec(url, "v1")
     h = b.provision("g", spec)
     try:
-        for ref, want in (("v1", "v1\n"), (first, "v1\n"), ("main", "v2\n"), (None, "v2\n"), (first[:12], "v1\n")):
+        for ref, want in (
+            ("v1", "v1\n"),
+            (first, "v1\n"),
+            ("main", "v2\n"),
+            (None, "v2\n"),
+            (first[:12], "v1\n"),
+        ):
             spec = _spec(url, ref)
             b.sync_files(h, spec)
             for n in h.nodes:

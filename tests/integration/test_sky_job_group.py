@@ -74,7 +74,11 @@ def test_one_failing_task_stops_the_others(sky_home: Path) -> None:
         stop = SkyJobGroupStopOperator(
             task_id="stop_together",
             group_name="pair",
-            gangs=[("server", "s.cluster", "s.job"), ("client", "c.cluster", "c.job"), ("idle", "i.cluster", "i.job")],
+            gangs=[
+                ("server", "s.cluster", "s.job"),
+                ("client", "c.cluster", "c.job"),
+                ("idle", "i.cluster", "i.job"),
+            ],
         )
         xcoms = _RunXComs(
             {
@@ -85,7 +89,9 @@ def test_one_failing_task_stops_the_others(sky_home: Path) -> None:
             }
         )
         t = time.monotonic()
-        with pytest.raises(AirflowFailException, match=r"job group pair: .*stopped the jobs of: server, client$"):
+        with pytest.raises(
+            AirflowFailException, match=r"job group pair: .*stopped the jobs of: server, client$"
+        ):
             stop.execute(cast("Any", {"ti": xcoms}))
         poll = wait_done(hook.client(hc), "job-c", timeout=15)
         assert [r.state for r in poll.status.ranks] == ["cancelled", "cancelled"]

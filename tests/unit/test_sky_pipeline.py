@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import pendulum
+import pytest
 from airflow.sdk import DAG
 
 from airflow_provider_sky.pipeline import JOBGROUP_ENV, sky_job_group
@@ -44,19 +43,37 @@ def test_a_job_group_is_a_gang_per_task_started_together_and_stopped_together() 
         assert clusters <= job.upstream_task_ids  # no job starts before every cluster is up
         assert job.spec_overrides.get("envs") is None  # the name is in the task itself, as a YAML field
         assert job.task_config["envs"][JOBGROUP_ENV] == "pair"
-    assert dag.get_task("pair.server.cluster").cluster_name != dag.get_task("pair.client.cluster").cluster_name
+    assert (
+        dag.get_task("pair.server.cluster").cluster_name != dag.get_task("pair.client.cluster").cluster_name
+    )
     stop = dag.get_task("pair.stop_together")
     assert stop.trigger_rule == "one_failed"
     assert stop.upstream_task_ids == {"pair.server.gang", "pair.client.gang"}
+    assert stop.gangs == [
+        ("server", "pair.server.cluster", "pair.server.job"),
+        ("client", "pair.client.cluster", "pair.client.job"),
+    ]
 
 
 @pytest.mark.parametrize(
     ("text", "field", "fragment"),
     [
-        ("name: g\nexecution: parallel\nprimary_tasks: [a]\n---\nname: a\nrun: x\n", ": primary_tasks", "auxiliary"),
-        ("name: g\nexecution: parallel\ntermination_delay: 5s\n---\nname: a\nrun: x\n", ": termination_delay", "auxiliary"),
+        (
+            "name: g\nexecution: parallel\nprimary_tasks: [a]\n---\nname: a\nrun: x\n",
+            ": primary_tasks",
+            "auxiliary",
+        ),
+        (
+            "name: g\nexecution: parallel\ntermination_delay: 5s\n---\nname: a\nrun: x\n",
+            ": termination_delay",
+            "auxiliary",
+        ),
         ("name: g\nexecution: parallel\n---\nrun: x\n", ": task #1", "this one has none"),
-        ("name: g\nexecution: parallel\n---\nname: a\nrun: x\n---\nname: a\nrun: y\n", ": task #2", "given twice"),
+        (
+            "name: g\nexecution: parallel\n---\nname: a\nrun: x\n---\nname: a\nrun: y\n",
+            ": task #2",
+            "given twice",
+        ),
         ("execution: parallel\n---\nname: a\nrun: x\n", ": name", "needs a name"),
         ("name: g\n---\nname: a\nrun: x\n", "", "is not a SkyPilot job group"),
     ],

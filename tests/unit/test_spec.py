@@ -1539,7 +1539,11 @@ def test_provisioning_refuses_a_value_never_given(tmp_path: Path) -> None:
         ),
         (
             "name: g\nexecution: parallel\n---\nname: server\nrun: x\n---\nname: client\nrun: y\n",
-            ["a SkyPilot job group (2 tasks, run at the same time: server, client)", "sky_job_group(", "failing together"],
+            [
+                "a SkyPilot job group (2 tasks, run at the same time: server, client)",
+                "sky_job_group(",
+                "failing together",
+            ],
         ),
     ],
 )
@@ -1691,7 +1695,11 @@ def test_volumes_are_claims_mounted_on_every_node_of_the_kubernetes_backend() ->
     assert spec.volumes == {"/mnt/data": "train-ckpts"}
     assert parse_task(spec.to_dict()) == spec
     k8s = BackendCapabilities(
-        name="kubernetes", max_nodes=8, supported_resources=frozenset(), clouds=frozenset(), supports_volumes=True
+        name="kubernetes",
+        max_nodes=8,
+        supported_resources=frozenset(),
+        clouds=frozenset(),
+        supports_volumes=True,
     )
     check_backend(spec, k8s)
     ssh = BackendCapabilities(name="ssh", max_nodes=8, supported_resources=frozenset(), clouds=frozenset())
