@@ -184,7 +184,7 @@ def test_bad_input_fails_at_dag_parse_time() -> None:
         with pytest.raises(SpecError, match="RANK"):
             sky_gang("h", num_nodes=2, run="true", envs={"RANK": "3"})
         with pytest.raises(SpecError, match="run"):
-            sky_gang("i", num_nodes=2)
+            sky_gang("i", num_nodes=2, run=["python train.py"])
 
 
 def test_a_mistyped_argument_is_named_with_the_nearest_valid_one() -> None:
