@@ -69,7 +69,8 @@ def _resolve_mount(src: object, base_dir: str) -> object:
 
 
 def _resolve_local(path: str, base_dir: str) -> str:
-    if is_bucket_source(path) or os.path.isabs(path) or path.startswith("~"):
+    # ``$BUCKET``: the task's envs fill it later (often with a bucket URL), so it is not a path beside the file
+    if is_bucket_source(path) or os.path.isabs(path) or path.startswith(("~", "$")):
         return path
     return os.path.normpath(os.path.join(base_dir, path))
 

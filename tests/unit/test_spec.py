@@ -1722,3 +1722,17 @@ def test_a_volume_that_cannot_be_a_claim_is_named(volumes: object, fragment: str
     with pytest.raises(SpecError) as err:
         parse_task(_task(volumes=volumes))
     assert err.value.field.startswith("volumes") and fragment in err.value.message, err.value
+
+
+def test_a_mount_source_from_envs_is_the_value_not_a_path_beside_the_file(tmp_path: Path) -> None:
+    """``source: ${BUCKET}`` was resolved beside the file first: ``/dir/s3://b`` became a local path."""
+    path = tmp_path / "t.yaml"
+    path.write_text(
+        "envs: {BUCKET: s3://my-bucket/data, STORE: gs://b}\n"
+        "file_mounts:\n  /d: {source: $BUCKET, mode: COPY}\n  /e: ${BUCKET}\nrun: x\n"
+    )
+    spec = load_task_yaml(path)
+    assert spec.file_mounts == {"/d": "s3://my-bucket/data", "/e": "s3://my-bucket/data"}
+    path.write_text("envs: {STORE: gs://b}\nfile_mounts:\n  /d: {source: $STORE, mode: MOUNT}\nrun: x\n")
+    with pytest.raises(SpecError, match=r"'gs://b' is on Google Cloud Storage"):
+        load_task_yaml(path)
