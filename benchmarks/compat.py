@@ -37,7 +37,11 @@ from airflow_provider_sky.spec.capabilities import check_backend
 from airflow_provider_sky.spec.yamlfile import load_job_group_yaml, load_pipeline_yaml
 
 REPO = Path(__file__).resolve().parent.parent
-CORPUS = REPO.parent / "shared" / "skypilot-corpus"
+#: ``../shared/skypilot-corpus`` beside the checkout (a worktree one level deeper finds it one level up)
+CORPUS = next(
+    (c for c in (p / "shared" / "skypilot-corpus" for p in (REPO.parent, REPO.parent.parent)) if c.is_dir()),
+    REPO.parent / "shared" / "skypilot-corpus",
+)
 RESULTS = Path(__file__).resolve().parent / "results"
 #: the corpus kinds that are meant to be run as tasks (``skip`` rows are configs, manifests, compose files)
 KINDS = ("task", "service", "pool", "multi-doc")
