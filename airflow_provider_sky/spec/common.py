@@ -80,6 +80,8 @@ _SKYPILOT_ONLY_RESOURCES = frozenset(
 #: why a SkyPilot key is refused, when there is more to say than "not supported"
 _UNSUPPORTED_WHY = {
     "pool": "SkyPilot's managed-jobs worker pools",
+    "autostop": "SkyPilot stops an idle cluster and keeps its disks; no backend here stops a cluster: "
+    "sky_gang(down=False, idle_down=SECONDS) tears a kept cluster down once it was idle that long",
 }
 #: SkyPilot keys accepted and left out of the spec, with why (each a warning at launch, as ``sky launch`` does)
 IGNORED_TOP: dict[str, str] = {

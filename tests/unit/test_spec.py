@@ -76,7 +76,12 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
         "did you mean 'accelerators'?",
     ),
     ("unknown resources key cpu", _res(cpu=4), "resources.cpu", "did you mean 'cpus'?"),
-    ("skypilot-only resources key", _res(autostop=10), "resources.autostop", "does not support"),
+    (
+        "skypilot-only resources key",
+        _res(autostop=10),
+        "resources.autostop",
+        "no backend here stops a cluster: sky_gang(down=False, idle_down=SECONDS)",
+    ),
     ("gpus and accelerators", _res(gpus="H100:8", accelerators="A100:8"), "resources.gpus", "keep one"),
     ("gpus bad", _res(gpus="H100:0"), "resources.accelerators", "greater than 0"),
     ("disk_tier bad", _res(disk_tier="fast"), "resources.disk_tier", "one of low, medium, high, ultra, best"),
