@@ -11,7 +11,13 @@ from airflow.sdk import TaskGroup
 
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.operators._spec import default_cluster_name
-from airflow_provider_sky.operators.jobgroup import SkyJobGroupStopOperator
+from airflow_provider_sky.operators.jobgroup import (
+    STOP_ENV,
+    SkyJobGroupEndOperator,
+    SkyJobGroupStopOperator,
+    auxiliary_run,
+    stop_path,
+)
 from airflow_provider_sky.spec import SpecError
 from airflow_provider_sky.spec.yamlfile import load_job_group_yaml, load_pipeline_yaml
 from airflow_provider_sky.taskgroup import SkyGangGroup, check_gang_arguments, sky_gang
@@ -77,9 +83,12 @@ def sky_job_group(
     ``group_id``: the group's ``name`` by default; each gang's group is its task's name. ``gang_args``
     go to every :func:`sky_gang`. SkyPilot's hostnames for the tasks (``trainer-0.<group>``, Kubernetes
     only there) are not set up here: tasks reach each other by address (a port on an SSH host, a
-    Service on Kubernetes). ``primary_tasks`` / ``termination_delay`` are refused when loading."""
+    Service on Kubernetes). With ``primary_tasks``, an ``end_auxiliaries`` task tells the other (auxiliary)
+    tasks to end once every primary gang succeeded; each ends as succeeded after its
+    ``termination_delay``."""
     _check_args("sky_job_group", gang_args)
-    name, tasks = load_job_group_yaml(task_yaml)
+    group = load_job_group_yaml(task_yaml)
+    name, tasks = group.name, group.tasks
     outer = TaskGroup(group_id=group_id or _GROUP_ID.sub("-", name))
     dag = outer.dag
     if dag is None:
@@ -88,8 +97,12 @@ def sky_job_group(
     with outer:
         for task in tasks:
             gid = _GROUP_ID.sub("-", str(task["name"]))
-            envs = task.get("envs")
-            task = {**task, "envs": {**(envs if isinstance(envs, dict) else {}), JOBGROUP_ENV: name}}
+            given = task.get("envs")
+            envs: dict[str, Any] = {**(given if isinstance(given, dict) else {}), JOBGROUP_ENV: name}
+            if task["name"] not in group.primary:  # an auxiliary task: ended once the primary ones are done
+                envs[STOP_ENV] = stop_path(name, "{{ run_id }}")  # rendered per run
+                task = {**task, "run": auxiliary_run(str(task.get("run") or ""))}
+            task = {**task, "envs": envs}
             cluster = default_cluster_name(dag.dag_id, f"sky_job_group:{outer.group_id}.{gid}")
             gangs.append(sky_gang(group_id=gid, task_config=task, cluster_name=cluster, **gang_args))
         parts: list[tuple[str, Any, Any, Any]] = [
@@ -114,4 +127,18 @@ def sky_job_group(
         )
         for _, _, _, sensor in parts:
             sensor >> stop
+        if group.delays:  # auxiliary tasks: told to end once every primary gang succeeded
+            end = SkyJobGroupEndOperator(
+                task_id="end_auxiliaries",
+                group_name=name,
+                gangs=[
+                    (label, c.task_id, group.delays[label])
+                    for label, c, _, _ in parts
+                    if label in group.delays
+                ],
+                sky_conn_id=gang_args.get("sky_conn_id", SkyHook.default_conn_name),
+            )
+            for label, _, _, sensor in parts:
+                if label not in group.delays:
+                    sensor >> end
     return outer

@@ -164,7 +164,7 @@ def measure(corpus: Path) -> dict[str, Any]:
                 except SpecError as exc:
                     if not exc.field.endswith(": execution"):
                         raise
-                    _, tasks = load_job_group_yaml(path)
+                    tasks = load_job_group_yaml(path).tasks
                 specs = [parse_task(t) for t in tasks]
             else:
                 specs = [load_task_yaml(path)]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -120,22 +122,69 @@ def load_pipeline_yaml(path: str | os.PathLike[str]) -> tuple[str | None, list[d
     return name, tasks
 
 
-#: the job-group header keys not honoured yet, and why (an error names them before anything runs)
-_GROUP_NOT_YET = {
-    "primary_tasks": "SkyPilot's auxiliary tasks (those not listed), stopped once the primary ones are done "
-    "and counted as succeeded, are not offered yet: every task here is primary (the group succeeds when "
-    "each task succeeded); remove primary_tasks and make each auxiliary task end by itself (e.g. stop when "
-    "a file the primary task writes appears)",
-    "termination_delay": "it is the delay before auxiliary tasks are stopped, which are not offered yet "
-    "(see primary_tasks); remove it",
-}
+#: a job group's ``termination_delay``: ``30s``, ``5m``, ``1h`` or a number of seconds
+_DELAY = re.compile(r"(\d+(?:\.\d+)?)\s*([smh]?)")
+_DELAY_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600}
 
 
-def load_job_group_yaml(path: str | os.PathLike[str]) -> tuple[str, list[dict[str, object]]]:
+@dataclass(frozen=True)
+class JobGroup:
+    """A SkyPilot job group file: its name, its tasks (mappings, paths resolved beside the file), the
+    primary tasks' names (all when the header names none) and, per auxiliary task, the seconds it is
+    given to finish after the primary tasks are done before it is stopped."""
+
+    name: str
+    tasks: list[dict[str, object]]
+    primary: tuple[str, ...]
+    delays: dict[str, float]
+
+
+def _delay(value: object, where: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    m = _DELAY.fullmatch(value.strip().lower()) if isinstance(value, str) else None
+    if m is None:
+        raise SpecError(where, f"must be a duration such as 30s, 5m or 1h, got {value!r}")
+    return float(m.group(1)) * _DELAY_UNIT[m.group(2)]
+
+
+def _group_options(
+    where: str, head: Mapping[str, object], names: list[str]
+) -> tuple[tuple[str, ...], dict[str, float]]:
+    """(primary task names, seconds per auxiliary task) from the header's ``primary_tasks`` and
+    ``termination_delay`` (a duration, or ``{default: ..., TASK: ...}``)."""
+    raw = head.get("primary_tasks")
+    if raw is None:
+        primary = tuple(names)
+    else:
+        if not isinstance(raw, list) or not raw or not all(isinstance(n, str) for n in raw):
+            raise SpecError(f"{where}: primary_tasks", f"must be a list of task names, got {raw!r}")
+        unknown = [n for n in raw if n not in names]
+        if unknown:
+            raise SpecError(
+                f"{where}: primary_tasks",
+                f"names {', '.join(map(repr, unknown))}, which is no task of the group (its tasks: "
+                f"{', '.join(names)})",
+            )
+        primary = tuple(n for n in names if n in raw)
+    delay = head.get("termination_delay")
+    field = f"{where}: termination_delay"
+    if isinstance(delay, Mapping):
+        unknown = [str(k) for k in delay if k != "default" and k not in names]
+        if unknown:
+            raise SpecError(field, f"names {', '.join(map(repr, unknown))}, which is no task of the group")
+        default = _delay(delay["default"], field) if delay.get("default") is not None else 0.0
+        per = {str(k): _delay(v, f"{field}.{k}") for k, v in delay.items() if k != "default"}
+    else:
+        default, per = (_delay(delay, field) if delay is not None else 0.0), {}
+    return primary, {n: per.get(n, default) for n in names if n not in primary}
+
+
+def load_job_group_yaml(path: str | os.PathLike[str]) -> JobGroup:
     """A SkyPilot job group file (a header ``name:`` and ``execution: parallel``, then one task per
     document): the group's name and each task as a mapping with its local paths resolved beside the
     file, each checked with :func:`parse_task`. Task names must be given and differ (SkyPilot's rule: a
-    task is found by its name)."""
+    task is found by its name); ``primary_tasks`` name tasks of the group."""
     where = os.fspath(path)
     docs = _documents(where, "job group")
     head = docs[0]
@@ -147,9 +196,6 @@ def load_job_group_yaml(path: str | os.PathLike[str]) -> tuple[str, list[dict[st
             "is not a SkyPilot job group: its first document must be the header (name: ..., execution: "
             "parallel); a pipeline (tasks one after another) is loaded with sky_pipeline",
         )
-    for key, why in _GROUP_NOT_YET.items():
-        if head.get(key) is not None:
-            raise SpecError(f"{where}: {key}", why)
     name = head.get("name")
     if not isinstance(name, str) or not name.strip():
         raise SpecError(f"{where}: name", "a job group needs a name in its header (name: my-group)")
@@ -175,7 +221,8 @@ def load_job_group_yaml(path: str | os.PathLike[str]) -> tuple[str, list[dict[st
         except SpecError as err:
             raise SpecError(err.field, f"{err.message} (task {label} of {where})") from None
         tasks.append(data)
-    return name.strip(), tasks
+    primary, delays = _group_options(where, head, [str(t["name"]) for t in tasks])
+    return JobGroup(name.strip(), tasks, primary, delays)
 
 
 def _documents(where: str, what: str) -> list[Mapping[str, object]]:

@@ -101,3 +101,43 @@ def test_one_failing_task_stops_the_others(sky_home: Path) -> None:
     finally:
         hook.teardown("grp-server", force=True)
         hook.teardown("grp-client", force=True)
+
+
+def test_auxiliary_tasks_end_as_succeeded_once_the_primary_tasks_are_done(sky_home: Path) -> None:
+    """``primary_tasks``: an auxiliary server that would serve for hours is told to end (the end task,
+    run once every primary gang succeeded); after its ``termination_delay`` its processes are gone and
+    its ranks succeeded."""
+    from gangs import wait_done
+
+    from airflow_provider_sky.hooks.sky import SkyHook
+    from airflow_provider_sky.operators.jobgroup import (
+        STOP_ENV,
+        SkyJobGroupEndOperator,
+        auxiliary_run,
+        stop_path,
+    )
+    from airflow_provider_sky.spec import task_from_args
+
+    hook = SkyHook()
+    run = 'echo "serving on $SKYPILOT_NODE_RANK"\nsleep 10000\necho "not reached"\n'
+    aux = task_from_args(num_nodes=2, run=auxiliary_run(run), envs={STOP_ENV: stop_path("pair", "run-1")})
+    h = hook.provision("grp-aux", aux)
+    try:
+        client = hook.client(h)
+        client.launch(aux, "job-a")
+        time.sleep(1.5)
+        assert [r.state for r in client.poll("job-a").status.ranks] == ["running", "running"]
+        end = SkyJobGroupEndOperator(
+            task_id="end_auxiliaries", group_name="pair", gangs=[("server", "a.cluster", 1.0)]
+        )
+        t = time.monotonic()
+        end.execute(
+            cast("Any", {"ti": _RunXComs({("a.cluster", "return_value"): h.to_dict()}), "run_id": "run-1"})
+        )
+        poll = wait_done(hook.client(h), "job-a", timeout=20)
+        took = time.monotonic() - t
+        assert [r.state for r in poll.status.ranks] == ["succeeded", "succeeded"], poll.status
+        assert 1.0 <= took < 15, took  # the delay written (1 s), then the next check (1 s) and a poll
+        assert not job_processes(sky_home), "the auxiliary's sleep outlived its end"
+    finally:
+        hook.teardown("grp-aux", force=True)

@@ -8,6 +8,7 @@ import pendulum
 import pytest
 from airflow.sdk import DAG
 
+from airflow_provider_sky.operators.jobgroup import STOP_ENV, stop_path
 from airflow_provider_sky.pipeline import JOBGROUP_ENV, sky_job_group
 from airflow_provider_sky.spec import SpecError, load_task_yaml
 from airflow_provider_sky.spec.yamlfile import load_job_group_yaml, load_pipeline_yaml
@@ -59,14 +60,20 @@ def test_a_job_group_is_a_gang_per_task_started_together_and_stopped_together() 
     ("text", "field", "fragment"),
     [
         (
-            "name: g\nexecution: parallel\nprimary_tasks: [a]\n---\nname: a\nrun: x\n",
+            "name: g\nexecution: parallel\nprimary_tasks: [b]\n---\nname: a\nrun: x\n",
             ": primary_tasks",
-            "auxiliary",
+            "no task",
+        ),
+        ("name: g\nexecution: parallel\nprimary_tasks: a\n---\nname: a\nrun: x\n", ": primary_tasks", "list"),
+        (
+            "name: g\nexecution: parallel\ntermination_delay: soon\n---\nname: a\nrun: x\n",
+            ": termination_delay",
+            "30s",
         ),
         (
-            "name: g\nexecution: parallel\ntermination_delay: 5s\n---\nname: a\nrun: x\n",
+            "name: g\nexecution: parallel\ntermination_delay: {b: 1s}\n---\nname: a\nrun: x\n",
             ": termination_delay",
-            "auxiliary",
+            "no task",
         ),
         ("name: g\nexecution: parallel\n---\nrun: x\n", ": task #1", "this one has none"),
         (
@@ -84,3 +91,31 @@ def test_a_job_group_file_names_what_cannot_run(tmp_path: Path, text: str, field
     with pytest.raises(SpecError) as info:
         load_job_group_yaml(path)
     assert info.value.field == f"{path}{field}" and fragment in info.value.message, info.value
+
+
+def test_auxiliary_tasks_are_told_to_end_once_the_primary_ones_succeeded(tmp_path: Path) -> None:
+    """SkyPilot's ``primary_tasks`` / ``termination_delay`` (a default and one per task)."""
+    path = tmp_path / "group.yaml"
+    path.write_text(
+        "name: rl\nexecution: parallel\nprimary_tasks: [trainer]\n"
+        "termination_delay: {default: 30s, buffer: 2m}\n"
+        "---\nname: trainer\nrun: train\n---\nname: data\nrun: serve\n---\nname: buffer\nrun: keep\n"
+    )
+    group = load_job_group_yaml(path)
+    assert (group.primary, group.delays) == (("trainer",), {"data": 30.0, "buffer": 120.0})
+    with DAG("g", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC")) as dag:
+        sky_job_group(path)
+    end = dag.get_task("rl.end_auxiliaries")
+    assert end.upstream_task_ids == {"rl.trainer.gang"}  # after the primary task succeeded
+    assert end.gangs == [("data", "rl.data.cluster", 30.0), ("buffer", "rl.buffer.cluster", 120.0)]
+    data = dag.get_task("rl.data.job").task_config
+    assert data["run"].startswith("# SkyPilot job group: an auxiliary task") and "\nserve\n" in data["run"]
+    assert data["envs"][STOP_ENV] == ".sky-jobgroup/rl/{{ run_id }}"
+    cluster = dag.get_task("rl.data.cluster")  # rendered per run: the path the end task writes
+    cluster.render_template_fields({"run_id": "manual__r1", "dag": dag, "params": {}})  # type: ignore[arg-type]
+    assert cluster.task_config["envs"][STOP_ENV] == stop_path("rl", "manual__r1")
+    assert dag.get_task("rl.trainer.job").task_config["run"] == "train"
+    assert STOP_ENV not in dag.get_task("rl.trainer.job").task_config["envs"]
+    with DAG("h", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC")) as dag:
+        sky_job_group(GROUP)  # every task primary: nothing to end
+    assert "pair.end_auxiliaries" not in dag.task_ids
