@@ -34,10 +34,14 @@ from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.backends.registry import by_kind
 from airflow_provider_sky.spec import BackendCapabilities, SpecError, load_task_yaml, parse_task
 from airflow_provider_sky.spec.capabilities import check_backend
-from airflow_provider_sky.spec.yamlfile import load_pipeline_yaml
+from airflow_provider_sky.spec.yamlfile import load_job_group_yaml, load_pipeline_yaml
 
 REPO = Path(__file__).resolve().parent.parent
-CORPUS = REPO.parent / "shared" / "skypilot-corpus"
+#: ``../shared/skypilot-corpus`` beside the checkout (a worktree one level deeper finds it one level up)
+CORPUS = next(
+    (c for c in (p / "shared" / "skypilot-corpus" for p in (REPO.parent, REPO.parent.parent)) if c.is_dir()),
+    REPO.parent / "shared" / "skypilot-corpus",
+)
 RESULTS = Path(__file__).resolve().parent / "results"
 #: the corpus kinds that are meant to be run as tasks (``skip`` rows are configs, manifests, compose files)
 KINDS = ("task", "service", "pool", "multi-doc")
@@ -129,6 +133,8 @@ def group_of(field: str, message: str = "") -> str:
     field is the path) -> ``(file) <the message's first words>``."""
     head, _, rest = field.partition(".")
     if "/" in head:
+        if ": " in field:  # a key of the file's header: ``path: primary_tasks``
+            return "(file) " + field.rsplit(": ", 1)[1]
         return "(file) " + message.split(":")[0][:40]
     if head in ("envs", "secrets", "file_mounts") and rest:
         return f"{head}.<key>"
@@ -150,8 +156,15 @@ def measure(corpus: Path) -> dict[str, Any]:
         path = corpus / name
         entry: dict[str, Any] = {"origin": origin, "kind": kind, "file": name}
         try:
-            if kind == "multi-doc":  # a pipeline: sky_pipeline's loader, each task checked
-                _, tasks = load_pipeline_yaml(path)
+            if (
+                kind == "multi-doc"
+            ):  # sky_pipeline's loader (sky_job_group's for a job group), each task checked
+                try:
+                    _, tasks = load_pipeline_yaml(path)
+                except SpecError as exc:
+                    if not exc.field.endswith(": execution"):
+                        raise
+                    tasks = load_job_group_yaml(path).tasks
                 specs = [parse_task(t) for t in tasks]
             else:
                 specs = [load_task_yaml(path)]

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from airflow_provider_sky.backends.gitworkdir import checkout
 from airflow_provider_sky.backends.storage import (
     S3Access,
     StorageError,
@@ -313,7 +314,11 @@ class Backend(ABC):
 
         def one(node: Node) -> None:
             runner = self.runner(node)
-            copies = [("workdir", spec.workdir, f"{node.home}/sky_workdir")] if spec.workdir else []
+            copies = []
+            if spec.workdir_git is not None:  # SkyPilot's workdir: {url, ref}
+                checkout(runner, node.ip, node.home, spec.workdir_git)
+            elif spec.workdir:
+                copies.append(("workdir", spec.workdir, f"{node.home}/sky_workdir"))
             for dest, src in spec.file_mounts.items():
                 if not src.startswith("s3://"):
                     copies.append((f"file_mounts.{dest}", src, node_path(node.home, dest)))

@@ -35,6 +35,8 @@ class BackendCapabilities:
     supports_fuse_mounts: bool = True
     #: why not, when ``supports_fuse_mounts`` is False
     no_fuse_why: str = ""
+    #: SkyPilot ``volumes`` (PersistentVolumeClaims) mounted on every node
+    supports_volumes: bool = False
 
 
 #: why a backend that runs on machines it does not choose cannot honour a field (shown with "remove it")
@@ -136,6 +138,16 @@ def spec_problems(spec: TaskSpec, caps: BackendCapabilities) -> list[tuple[str, 
                         "(e.g. with aws s3 cp) or pick another backend",
                     )
                 )
+    if not caps.supports_volumes:
+        for path, name in spec.volumes.items():
+            problems.append(
+                (
+                    f"volumes.{path}",
+                    f"the {caps.name} backend cannot mount volume {name!r}: a SkyPilot volume is a "
+                    "Kubernetes PersistentVolumeClaim, which only the kubernetes backend mounts; run the task "
+                    "there, or give the data as file_mounts (a local path or an S3 bucket)",
+                )
+            )
     if not caps.supports_fuse_mounts:
         for dest, mount in spec.storage.items():
             problems.append(

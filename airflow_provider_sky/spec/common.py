@@ -41,6 +41,7 @@ TOP_LEVEL_KEYS: tuple[str, ...] = (
     "secrets",
     "workdir",
     "file_mounts",
+    "volumes",
     # not SkyPilot's: the file on each node whose content is the gang's result (``airflow_provider_sky.watch.result``)
     "result_file",
 )
@@ -68,11 +69,9 @@ RESOURCE_KEYS: tuple[str, ...] = (
 ALTERNATIVE_KEYS: tuple[str, ...] = ("any_of", "ordered")
 _ENTRY_KEYS: tuple[str, ...] = tuple(k for k in RESOURCE_KEYS if k not in ALTERNATIVE_KEYS)
 # SkyPilot keys users may copy from existing YAML; named so the error says "unsupported", not "typo".
-_SKYPILOT_ONLY_TOP = frozenset({"volumes", "pool", "event_callback", "experimental", "inputs", "outputs"})
+_SKYPILOT_ONLY_TOP = frozenset({"pool", "event_callback", "experimental"})
 _SKYPILOT_ONLY_RESOURCES = frozenset(
     {
-        "job_recovery",
-        "spot_recovery",
         "autostop",
         "accelerator_args",
         "priority",
@@ -80,21 +79,27 @@ _SKYPILOT_ONLY_RESOURCES = frozenset(
 )
 #: why a SkyPilot key is refused, when there is more to say than "not supported"
 _UNSUPPORTED_WHY = {
-    "job_recovery": "SkyPilot's managed-jobs recovery; here a failed gang is retried whole with sky_gang's "
-    "retries= (gang_retries= on the job operator)",
-    "spot_recovery": "the old name of SkyPilot's job_recovery (managed-jobs recovery); here a failed gang is "
-    "retried whole with sky_gang's retries= (gang_retries= on the job operator)",
-    "inputs": "SkyPilot's optimizer hint (the size of the task's input data, for egress costs); no backend "
-    "here picks a cloud by cost",
-    "outputs": "SkyPilot's optimizer hint (the size of the task's output data, for egress costs); no backend "
-    "here picks a cloud by cost",
     "pool": "SkyPilot's managed-jobs worker pools",
-    "volumes": "SkyPilot volumes are not supported yet; mount the data with file_mounts",
+    "autostop": "SkyPilot stops an idle cluster and keeps its disks; no backend here stops a cluster: "
+    "sky_gang(down=False, idle_down=SECONDS) tears a kept cluster down once it was idle that long",
 }
 #: SkyPilot keys accepted and left out of the spec, with why (each a warning at launch, as ``sky launch`` does)
 IGNORED_TOP: dict[str, str] = {
     "service": "SkyServe (replicas, readiness probe, autoscaling) is not part of this provider; the task "
     "runs as `sky launch` runs it, without a service",
+    "inputs": "SkyPilot's optimizer hint (where the task's input data is and its size, to weigh egress "
+    "costs between clouds); each backend here runs on its own machines, so there is no cloud to pick",
+    "outputs": "SkyPilot's optimizer hint (where the task's output goes and its size, to weigh egress costs "
+    "between clouds); each backend here runs on its own machines, so there is no cloud to pick",
+}
+#: SkyPilot resources keys accepted and left out of the spec, with why (a warning at launch): the
+#: managed-jobs controller's recovery strategy, which ``sky launch`` does not use either
+IGNORED_RESOURCES: dict[str, str] = {
+    "job_recovery": "SkyPilot's managed-jobs recovery (sky jobs launch; sky launch does not use it); here "
+    "a failed gang is retried whole with sky_gang's retries= (gang_retries= on the job operator)",
+    "spot_recovery": "the old name of SkyPilot's job_recovery, managed-jobs recovery (sky jobs launch; sky "
+    "launch does not use it); here a failed gang is retried whole with sky_gang's retries= (gang_retries= "
+    "on the job operator)",
 }
 
 # Every name pattern is used with ``fullmatch``: ``^...$`` with ``match`` also accepts a name ending in a

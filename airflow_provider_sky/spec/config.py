@@ -30,6 +30,14 @@ def _shm(value: str, where: str) -> dict[str, Any]:
     return {"spec": {"volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size}}]}}
 
 
+#: why ``config.kubernetes.enable_docker`` is refused, and the nearest thing a task can do itself
+ENABLE_DOCKER_WHY = (
+    "is SkyPilot's Docker daemon in every pod (a privileged Docker-in-Docker sidecar, or BuildKit with "
+    "BUILD), which the kubernetes backend does not set up yet; remove it (to run such a sidecar yourself, "
+    "add it as a second container in config.kubernetes.pod_config, and a docker CLI to the task's image)"
+)
+
+
 def run_options_patch(options: object) -> dict[str, Any]:
     """``config.docker.run_options`` as a pod_config patch; an option with no pod equivalent is an error
     naming it."""
@@ -139,12 +147,13 @@ def parse_config(value: object) -> dict[str, Any]:
         where = f"config.{section}"
         if section == "kubernetes" and isinstance(body, Mapping):
             for key, inner in body.items():
+                if key == "enable_docker":
+                    raise SpecError(f"{where}.{key}", ENABLE_DOCKER_WHY)
                 if key != "pod_config":
                     raise SpecError(
                         f"{where}.{key}",
                         "is not supported here (only kubernetes.pod_config is: merged into every pod); "
-                        "remove it"
-                        + (" (docker inside the pods is not offered)" if key == "enable_docker" else ""),
+                        "remove it",
                     )
                 if not isinstance(inner, Mapping):
                     raise SpecError(

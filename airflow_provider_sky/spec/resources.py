@@ -496,13 +496,50 @@ def _parse_resource_options(value: object) -> tuple[Resources, ...]:
     out: list[Resources] = []
     for prefix, entry in entries:
         try:
-            for acc in _parse_accelerator_options(entry.get("accelerators")):
-                res = _build_resources(entry, acc)
-                if res not in out:
-                    out.append(res)
+            for one in _per_region_images(entry):
+                for acc in _parse_accelerator_options(one.get("accelerators")):
+                    res = _build_resources(one, acc)
+                    if res not in out:
+                        out.append(res)
         except SpecError as err:
             raise _renamed(err, prefix) from None
     return tuple(out)
+
+
+def _per_region_images(entry: Mapping[str, object]) -> list[Mapping[str, object]]:
+    """SkyPilot's per-region ``image_id: {us-east-1: ami-1, us-west-2: ami-2}``: the task runs in one of
+    those regions with its image. With a region given (``region`` / ``infra``) that region's image; else
+    one alternative per region, in the order written (the first the backend can run in wins)."""
+    images = entry.get("image_id")
+    if not isinstance(images, Mapping):
+        return [entry]
+    where = "resources.image_id"
+    if not images:
+        raise SpecError(where, "is an empty mapping; give region: image pairs, or one image id")
+    for region, image in images.items():
+        if (
+            not isinstance(region, str)
+            or not region.strip()
+            or not isinstance(image, str)
+            or not image.strip()
+        ):
+            raise SpecError(
+                where,
+                f"a per-region image_id maps region names to image ids (e.g. us-east-1: ami-0123), got "
+                f"{region!r}: {image!r}",
+            )
+    region = entry.get("region")
+    if region is None and entry.get("infra") is not None:
+        region = _parse_infra(entry["infra"])[1]
+    if region is not None:
+        if region not in images:
+            raise SpecError(
+                where,
+                f"has no image for region {region!r} (it names {', '.join(map(str, images))}); add one, or "
+                "give another region",
+            )
+        return [{**entry, "image_id": images[region]}]
+    return [{**entry, "region": r, "image_id": img} for r, img in images.items()]
 
 
 def _parse_resources(value: object) -> Resources:

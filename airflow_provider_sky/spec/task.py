@@ -15,6 +15,7 @@ from airflow_provider_sky.spec.common import (
     _TASK_NAME,
     _URL,
     ALTERNATIVE_KEYS,
+    IGNORED_RESOURCES,
     IGNORED_TOP,
     RANK_VARIABLES,
     TOP_LEVEL_KEYS,
@@ -199,7 +200,7 @@ def source_problems(spec: TaskSpec) -> list[tuple[str, str]]:
     """(field, why) for each local ``workdir`` / ``file_mounts`` source that is not there (a workdir must
     be a directory): found before provisioning, not when the files are copied to provisioned nodes."""
     problems: list[tuple[str, str]] = []
-    if spec.workdir and not is_bucket_source(spec.workdir):
+    if spec.workdir and spec.workdir_git is None and not is_bucket_source(spec.workdir):
         path = os.path.expanduser(spec.workdir)
         if not os.path.exists(path):
             problems.append(("workdir", f"{spec.workdir} does not exist; fix the path"))
@@ -209,6 +210,111 @@ def source_problems(spec: TaskSpec) -> list[tuple[str, str]]:
         if not is_bucket_source(src) and not os.path.exists(os.path.expanduser(src)):
             problems.append((f"file_mounts.{dest}", f"{src} does not exist; fix the path"))
     return problems
+
+
+# ---------------------------------------------------------------------------------------------------------
+# workdir: a local directory, or SkyPilot's git repository
+
+
+@dataclass(frozen=True)
+class GitWorkdir:
+    """SkyPilot's ``workdir: {url, ref}``: every node checks the repository out into ``~/sky_workdir``
+    (``ref``: a branch, tag or commit; None: the remote's default branch), where setup and run start."""
+
+    url: str
+    ref: str | None = None
+
+    def to_dict(self) -> dict[str, str]:
+        return {"url": self.url, **({"ref": self.ref} if self.ref else {})}
+
+
+#: a git URL a node can fetch: ``https://``, ``http://``, ``ssh://``, ``git://``, ``file://`` or scp-like
+#: ``user@host:path``; never one git would read as an option or a transport helper (``ext::``)
+_GIT_URL = re.compile(r"(?:(?:https?|ssh|git|file)://[^\s]+|[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:[^\s]+)")
+_GIT_REF = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/+-]*")
+_GIT_FIX = "e.g. workdir: {url: https://github.com/org/repo.git, ref: main}"
+
+
+def _parse_workdir(value: object) -> tuple[str | None, GitWorkdir | None]:
+    """(local directory, None) or (the URL, the repository): a string is a local directory synced to every
+    node; a mapping is a git repository every node checks out (SkyPilot's ``{url, ref}``)."""
+    where = "workdir"
+    if not isinstance(value, Mapping):
+        path = _opt_str(value, where, "a local directory synced to every node, or {url: ..., ref: ...}")
+        if path is not None and (_URL.match(path) or _GIT_URL.fullmatch(path)):
+            raise SpecError(
+                where,
+                f"{path!r} is a URL; a string workdir is a local directory. For a git repository every "
+                f"node checks out, write it as a mapping: {_GIT_FIX}",
+            )
+        return path, None
+    unknown = sorted(str(k) for k in value if k not in ("url", "ref"))
+    if unknown:
+        raise SpecError(f"{where}.{unknown[0]}", f"is not a key of a git workdir (url, ref); {_GIT_FIX}")
+    url = value.get("url")
+    if not isinstance(url, str) or not _GIT_URL.fullmatch(url.strip()):
+        raise SpecError(
+            f"{where}.url",
+            f"must be a git URL (https://, ssh://, git://, file:// or user@host:path), got {url!r}; {_GIT_FIX}",
+        )
+    url = url.strip()
+    if re.match(r"[a-z]+://[^/@]*:[^/@]*@", url):
+        raise SpecError(
+            f"{where}.url",
+            "has a password or token in it, which would reach the nodes' command lines and logs; give a URL "
+            "without it (a public repository, or one the nodes reach with their own credentials)",
+        )
+    ref = value.get("ref")
+    if ref is not None:
+        if isinstance(ref, (int, float)) and not isinstance(ref, bool):
+            ref = str(ref)  # a numeric tag or commit YAML read as a number
+        if not isinstance(ref, str) or not _GIT_REF.fullmatch(ref.strip()) or ".." in ref:
+            raise SpecError(
+                f"{where}.ref",
+                f"must be a branch, tag or commit (letters, digits, '.', '_', '/', '+', '-'; not starting "
+                f"with '-' or '.'), got {ref!r}",
+            )
+        ref = ref.strip()
+    return url, GitWorkdir(url, ref)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# volumes
+
+#: a Kubernetes PersistentVolumeClaim name (a DNS-1123 subdomain)
+_PVC_NAME = re.compile(r"[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?")
+
+
+def _parse_volumes(value: object) -> dict[str, str]:
+    """SkyPilot's ``volumes: {/mnt/data: NAME}``: the volume ``NAME`` mounted at that path on every node.
+    A SkyPilot volume is a PersistentVolumeClaim on Kubernetes (``sky volumes apply``); here ``NAME`` is
+    the claim of that name in the backend's namespace, which only the kubernetes backend can mount."""
+    where = "volumes"
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(
+            where,
+            f"must be a mapping of MOUNT_PATH: VOLUME_NAME, got {_type_name(value)}; e.g. /data: my-pvc",
+        )
+    out: dict[str, str] = {}
+    for path, name in value.items():
+        at = f"{where}.{path}"
+        if (
+            not isinstance(path, str)
+            or not path.startswith("/")
+            or _CONTROL.search(path)
+            or ".." in path.split("/")
+        ):
+            raise SpecError(at, "the key is where the volume is mounted: an absolute path such as /data")
+        if not isinstance(name, str) or not _PVC_NAME.fullmatch(name):
+            raise SpecError(
+                at,
+                f"must be the volume's name (a PersistentVolumeClaim of the kubernetes backend's namespace: "
+                f"lower-case letters, digits, '-' and '.'), got {_type_name(name)} {name!r}",
+            )
+        out[path.rstrip("/") or "/"] = name
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -226,7 +332,10 @@ class TaskSpec:
     setup: str | None = None
     envs: dict[str, str] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=dict, repr=False)
+    #: the local directory synced to every node's ``~/sky_workdir``, or the URL of ``workdir_git``
     workdir: str | None = None
+    #: SkyPilot's ``workdir: {url, ref}``: the repository every node checks out into ``~/sky_workdir``
+    workdir_git: GitWorkdir | None = None
     #: destination -> what every node gets a copy of before setup: a local path or an ``s3://`` URL
     file_mounts: dict[str, str] = field(default_factory=dict)
     #: destination -> the S3 bucket mounted there on every node (SkyPilot's ``mode: MOUNT`` /
@@ -235,6 +344,8 @@ class TaskSpec:
     #: file mounts as written that use an env left null (``name: ${BUCKET}``): parsed by
     #: :func:`fill_at_launch` once the value is given (nothing is provisioned before)
     mounts_at_launch: dict[str, object] = field(default_factory=dict)
+    #: mount path -> SkyPilot volume (a PersistentVolumeClaim of that name), mounted on every node
+    volumes: dict[str, str] = field(default_factory=dict)
     #: what SkyPilot's ``config: {kubernetes: {pod_config}, docker: {run_options}}`` merges into every pod
     #: (the kubernetes backend's; the other backends make no pods)
     pod_config: dict[str, Any] = field(default_factory=dict)
@@ -290,7 +401,9 @@ class TaskSpec:
             out["resources"] = {"ordered": [_resources_to_dict(r) for r in self.alternatives]}
         elif resources := _resources_to_dict(self.resources):
             out["resources"] = resources
-        if self.workdir is not None:
+        if self.workdir_git is not None:
+            out["workdir"] = self.workdir_git.to_dict()
+        elif self.workdir is not None:
             out["workdir"] = self.workdir
         if self.file_mounts or self.storage or self.mounts_at_launch:
             out["file_mounts"] = {
@@ -298,9 +411,12 @@ class TaskSpec:
                 **{k: m.to_dict() for k, m in self.storage.items()},
                 **self.mounts_at_launch,
             }
+        if self.volumes:
+            out["volumes"] = dict(self.volumes)
         if self.setup is not None:
             out["setup"] = self.setup
-        out["run"] = self.run
+        if self.run:
+            out["run"] = self.run
         envs: dict[str, str | None] = {**self.envs, **dict.fromkeys(self.unset_envs)}
         if envs:
             out["envs"] = envs
@@ -325,12 +441,17 @@ class TaskSpec:
         return re.sub("|".join(re.escape(v) for v in values), "***", text)
 
 
-def _parse_script(value: object, where: str, required: bool) -> str | None:
+#: the warning for a task without ``run`` (SkyPilot's cluster YAML: ``sky launch`` provisions and sets up)
+NO_RUN = (
+    "not given: the task runs setup only, as `sky launch` of such a YAML does, and each rank runs nothing; "
+    "to keep the cluster up for later gangs that name it, give it a cluster_name and no teardown "
+    "(SkyClusterOperator(cluster_name=...), or sky_gang(cluster_name=..., down=False))"
+)
+
+
+def _parse_script(value: object, where: str) -> str | None:
+    """Shell commands; None when not given (or blank)."""
     if value is None or (isinstance(value, str) and not value.strip()):
-        if required:
-            raise SpecError(
-                where, "required: give the shell commands every node runs, e.g. run: python train.py"
-            )
         return None
     if not isinstance(value, str):
         raise SpecError(
@@ -402,6 +523,29 @@ def _merge_resources(
     return merged
 
 
+def _drop_ignored_resources(value: object) -> tuple[object, tuple[tuple[str, str], ...]]:
+    """``resources`` without the SkyPilot keys accepted and left out (``job_recovery``), also inside its
+    ``any_of`` / ``ordered`` entries, and (field, why) for each one given."""
+    if not isinstance(value, Mapping):
+        return value, ()
+    found: dict[str, str] = {}
+    out = {k: v for k, v in value.items() if k not in IGNORED_RESOURCES}
+    found.update({f"resources.{k}": IGNORED_RESOURCES[k] for k in value if k in IGNORED_RESOURCES})
+    for key in ALTERNATIVE_KEYS:
+        entries = out.get(key)
+        if isinstance(entries, (list, tuple)):
+            kept: list[object] = []
+            for i, entry in enumerate(entries):
+                if isinstance(entry, Mapping):
+                    for k in entry:
+                        if k in IGNORED_RESOURCES:
+                            found[f"resources.{key}[{i}].{k}"] = IGNORED_RESOURCES[k]
+                    entry = {k: v for k, v in entry.items() if k not in IGNORED_RESOURCES}
+                kept.append(entry)
+            out[key] = kept
+    return out, tuple(found.items())
+
+
 def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | None = None) -> TaskSpec:
     """Parse a SkyPilot task YAML mapping as is.
 
@@ -422,6 +566,8 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
     if overrides:
         _check_keys("", overrides, TOP_LEVEL_KEYS, _SKYPILOT_ONLY_TOP)
     data = _merge(obj, overrides)
+    data["resources"], dropped = _drop_ignored_resources(data.get("resources"))
+    ignored += dropped
 
     # Each field is parsed even when another failed: one error names every problem of the task.
     problems: list[SpecError] = []
@@ -433,7 +579,9 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
             problems.append(err)
             return default
 
-    run = attempt(lambda: _parse_script(data.get("run"), "run", required=True), None) or ""
+    run = attempt(lambda: _parse_script(data.get("run"), "run"), None) or ""
+    if not run:
+        ignored += (("run", NO_RUN),)
     name = data.get("name")
     if name is not None and (not isinstance(name, str) or not _TASK_NAME.fullmatch(name)):
         problems.append(
@@ -460,16 +608,17 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         lambda: _parse_resource_options(data.get("resources")), (Resources(),)
     )
     num_nodes = attempt(lambda: _parse_num_nodes(data.get("num_nodes", 1)), 1)
-    setup = attempt(lambda: _parse_script(data.get("setup"), "setup", required=False), None)
-    workdir = attempt(
-        lambda: _opt_str(data.get("workdir"), "workdir", "a local directory synced to every node"), None
-    )
+    setup = attempt(lambda: _parse_script(data.get("setup"), "setup"), None)
+    no_workdir: tuple[str | None, GitWorkdir | None] = (None, None)
+    workdir, workdir_git = attempt(lambda: _parse_workdir(data.get("workdir")), no_workdir)
     no_mounts: tuple[dict[str, str], dict[str, StorageMount], dict[str, object]] = ({}, {}, {})
     file_mounts, storage, mounts_at_launch = attempt(
         lambda: _parse_file_mounts(data.get("file_mounts"), envs, bool(workdir), frozenset(unset_envs)),
         no_mounts,
     )
     result_file = attempt(lambda: _parse_result_file(data.get("result_file")), None)
+    no_volumes: dict[str, str] = {}
+    volumes = attempt(lambda: _parse_volumes(data.get("volumes")), no_volumes)
     pod_config: dict[str, Any] = attempt(lambda: parse_config(config), {})
     if problems:
         raise _all_of(problems)
@@ -483,10 +632,12 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         envs=envs,
         secrets=secrets,
         workdir=workdir,
+        workdir_git=workdir_git,
         file_mounts=file_mounts,
         storage=storage,
         mounts_at_launch=mounts_at_launch,
         pod_config=pod_config,
+        volumes=volumes,
         unset_envs=unset_envs,
         unset_secrets=unset_secrets,
         ignored=ignored,

@@ -184,7 +184,7 @@ def test_bad_input_fails_at_dag_parse_time() -> None:
         with pytest.raises(SpecError, match="RANK"):
             sky_gang("h", num_nodes=2, run="true", envs={"RANK": "3"})
         with pytest.raises(SpecError, match="run"):
-            sky_gang("i", num_nodes=2)
+            sky_gang("i", num_nodes=2, run=["python train.py"])
 
 
 def test_a_mistyped_argument_is_named_with_the_nearest_valid_one() -> None:
@@ -303,3 +303,19 @@ def test_a_gang_airflow_cannot_map_or_watch_fails_before_provisioning(
     assert named in text and setting in text, text[-3000:]
     assert "Provisioning cluster" not in text
     assert not list((sky_home / "local").glob("sky-*")), "nothing may be provisioned"
+
+
+def test_a_task_without_run_sets_the_cluster_up_for_a_later_gang(sky_home: Path) -> None:
+    """SkyPilot's cluster YAML (no ``run``): setup runs on every node and the cluster stays up; the next
+    gang names it and finds what setup left there."""
+    dr = _load("sky_test_setup_only", folder="tests/dags").dag.test()
+    tis = {(ti.task_id, ti.map_index): ti for ti in dr.get_task_instances()}
+    assert str(dr.state) == "success"
+    assert ("prepare.down", -1) not in tis
+    assert {mi: str(ti.state) for (t, mi), ti in tis.items() if t == "prepare.rank"} == {
+        0: "success",
+        1: "success",
+    }
+    assert _xcom(dr, "use.gang", "return_value") == "set up on rank 0"
+    assert tis[("use.down", -1)].state == "success"
+    assert not (sky_home / "local" / "sky-setup-only").exists()

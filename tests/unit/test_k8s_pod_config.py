@@ -77,7 +77,7 @@ def test_pod_config_is_merged_as_skypilot_merges_it(tmp_path: Path) -> None:
         (
             {"kubernetes": {"enable_docker": True}},
             "config.kubernetes.enable_docker",
-            "docker inside the pods",
+            "Docker-in-Docker sidecar, or BuildKit with BUILD), which the kubernetes backend does not set up",
         ),
         (
             {"kubernetes": {"pod_config": "x"}},

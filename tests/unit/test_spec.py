@@ -23,8 +23,10 @@ from airflow_provider_sky.spec import (
     is_bucket_source,
     load_task_yaml,
     parse_task,
+    source_problems,
     task_from_args,
 )
+from airflow_provider_sky.spec.task import GitWorkdir
 
 SEED_YAML = """\
 num_nodes: 4
@@ -57,10 +59,6 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
     ("num_nodes true", _task(num_nodes=True), "num_nodes", "whole number"),
     ("num_nodes false", _task(num_nodes=False), "num_nodes", "whole number"),
     ("num_nodes none", _task(num_nodes=None), "num_nodes", "whole number"),
-    ("run missing", {"num_nodes": 2}, "run", "required"),
-    ("run empty", {"run": ""}, "run", "required"),
-    ("run whitespace", {"run": "  \n\t"}, "run", "required"),
-    ("run none", {"run": None}, "run", "required"),
     ("run list", {"run": ["echo a", "echo b"]}, "run", "must be a string"),
     ("run nul", {"run": "echo a\0b"}, "run", "NUL"),
     ("setup list", _task(setup=["pip install x"]), "setup", "must be a string"),
@@ -70,13 +68,6 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
     ("unknown top key far", _task(zzzz=1), "zzzz", "valid keys are"),
     ("resources key at top", _task(accelerators="V100"), "accelerators", "belongs under resources"),
     ("skypilot-only top key", _task(pool={"workers": 2}), "pool", "does not support"),
-    (
-        "skypilot inputs",
-        _task(inputs={"gs://b": 70}),
-        "inputs",
-        "SkyPilot key this provider does not support",
-    ),
-    ("skypilot outputs", _task(outputs={"gs://b": 7}), "outputs", "optimizer hint"),
     ("non-string top key", cast("dict[str, object]", {"run": "x", 3: "y"}), "task", "keys must be strings"),
     (
         "unknown resources key",
@@ -85,14 +76,11 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
         "did you mean 'accelerators'?",
     ),
     ("unknown resources key cpu", _res(cpu=4), "resources.cpu", "did you mean 'cpus'?"),
-    ("skypilot-only resources key", _res(autostop=10), "resources.autostop", "does not support"),
-    ("job_recovery", _res(job_recovery="failover"), "resources.job_recovery", "retries="),
-    ("spot_recovery", _res(spot_recovery="FAILOVER"), "resources.spot_recovery", "old name of SkyPilot's"),
     (
-        "spot_recovery in any_of",
-        _res(any_of=[{"cpus": 2, "spot_recovery": "x"}]),
-        "resources.any_of[0].spot_recovery",
-        "does not support",
+        "skypilot-only resources key",
+        _res(autostop=10),
+        "resources.autostop",
+        "no backend here stops a cluster: sky_gang(down=False, idle_down=SECONDS)",
     ),
     ("gpus and accelerators", _res(gpus="H100:8", accelerators="A100:8"), "resources.gpus", "keep one"),
     ("gpus bad", _res(gpus="H100:0"), "resources.accelerators", "greater than 0"),
@@ -172,7 +160,14 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
     ("labels none value", _res(labels={"team": None}), "resources.labels.team", "value must be given"),
     ("labels int key", _res(labels={1: "a"}), "resources.labels", "non-empty strings"),
     ("instance_type int", _res(instance_type=5), "resources.instance_type", "non-empty string"),
-    ("image_id dict", _res(image_id={"us-east-1": "ami-1"}), "resources.image_id", "non-empty string"),
+    ("image_id empty mapping", _res(image_id={}), "resources.image_id", "empty mapping"),
+    ("image_id region list", _res(image_id={"us-east-1": ["a"]}), "resources.image_id", "region names"),
+    (
+        "image_id without the region asked",
+        _res(infra="aws/eu-west-1", image_id={"us-east-1": "ami-1"}),
+        "resources.image_id",
+        "no image for region 'eu-west-1'",
+    ),
     ("infra and cloud disagree", _res(infra="aws/us-east-1", cloud="gcp"), "resources.cloud", "disagrees"),
     (
         "infra and region disagree",
@@ -199,7 +194,6 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
     ("secrets not mapping", _task(secrets="x"), "secrets", "must be a mapping"),
     ("env and secret clash", _task(envs={"K": "a"}, secrets={"K": "b"}), "secrets.K", "also set in envs"),
     ("workdir int", _task(workdir=3), "workdir", "non-empty string"),
-    ("workdir dict", _task(workdir={"url": "https://x"}), "workdir", "non-empty string"),
     ("file_mounts list", _task(file_mounts=["/a"]), "file_mounts", "must be a mapping"),
     (
         "file_mounts dest env unknown",
@@ -1316,7 +1310,7 @@ def test_every_problem_of_the_task_itself_is_named_in_one_error() -> None:
     with pytest.raises(SpecError) as err:
         parse_task(
             {
-                "run": "",
+                "run": ["echo a"],
                 "num_nodes": 0,
                 "envs": {"RANK": "1"},
                 "secrets": {"SA_JSON": {"private_key": SECRET}},
@@ -1333,7 +1327,7 @@ def test_every_problem_of_the_task_itself_is_named_in_one_error() -> None:
         "num_nodes",
         "file_mounts.~data",
     ], err.value
-    assert err.value.message.startswith("6 problems in this task: run: required")
+    assert err.value.message.startswith("6 problems in this task: run: must be a string")
     _assert_hidden(str(err.value))
     # one problem is reported as it always was
     with pytest.raises(SpecError) as one:
@@ -1550,7 +1544,11 @@ def test_provisioning_refuses_a_value_never_given(tmp_path: Path) -> None:
         ),
         (
             "name: g\nexecution: parallel\n---\nname: server\nrun: x\n---\nname: client\nrun: y\n",
-            ["a SkyPilot job group (2 tasks, run at the same time: server, client)", "not supported yet"],
+            [
+                "a SkyPilot job group (2 tasks, run at the same time: server, client)",
+                "sky_job_group(",
+                "failing together",
+            ],
         ),
     ],
 )
@@ -1611,3 +1609,135 @@ def test_a_storage_mount_in_copy_mode_is_its_source(tmp_path: Path) -> None:
     }
     for mount in ({"source": "s3://bkt", "mode": "MOUNT"}, {"source": "s3://bkt"}):
         assert parse_task(_task(file_mounts={"/d": mount})).storage["/d"].url == "s3://bkt"
+
+
+# ------------------------------------------------------------------ SkyPilot keys accepted with a warning
+
+
+def test_a_task_without_run_runs_setup_only_and_says_so() -> None:
+    """SkyPilot's cluster YAML (``sky launch`` provisions and sets up; later jobs name the cluster)."""
+    for task in ({"num_nodes": 2, "setup": "pip install x"}, {"run": None}, {"run": "  \n"}):
+        spec = parse_task(task)
+        assert spec.run == ""
+        assert [f for f, _ in spec.ignored] == ["run"]
+        assert "setup only" in spec.ignored[0][1] and "down=False" in spec.ignored[0][1]
+        assert "run" not in spec.to_dict() and parse_task(spec.to_dict()) == spec
+    assert parse_task(_task()).ignored == ()
+
+
+def test_inputs_and_outputs_are_optimizer_hints_named_as_ignored() -> None:
+    spec = parse_task(_task(inputs={"s3://b/x": 70}, outputs={"s3://b/y": 1}))
+    assert [f for f, _ in spec.ignored] == ["inputs", "outputs"]
+    assert all("optimizer hint" in why for _, why in spec.ignored)
+    assert "inputs" not in spec.to_dict() and spec == parse_task(_task())
+
+
+def test_job_recovery_is_named_as_ignored_with_the_retries_to_use() -> None:
+    """``sky launch`` does not use managed-jobs recovery either; here the gang's retries= does that."""
+    spec = parse_task(_res(cpus=2, job_recovery={"strategy": "FAILOVER", "max_restarts_on_errors": 3}))
+    assert spec.ignored[0][0] == "resources.job_recovery" and "retries=" in spec.ignored[0][1]
+    assert spec.resources == parse_task(_res(cpus=2)).resources
+    spec = parse_task(_res(any_of=[{"cpus": 2, "spot_recovery": "x"}, {"cpus": 4}]))
+    assert [f for f, _ in spec.ignored] == ["resources.any_of[0].spot_recovery"]
+    assert "old name" in spec.ignored[0][1] and len(spec.alternatives) == 2
+
+
+def test_a_per_region_image_id_is_one_alternative_per_region() -> None:
+    images = {"us-east-1": "ami-east", "us-west-2": "ami-west"}
+    spec = parse_task(_res(infra="aws", image_id=images))
+    assert [(r.cloud, r.region, r.image_id) for r in spec.resource_choices] == [
+        ("aws", "us-east-1", "ami-east"),
+        ("aws", "us-west-2", "ami-west"),
+    ]
+    # a region given picks its image
+    for res in ({"infra": "aws/us-west-2"}, {"cloud": "aws", "region": "us-west-2"}):
+        spec = parse_task(_res(**res, image_id=images))
+        assert (spec.resources.region, spec.resources.image_id, spec.alternatives) == (
+            "us-west-2",
+            "ami-west",
+            (),
+        )
+    # written back as SkyPilot alternatives, it reads back the same
+    spec = parse_task(_res(image_id=images))
+    assert parse_task(spec.to_dict()) == spec
+
+
+def test_a_git_workdir_is_checked_out_on_every_node() -> None:
+    """SkyPilot's ``workdir: {url, ref}``: the URL is the workdir (run starts in ~/sky_workdir)."""
+    spec = parse_task(_task(workdir={"url": "https://github.com/org/repo.git", "ref": "v0.4.0"}))
+    assert spec.workdir == "https://github.com/org/repo.git"
+    assert spec.workdir_git == GitWorkdir("https://github.com/org/repo.git", "v0.4.0")
+    assert parse_task(spec.to_dict()) == spec and source_problems(spec) == []
+    for url in ("git@github.com:org/repo.git", "ssh://git@host/r.git", "file:///srv/r", "git://h/r"):
+        assert parse_task(_task(workdir={"url": url})).workdir_git == GitWorkdir(url)
+    assert parse_task(_task(workdir={"url": "git://h/r", "ref": 1234567})).workdir_git == GitWorkdir(
+        "git://h/r", "1234567"
+    )
+
+
+@pytest.mark.parametrize(
+    ("workdir", "field", "fragment"),
+    [
+        ({"url": "--upload-pack=touch /tmp/x"}, "workdir.url", "must be a git URL"),
+        ({"url": "ext::sh -c touch% /tmp/x"}, "workdir.url", "must be a git URL"),
+        ({"url": "https://user:tok@github.com/o/r.git"}, "workdir.url", "password or token"),
+        ({"ref": "main"}, "workdir.url", "must be a git URL"),
+        ({"url": "git://h/r", "ref": "-c core.x=y"}, "workdir.ref", "branch, tag or commit"),
+        ({"url": "git://h/r", "ref": "a..b"}, "workdir.ref", "branch, tag or commit"),
+        ({"url": "git://h/r", "branch": "main"}, "workdir.branch", "(url, ref)"),
+        ("https://github.com/o/r.git", "workdir", "write it as a mapping"),
+    ],
+)
+def test_a_git_workdir_that_could_be_misread_is_refused(workdir: object, field: str, fragment: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_task(_task(workdir=workdir))
+    assert err.value.field == field and fragment in err.value.message, err.value
+
+
+def test_volumes_are_claims_mounted_on_every_node_of_the_kubernetes_backend() -> None:
+    """SkyPilot's ``volumes: {PATH: NAME}``: a PersistentVolumeClaim; the other backends refuse it by name."""
+    spec = parse_task(_task(volumes={"/mnt/data/": "train-ckpts"}))
+    assert spec.volumes == {"/mnt/data": "train-ckpts"}
+    assert parse_task(spec.to_dict()) == spec
+    k8s = BackendCapabilities(
+        name="kubernetes",
+        max_nodes=8,
+        supported_resources=frozenset(),
+        clouds=frozenset(),
+        supports_volumes=True,
+    )
+    check_backend(spec, k8s)
+    ssh = BackendCapabilities(name="ssh", max_nodes=8, supported_resources=frozenset(), clouds=frozenset())
+    with pytest.raises(SpecError) as err:
+        check_backend(spec, ssh)
+    assert err.value.field == "volumes./mnt/data" and "only the kubernetes backend" in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("volumes", "fragment"),
+    [
+        (["/data"], "MOUNT_PATH: VOLUME_NAME"),
+        ({"data": "v"}, "absolute path"),
+        ({"/a/../etc": "v"}, "absolute path"),
+        ({"/data": "Not_A_Claim"}, "PersistentVolumeClaim"),
+        ({"/data": {"name": "v"}}, "PersistentVolumeClaim"),
+    ],
+)
+def test_a_volume_that_cannot_be_a_claim_is_named(volumes: object, fragment: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_task(_task(volumes=volumes))
+    assert err.value.field.startswith("volumes") and fragment in err.value.message, err.value
+
+
+def test_a_mount_source_from_envs_is_the_value_not_a_path_beside_the_file(tmp_path: Path) -> None:
+    """``source: ${BUCKET}`` was resolved beside the file first: ``/dir/s3://b`` became a local path."""
+    path = tmp_path / "t.yaml"
+    path.write_text(
+        "envs: {BUCKET: s3://my-bucket/data, STORE: gs://b}\n"
+        "file_mounts:\n  /d: {source: $BUCKET, mode: COPY}\n  /e: ${BUCKET}\nrun: x\n"
+    )
+    spec = load_task_yaml(path)
+    assert spec.file_mounts == {"/d": "s3://my-bucket/data", "/e": "s3://my-bucket/data"}
+    path.write_text("envs: {STORE: gs://b}\nfile_mounts:\n  /d: {source: $STORE, mode: MOUNT}\nrun: x\n")
+    with pytest.raises(SpecError, match=r"'gs://b' is on Google Cloud Storage"):
+        load_task_yaml(path)

@@ -184,6 +184,7 @@ class KubernetesBackend(Backend):
             clouds=frozenset({"kubernetes", "k8s"}),
             supports_fuse_mounts=False,
             no_fuse_why="its pods are not privileged and have no /dev/fuse for a FUSE mount",
+            supports_volumes=True,
         )
         self._cfg: Any = None
         self._rest: Any = None

@@ -167,6 +167,10 @@ def pod_manifest(cluster: str, index: int, spec: TaskSpec, opts: PodOptions) -> 
         "containers": [container],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
     }
+    # SkyPilot's volumes: the PersistentVolumeClaim of each name, mounted in every pod
+    for i, (path, claim) in enumerate(sorted(spec.volumes.items())):
+        pod_spec["volumes"].append({"name": f"sky-volume-{i}", "persistentVolumeClaim": {"claimName": claim}})
+        container["volumeMounts"].append({"name": f"sky-volume-{i}", "mountPath": path})
     acc = spec.resources.accelerators
     if acc:
         # what the user wrote (V100:0.5) stays visible; the scheduler is asked for whole units
