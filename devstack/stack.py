@@ -517,6 +517,40 @@ class AirflowStack:
                 raise StackError(f"the new triggerer did not heartbeat within {timeout}s")
             time.sleep(0.5)
 
+    def restart_triggerers(self, env: Mapping[str, str] | None = None, timeout: float = 120.0) -> None:
+        """Stop every triggerer (SIGTERM: each releases its triggers and ends its job), then start them
+        all again with ``env`` added to the stack's environment (kept for every later start); wait until
+        each new one's job is alive. For a setting read at a triggerer's start (e.g.
+        ``[triggerer] triggerer_health_check_threshold``) that a part of a test needs changed."""
+        names = [s for s in self.services if s.startswith("triggerer")]
+        old = [self.procs.pop(s) for s in names if s in self.procs]
+        for proc in old:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        self._reap(old, self.stop_grace)
+        self.env.update(env or {})
+        self.extra_env.update(env or {})
+        started = time.time()
+        for service in names:
+            self._spawn(service)
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_alive()
+            with contextlib.suppress(httpx.TransportError, StackError):
+                jobs = self._request(
+                    "GET", "/api/v2/jobs", params={"job_type": "TriggererJob", "limit": 100}
+                )["jobs"]
+                fresh = {
+                    str(j["unixname"])
+                    for j in jobs
+                    if not j.get("end_date") and (parse_time(j.get("latest_heartbeat")) or 0) >= started
+                }
+                if fresh >= set(names):
+                    return
+            if time.monotonic() > deadline:
+                raise StackError(f"the new triggerers {names} did not all start a job within {timeout}s")
+            time.sleep(0.5)
+
     def kill_service(self, service: str, sig: int = signal.SIGKILL) -> None:
         """Kill one service's whole process group (a crash when SIGKILL); the stack goes on without it."""
         proc = self.procs.pop(service)

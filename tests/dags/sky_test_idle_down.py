@@ -17,5 +17,8 @@ with DAG(
         run="setsid sleep 10000 & echo rank $SKYPILOT_NODE_RANK",
         cluster_name="sky-idle-kept",
         down=False,
-        idle_down=3,
+        # 10 s: the test must find the cluster kept after dag.test() returns, which comes a few
+        # seconds after the ranks end (the gang task, the run's end); 3 s was too short at a load
+        # average of 10 (the cluster was already gone)
+        idle_down=10,
     )

@@ -253,8 +253,31 @@ def _start_move_gang(real: RealAirflow, go_name: str) -> MoveGang:
     return MoveGang(run_id, go, keys, held, job_id, sleeps)
 
 
+#: [triggerer] triggerer_health_check_threshold for the move tests (the stack starts with 60 s, see
+#: devstack/services.py). The threshold is what an adopting triggerer reads: it takes a triggerer whose
+#: heartbeat (every 2 s) is older than this for dead. The 60 s covers the stall of a live triggerer loading
+#: the burst of the module's ten DAG runs (about 50 triggers: 12-15 s on 2 cores, 45-51 s at a load
+#: average of 45). Those runs have all ended before the threshold is lowered (:func:`quick_moves` waits
+#: for them), and a move gang's 5 triggers are a tenth of that burst (about 1.5 s; 5 s at a load of 45, if
+#: the stall scales with the count), so 20 s keeps a live triggerer's stall under it with a margin of 4x,
+#: while a dead or stopped triggerer's triggers move about 40 s sooner in each of the three tests.
+MOVE_THRESHOLD = 20
+
+
+@pytest.fixture(scope="module")
+def quick_moves(real: RealAirflow) -> int:
+    """Both triggerers started again with :data:`MOVE_THRESHOLD` (and every triggerer started later),
+    once every run the module started with has ended (its burst of triggers is what needs the 60 s)."""
+    for dag_id, run_id in real.run_ids.items():
+        real.stack.wait_run(dag_id, run_id, timeout=RUN_TIMEOUT)
+    real.stack.restart_triggerers(
+        {"AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": str(MOVE_THRESHOLD)}
+    )
+    return MOVE_THRESHOLD
+
+
 def test_a_stalled_triggerer_that_resumes_cancels_nothing(
-    real: RealAirflow, capsys: pytest.CaptureFixture[str]
+    real: RealAirflow, quick_moves: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A triggerer stalls (SIGSTOP) past the health threshold, the other adopts its triggers, then it
     resumes: Airflow cancels its stale copies with the *user-action* signal (``on_kill``), but the task
@@ -320,7 +343,7 @@ def test_a_stalled_triggerer_that_resumes_cancels_nothing(
 
 
 def test_killing_a_triggerer_moves_its_triggers_and_cancels_nothing(
-    real: RealAirflow, capsys: pytest.CaptureFixture[str]
+    real: RealAirflow, quick_moves: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
     stack = real.stack
     g = _start_move_gang(real, "go-rank-2-fail")
@@ -335,7 +358,7 @@ def test_killing_a_triggerer_moves_its_triggers_and_cancels_nothing(
     stack.kill_service(victim)  # SIGKILL to its process group: a crash, nothing released in the DB
 
     # Airflow gives a dead triggerer's triggers to a live one once its heartbeat is older than
-    # [triggerer] triggerer_health_check_threshold (60 s on this stack, see dev/services.py)
+    # [triggerer] triggerer_health_check_threshold (MOVE_THRESHOLD here, see quick_moves)
     now = _triggerer_ids(stack, MOVE, run_id, keys)
     while any(now[k][1] == victim_job for k in moved):
         assert all(state == "deferred" for state, _ in now.values()), f"the move changed a task: {now}"
@@ -385,7 +408,7 @@ def test_killing_a_triggerer_moves_its_triggers_and_cancels_nothing(
 
 
 def test_a_rank_failing_while_no_triggerer_runs_is_cancelled_by_the_launch_side_watcher(
-    real: RealAirflow, capsys: pytest.CaptureFixture[str]
+    real: RealAirflow, quick_moves: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The gap of the move: the last triggerer is killed, then rank 2 fails before any triggerer runs.
 

@@ -263,7 +263,7 @@ def test_provider_is_registered() -> None:
 
 
 def test_a_kept_cluster_goes_down_after_idle_down(sky_home: Path) -> None:
-    """``sky_gang(down=False, idle_down=3)``: the run leaves the cluster; the nodes remove it once idle."""
+    """``sky_gang(down=False, idle_down=10)``: the run leaves the cluster; the nodes remove it once idle."""
     from airflow_provider_sky.backends.local import LocalBackend
 
     dr, tis = _run("sky_test_idle_down", folder="tests/dags")
@@ -271,7 +271,7 @@ def test_a_kept_cluster_goes_down_after_idle_down(sky_home: Path) -> None:
     assert ("down", -1) not in tis
     backend = LocalBackend(sky_home)
     assert backend.find("sky-idle-kept") is not None, "kept after the run"
-    deadline = time.time() + 30
+    deadline = time.time() + 40
     while backend.find("sky-idle-kept") is not None and time.time() < deadline:
         time.sleep(0.2)
     assert backend.find("sky-idle-kept") is None, "the idle cluster is still there"

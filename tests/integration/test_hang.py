@@ -102,6 +102,21 @@ def test_ranks_that_stopped_together_are_named_together() -> None:
     assert hw.hung(_poll(11.0, {0: 3, 1: 5, 3: 5})) == [1, 3]
 
 
+def test_a_rank_that_fell_silent_two_polls_later_is_not_named_yet() -> None:
+    """Rank 3's last line comes two polls after rank 1's (ranks that start that far apart on a loaded
+    machine): at the verdict rank 3 is surely silent less than the timeout, so only rank 1 is named.
+    Why sky_hang's hung ranks print nothing: silent from their start, both are timed from the same poll."""
+    hw = HangWatch(10.0)
+    assert hw.hung(_poll(0.0, {1: 0, 3: 0})) == []
+    assert hw.hung(_poll(0.5, {1: 5, 3: 0})) == []  # rank 1's last line
+    assert hw.hung(_poll(1.0, {1: 5, 3: 0})) == []
+    assert hw.hung(_poll(1.5, {1: 5, 3: 5})) == []  # rank 3's, printed in (1.0, 1.5]
+    assert hw.hung(_poll(10.5, {1: 5, 3: 5})) == [1]
+    silent = HangWatch(10.0)  # both silent from the start: named together, whenever each was first seen
+    assert silent.hung(_poll(0.0, {1: 0, 3: 0})) == []
+    assert silent.hung(_poll(10.0, {1: 0, 3: 0})) == [1, 3]
+
+
 def test_a_stalled_watcher_names_no_rank_that_spoke_late() -> None:
     """A gap of 9 s between two polls (a paused triggerer) leaves the time of a change that uncertain:
     at most half the timeout of it counts, so a rank that may have printed 6 s ago is not named."""

@@ -413,11 +413,13 @@ def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
     """Run the test modules that use the cluster last, in their order: the local cluster is then up only
-    for them (started by the first, stopped at the session's end). Their tests are marked ``k8s``
-    (``make integration`` runs them apart from the rest: a 64-pod gang's execs need the machine's cores)."""
+    for them (started by the first, stopped at the session's end). The tests that use it are marked
+    ``k8s`` (``make integration`` runs them apart from the rest, one at a time: a 64-pod gang's execs need
+    the machine's cores); the other tests of such a module (its SSH or local cases) are not, so they run
+    with the rest, on the xdist workers."""
     uses = {item.path for item in items if "k8s" in getattr(item, "fixturenames", ())}
     for item in items:
-        if item.path in uses:
+        if "k8s" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.k8s)
     if uses:
         items[:] = [i for i in items if i.path not in uses] + [i for i in items if i.path in uses]
