@@ -118,13 +118,15 @@ typecheck: install
 ## run after the rest, one test at a time (the cluster's own processes need the cores), and e2e runs one
 ## Airflow stack at a time.
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+## the slowest tests and fixtures of the slower tiers, listed at their end (where the suite's time goes)
+DURATIONS ?= --durations=15 --durations-min=5
 XDIST ?= 2
 UNIT = $(PYTEST) tests/unit -n $(XDIST) $(PYTEST_ARGS)
 INTEGRATION = rc=0; \
-	$(PYTEST) tests/integration -m "not k8s" -n $(XDIST) --dist loadfile $(PYTEST_ARGS) || rc=1; \
-	$(PYTEST) tests/integration -m k8s $(PYTEST_ARGS) || rc=1; \
+	$(PYTEST) tests/integration -m "not k8s" -n $(XDIST) --dist loadfile $(DURATIONS) $(PYTEST_ARGS) || rc=1; \
+	$(PYTEST) tests/integration -m k8s $(DURATIONS) $(PYTEST_ARGS) || rc=1; \
 	exit $$rc
-E2E = $(PYTEST) tests/e2e $(PYTEST_ARGS)
+E2E = $(PYTEST) tests/e2e $(DURATIONS) $(PYTEST_ARGS)
 
 unit: install
 	$(UNIT)

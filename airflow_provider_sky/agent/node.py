@@ -60,6 +60,10 @@ MAX_OUTPUT = 256 * 1024
 CONTROL_IDLE = 600.0
 #: jobs the head remembers (the oldest finished ones are forgotten first)
 MAX_JOBS = 256
+#: seconds between an agent's SIGTERMs and its cancel script (the rest: ranks not started yet, escaped
+#: processes, the SIGKILL after the grace): nodes that share CPUs (pods on one machine) all signal their
+#: groups before any of them forks a shell that polls the grace
+SCRIPT_AFTER_SIGNAL = 0.25
 #: a cancel reason as the node runtime writes it for a rank failing first (see ``runtime.node_cancel_reason``)
 RANK_FAILED = re.compile(r"@rank-failed (\d+) (-?\d+|-)( oom)?")
 JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,180}")
@@ -447,7 +451,11 @@ class NodeWork:
                     pass
             except OSError as exc:
                 log.warning("Could not signal group %s: %s", pg, exc)
-        args = [f"{nj.grace:.3f}", mode, reason]
+        grace = nj.grace
+        if groups and grace > SCRIPT_AFTER_SIGNAL:  # the grace counts from the SIGTERMs
+            await asyncio.sleep(SCRIPT_AFTER_SIGNAL)
+            grace -= SCRIPT_AFTER_SIGNAL
+        args = [f"{grace:.3f}", mode, reason]
         for r in ranks:
             args += [nj.roots[r], nj.job, str(r)]
         env = dict(os.environ, SKY_SIGNALLED="".join(f" -{pg}" for pg in groups))
