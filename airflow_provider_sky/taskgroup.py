@@ -67,7 +67,9 @@ def sky_gang(
     ``orphan_timeout``: the nodes kill a setup or job nothing polled for that many seconds (a lost
     scheduler, a killed ``dags test``); 0 or None turns it off. ``idle_down``: the nodes tear the
     cluster down once nothing has run on it for that many seconds (SkyPilot's autodown, for
-    ``down=False``); None: never. ``triggerers``: how many triggerers share the watch; the cluster
+    ``down=False``); 0: never; None: with ``down=False`` the YAML's ``resources.autostop`` (a stop there
+    is a teardown here, with a warning), else never (with ``down=True`` the run's teardown removes the
+    cluster, so autostop changes nothing). ``triggerers``: how many triggerers share the watch; the cluster
     task checks before provisioning that Airflow can map and watch one rank task per node.
     ``hang_timeout``: a running rank silent (no output, no touch of ``$SKY_PROGRESS_FILE``) for that
     many seconds is hung: its stacks are dumped into its log and the gang fails fast; None: off.
@@ -101,6 +103,8 @@ def sky_gang(
     conn: dict[str, Any] = {"sky_conn_id": sky_conn_id, "poll_interval": poll_interval, "grace": grace}
     #: the job task, the rank tasks and the gang sensor watch the gang alike
     watch = dataclasses.replace(settings, retry=policy).operator_kwargs()
+    if idle_down is None and down:
+        idle_down = 0  # the run's teardown removes the cluster: the YAML's autostop changes nothing
     group = SkyGangGroup(group_id=group_id)
     with group:
         cluster = SkyClusterOperator(

@@ -30,10 +30,36 @@ def templated(overrides: Mapping[str, Any]) -> dict[str, str]:
     return {k: v for k, v in overrides.items() if k in TEMPLATABLE and is_template(v)}
 
 
+def _has_template(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return any(_has_template(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_template(v) for v in value)
+    return is_template(value)
+
+
+def _file_mounts_parse_time(value: Any) -> Any:
+    """``file_mounts`` as checked at parse time: a bucket ``name`` given as a template (``{"name": "{{
+    params.bucket }}"}``) counts as given at launch (null until rendered); a destination with any other
+    template is left to the YAML's value until the run renders it."""
+    if not isinstance(value, Mapping):
+        return value
+    out: dict[Any, Any] = {}
+    for dest, src in value.items():
+        if not _has_template(src):
+            out[dest] = src
+        elif isinstance(src, Mapping) and not _has_template({k: v for k, v in src.items() if k != "name"}):
+            out[dest] = {**src, "name": None}
+    return out
+
+
 def parse_time(overrides: Mapping[str, Any]) -> dict[str, Any]:
     """``overrides`` without its templated fields: what can be checked before the run renders them."""
     skip = templated(overrides)
-    return {k: v for k, v in overrides.items() if k not in skip}
+    out = {k: v for k, v in overrides.items() if k not in skip}
+    if "file_mounts" in out:
+        out["file_mounts"] = _file_mounts_parse_time(out["file_mounts"])
+    return out
 
 
 def source(template: str) -> str:

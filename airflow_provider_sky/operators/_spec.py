@@ -57,6 +57,34 @@ def fill_from_context(spec: TaskSpec, context: Context, logger: logging.Logger =
     return filled
 
 
+def idle_down_for(given: float | None, spec: TaskSpec | None) -> float:
+    """Seconds a kept cluster may sit idle before its nodes tear it down (0: never): the operator's
+    ``idle_down`` when given (0 included: off), else the YAML's ``resources.autostop``. ``sky_gang``
+    gives 0 with ``down=True``: that run's teardown removes the cluster, so autostop changes nothing."""
+    if given is not None:
+        return float(given)
+    if spec is not None and spec.autostop is not None:
+        return float(spec.autostop.idle_seconds)
+    return 0.0
+
+
+def log_autostop(given: float | None, spec: TaskSpec, logger: logging.Logger) -> None:
+    """One line at launch about the YAML's ``resources.autostop``: a warning when the cluster is torn
+    down where SkyPilot would have stopped it (no backend here can stop one and keep its disks)."""
+    if spec.autostop is None:
+        return
+    if given is not None:
+        logger.info(
+            "resources.autostop (%s idle minutes) is not used: idle_down=%s given to the operator wins "
+            "(sky_gang gives 0, off, with down=True: the run's teardown removes the cluster)",
+            spec.autostop.idle_minutes,
+            given,
+        )
+        return
+    warn, note = spec.autostop.launch_note()
+    logger.log(logging.WARNING if warn else logging.INFO, "%s", note)
+
+
 def mask_spec_secrets(spec: TaskSpec) -> None:
     """Register every secret value with Airflow's masker, so no log line can show it."""
     for value in spec.secrets.values():

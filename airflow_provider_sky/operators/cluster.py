@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
@@ -17,6 +18,8 @@ from airflow_provider_sky.operators._spec import (
     SPEC_FIELDS,
     SkySpecMixin,
     check_cluster_name,
+    idle_down_for,
+    log_autostop,
     pop_spec_fields,
     refuse_outlets,
     resolve_cluster_name,
@@ -51,7 +54,8 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
     :param orphan_timeout: the nodes kill the setup when nothing polled it for that many seconds (this
         task's worker died); 0 or None turns it off.
     :param idle_down: tear the cluster down on its nodes once nothing has run on it for that many
-        seconds (SkyPilot's autodown, for a cluster kept with ``down=False``); None: never.
+        seconds (SkyPilot's autodown, for a cluster kept with ``down=False``); 0: never; None: the
+        YAML's ``resources.autostop`` if it has one (a stop there is a teardown here), else never.
     :param rank_tasks: one mapped rank task per node follows (``sky_gang``): check, before provisioning,
         that Airflow can map and watch that many (``[core] max_map_length``, ``[triggerer] capacity``).
     :param triggerers: how many triggerers share the watch (their capacity adds up).
@@ -136,6 +140,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
         backend = hook.get_backend()
         for field, why in (*spec.ignored, *ignored_resources(choice.resources, backend.capabilities)):
             self.log.warning("Ignored: %s: %s", field, why)
+        log_autostop(self.idle_down, spec, cast(logging.Logger, self.log))
         self.log.info(
             "Provisioning cluster %s: %s node(s) on the %s backend; %s",
             name,
@@ -186,7 +191,7 @@ class SkyClusterOperator(SkySpecMixin, BaseOperator):
                     poll_interval=self.poll_interval,
                     grace=self.grace,
                     orphan_timeout=float(self.orphan_timeout or 0),
-                    idle_down=float(self.idle_down or 0),
+                    idle_down=idle_down_for(self.idle_down, spec),
                 )
             except SetupFailed as exc:
                 raise AirflowFailException(str(exc)) from exc

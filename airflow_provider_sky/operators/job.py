@@ -13,7 +13,13 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_provider_sky.hooks.sky import SkyHook
 from airflow_provider_sky.model.gang import job_id_for
 from airflow_provider_sky.operators._args import check_operator_arguments
-from airflow_provider_sky.operators._spec import SPEC_FIELDS, SkySpecMixin, pop_spec_fields, refuse_outlets
+from airflow_provider_sky.operators._spec import (
+    SPEC_FIELDS,
+    SkySpecMixin,
+    idle_down_for,
+    pop_spec_fields,
+    refuse_outlets,
+)
 from airflow_provider_sky.operators._watch import WatchFields
 from airflow_provider_sky.spec import SpecError, TaskSpec
 from airflow_provider_sky.spec.nodes import FIELD, job_cluster, num_nodes_problem
@@ -49,7 +55,8 @@ class SkyJobOperator(WatchFields, SkySpecMixin, ResumableJobMixin, BaseOperator)
     :param bridge_timeout: the bridge gives up after this many seconds without any other watcher
         (default: ``orphan_timeout``, or 300 s when that is off).
     :param idle_down: tear the cluster down on its nodes once nothing has run on it for that many
-        seconds (SkyPilot's autodown, for a cluster kept with ``down=False``); None: never.
+        seconds (SkyPilot's autodown, for a cluster kept with ``down=False``); 0: never; None: the
+        YAML's ``resources.autostop`` if it has one, else never. Give the cluster task the same value.
     :param gang_retries, gang_retry_delay, gang_retry_exponential_backoff, retry_on_exit_codes: whole-gang
         retries (see ``sky_gang``'s ``retries``; ``gang_`` because ``retries`` is Airflow's retry of this
         task alone). Give the rank tasks and the gang sensor the same values.
@@ -154,7 +161,7 @@ class SkyJobOperator(WatchFields, SkySpecMixin, ResumableJobMixin, BaseOperator)
                     spec,
                     job_id,
                     orphan_timeout=float(self.orphan_timeout or 0),
-                    idle_down=float(self.idle_down or 0),
+                    idle_down=idle_down_for(self.idle_down, spec),
                     grace=float(self.grace),
                 )
                 self.log.info("Started: %s", started)
@@ -198,7 +205,7 @@ class SkyJobOperator(WatchFields, SkySpecMixin, ResumableJobMixin, BaseOperator)
             job_id=job_id,
             spec=spec.to_dict(include_secrets=True) if spec is not None else None,
             orphan_timeout=orphan,
-            idle_down=float(self.idle_down or 0),
+            idle_down=idle_down_for(self.idle_down, spec),
             poll_interval=float(self.poll_interval),
             grace=float(self.grace),
             lost_after=float(self.lost_after),

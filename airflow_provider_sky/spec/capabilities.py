@@ -149,11 +149,18 @@ def spec_problems(spec: TaskSpec, caps: BackendCapabilities) -> list[tuple[str, 
                 )
             )
     if not caps.supports_fuse_mounts:
-        for dest, mount in spec.storage.items():
+        mounts = [(dest, f"bucket {mount.url} ({mount.mode})") for dest, mount in spec.storage.items()]
+        for dest in spec.unset_buckets:  # its name is given at launch; its mode is known now
+            written = spec.mounts_at_launch.get(dest)
+            raw = written.get("mode") if isinstance(written, Mapping) else None
+            mode = (raw if isinstance(raw, str) else "").strip().upper() or "MOUNT"
+            if mode != "COPY":
+                mounts.append((dest, f"a bucket ({mode})"))
+        for dest, what in mounts:
             problems.append(
                 (
                     f"file_mounts.{dest}",
-                    f"the {caps.name} backend cannot mount bucket {mount.url} ({mount.mode}): {caps.no_fuse_why}; "
+                    f"the {caps.name} backend cannot mount {what}: {caps.no_fuse_why}; "
                     "use mode: COPY (the node gets a copy before setup), or mount it in your image's "
                     "entrypoint",
                 )

@@ -64,15 +64,16 @@ RESOURCE_KEYS: tuple[str, ...] = (
     "ports",
     "any_of",
     "ordered",
+    # the cluster's idle time (``spec.autostop``): one per task, not per alternative
+    "autostop",
 )
 #: the keys that list alternatives (each entry a resources mapping; the first the backend can satisfy wins)
 ALTERNATIVE_KEYS: tuple[str, ...] = ("any_of", "ordered")
-_ENTRY_KEYS: tuple[str, ...] = tuple(k for k in RESOURCE_KEYS if k not in ALTERNATIVE_KEYS)
+_ENTRY_KEYS: tuple[str, ...] = tuple(k for k in RESOURCE_KEYS if k not in (*ALTERNATIVE_KEYS, "autostop"))
 # SkyPilot keys users may copy from existing YAML; named so the error says "unsupported", not "typo".
 _SKYPILOT_ONLY_TOP = frozenset({"pool", "event_callback", "experimental"})
 _SKYPILOT_ONLY_RESOURCES = frozenset(
     {
-        "autostop",
         "accelerator_args",
         "priority",
     }
@@ -80,8 +81,6 @@ _SKYPILOT_ONLY_RESOURCES = frozenset(
 #: why a SkyPilot key is refused, when there is more to say than "not supported"
 _UNSUPPORTED_WHY = {
     "pool": "SkyPilot's managed-jobs worker pools",
-    "autostop": "SkyPilot stops an idle cluster and keeps its disks; no backend here stops a cluster: "
-    "sky_gang(down=False, idle_down=SECONDS) tears a kept cluster down once it was idle that long",
 }
 #: SkyPilot keys accepted and left out of the spec, with why (each a warning at launch, as ``sky launch`` does)
 IGNORED_TOP: dict[str, str] = {

@@ -474,7 +474,8 @@ def _parse_resource_options(value: object) -> tuple[Resources, ...]:
             "resources.ordered",
             "give any_of or ordered, not both (both list alternatives, tried in order here)",
         )
-    base = {k: v for k, v in value.items() if k not in ALTERNATIVE_KEYS}
+    # autostop is the task's (``TaskSpec.autostop``, parsed by ``parse_task``), not one alternative's
+    base = {k: v for k, v in value.items() if k not in ALTERNATIVE_KEYS and k != "autostop"}
     entries: list[tuple[str, dict[str, object]]] = [("resources", base)]
     if given:
         key = given[0]

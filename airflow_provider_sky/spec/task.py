@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from airflow_provider_sky.spec.autostop import Autostop, parse_autostop
 from airflow_provider_sky.spec.common import (
     _CONTROL,
     _ENV_NAME,
@@ -115,20 +116,33 @@ def storage_copy_source(src: object) -> str | None:
     return parsed if isinstance(parsed, str) else None
 
 
+#: a valid bucket name standing for one left null, to check the rest of such a mount when it is loaded
+_NAME_LATER = "bucket-name-given-at-launch"
+
+
+def _name_left_null(src: Mapping[str, Any]) -> bool:
+    """``name:`` written with no value (``name: # Set unique bucket name here!``): given at launch."""
+    name = src.get("name", 0)
+    return name is None or (isinstance(name, str) and not name.strip())
+
+
 def _parse_file_mounts(
     value: object,
     envs: Mapping[str, str] | None = None,
     workdir: bool = False,
     later: frozenset[str] = frozenset(),
-) -> tuple[dict[str, str], dict[str, StorageMount], dict[str, object]]:
-    """(copies: destination -> local path or bucket URL, mounts: destination -> bucket mounted).
+) -> tuple[dict[str, str], dict[str, StorageMount], dict[str, object], tuple[str, ...]]:
+    """(copies: destination -> local path or bucket URL, mounts: destination -> bucket mounted, the mounts
+    left to launch time, the destinations whose bucket name is left null).
     ``$VAR`` / ``${VAR}`` anywhere in it are the task's ``envs`` (SkyPilot fills them at parse time); a
     relative destination is under the directory run starts in (``~/sky_workdir`` with a ``workdir``).
     A mount that names an env in ``later`` (left null: given at launch) is returned as written, third, and
-    parsed by :func:`fill_at_launch` once the value is there."""
+    parsed by :func:`fill_at_launch` once the value is there. So is a storage mount whose bucket ``name``
+    is left null (SkyPilot's examples leave it to their user) and needs one: checked but for the name, and
+    named fourth; nothing is provisioned until the name is given (:func:`unset_error`)."""
     section = "file_mounts"
     if value is None:
-        return {}, {}, {}
+        return {}, {}, {}, ()
     if not isinstance(value, Mapping):
         raise SpecError(
             section, f"must be a mapping of REMOTE_PATH: LOCAL_PATH_OR_URL, got {_type_name(value)} {value!r}"
@@ -138,6 +152,7 @@ def _parse_file_mounts(
     assert isinstance(filled, Mapping)
     out: dict[str, str] = {}
     mounts: dict[str, StorageMount] = {}
+    no_name: list[str] = []
     for dest, src in filled.items():
         where = f"{section}.{dest}"
         if isinstance(dest, str) and (_CONTROL.search(dest) or dest != dest.strip()):
@@ -175,6 +190,16 @@ def _parse_file_mounts(
             )
         if is_storage_dict(src):
             assert isinstance(src, Mapping)
+            if _name_left_null(src):
+                # the rest is checked now, with a stand-in name; a mount that needs the name waits for it
+                parsed = parse_storage(where, {**src, "name": _NAME_LATER})
+                needs = parsed == f"s3://{_NAME_LATER}" or (
+                    isinstance(parsed, StorageMount) and parsed.bucket == _NAME_LATER
+                )
+                if needs:
+                    pending[dest] = dict(src)
+                    no_name.append(dest)
+                    continue
             parsed = parse_storage(where, src)
             if isinstance(parsed, StorageMount):
                 mounts[dest] = parsed
@@ -193,7 +218,7 @@ def _parse_file_mounts(
         if is_bucket_source(src.strip()) and (problem := bucket_url_problem(src.strip())):
             raise SpecError(where, problem)
         out[dest] = src.strip()
-    return out, mounts, pending
+    return out, mounts, pending, tuple(no_name)
 
 
 def source_problems(spec: TaskSpec) -> list[tuple[str, str]]:
@@ -341,9 +366,14 @@ class TaskSpec:
     #: destination -> the S3 bucket mounted there on every node (SkyPilot's ``mode: MOUNT`` /
     #: ``MOUNT_CACHED`` storage); kept in ``file_mounts`` in :meth:`to_dict`
     storage: dict[str, StorageMount] = field(default_factory=dict)
-    #: file mounts as written that use an env left null (``name: ${BUCKET}``): parsed by
-    #: :func:`fill_at_launch` once the value is given (nothing is provisioned before)
+    #: file mounts as written that use an env left null (``name: ${BUCKET}``), or whose bucket ``name`` is
+    #: left null: parsed by :func:`fill_at_launch` once the value is given (nothing is provisioned before)
     mounts_at_launch: dict[str, object] = field(default_factory=dict)
+    #: destinations of ``mounts_at_launch`` whose bucket ``name`` is left null (given by the ``file_mounts``
+    #: argument, which is merged into the YAML's mount)
+    unset_buckets: tuple[str, ...] = ()
+    #: SkyPilot's ``resources.autostop``: the idle time after which a kept cluster is torn down (None: off)
+    autostop: Autostop | None = None
     #: mount path -> SkyPilot volume (a PersistentVolumeClaim of that name), mounted on every node
     volumes: dict[str, str] = field(default_factory=dict)
     #: what SkyPilot's ``config: {kubernetes: {pod_config}, docker: {run_options}}`` merges into every pod
@@ -364,8 +394,13 @@ class TaskSpec:
 
     @property
     def unset(self) -> tuple[str, ...]:
-        """Every value still to be given, as fields: ``envs.WANDB_PROJECT``, ``secrets.HF_TOKEN``."""
-        return tuple(f"envs.{k}" for k in self.unset_envs) + tuple(f"secrets.{k}" for k in self.unset_secrets)
+        """Every value still to be given, as fields: ``envs.WANDB_PROJECT``, ``secrets.HF_TOKEN``,
+        ``file_mounts./outputs.name``."""
+        return (
+            tuple(f"envs.{k}" for k in self.unset_envs)
+            + tuple(f"secrets.{k}" for k in self.unset_secrets)
+            + tuple(f"file_mounts.{d}.name" for d in self.unset_buckets)
+        )
 
     @property
     def resource_choices(self) -> tuple[Resources, ...]:
@@ -385,7 +420,8 @@ class TaskSpec:
             f"workdir={self.workdir!r}, file_mounts={self.file_mounts!r}, "
             + (f"storage={self.storage!r}, " if self.storage else "")
             + f"alternatives={self.alternatives!r}, "
-            f"unset_envs={self.unset_envs!r}, unset_secrets={self.unset_secrets!r}"
+            + (f"autostop={self.autostop!r}, " if self.autostop else "")
+            + f"unset_envs={self.unset_envs!r}, unset_secrets={self.unset_secrets!r}"
             + (f", result_file={self.result_file!r})" if self.result_file else ")")
         )
 
@@ -401,6 +437,8 @@ class TaskSpec:
             out["resources"] = {"ordered": [_resources_to_dict(r) for r in self.alternatives]}
         elif resources := _resources_to_dict(self.resources):
             out["resources"] = resources
+        if self.autostop is not None:
+            out.setdefault("resources", {})["autostop"] = self.autostop.to_yaml()
         if self.workdir_git is not None:
             out["workdir"] = self.workdir_git.to_dict()
         elif self.workdir is not None:
@@ -491,8 +529,27 @@ def _merge(base: Mapping[str, object], overrides: Mapping[str, object] | None) -
             merged[key] = {**old, **value}
         elif key in ("envs", "secrets") and old is not None and not isinstance(old, Mapping):
             continue  # keep the bad base value so its own error is reported
+        elif key == "file_mounts" and isinstance(old, Mapping) and isinstance(value, Mapping):
+            merged[key] = _merge_file_mounts(old, value)
         else:
             merged[key] = value
+    return merged
+
+
+def _merge_file_mounts(base: Mapping[Any, object], override: Mapping[Any, object]) -> dict[Any, object]:
+    """``file_mounts`` given as an argument over the YAML's, destination by destination (as written): a
+    storage mapping over the YAML's mapping key by key (``{"/outputs": {"name": "my-bucket"}}`` names the
+    bucket the YAML left null), any other value replaces the YAML's, ``None`` removes it; the YAML's other
+    destinations stay."""
+    merged = dict(base)
+    for dest, src in override.items():
+        old = merged.get(dest)
+        if src is None:
+            merged.pop(dest, None)
+        elif isinstance(old, Mapping) and isinstance(src, Mapping):
+            merged[dest] = {**old, **src}
+        else:
+            merged[dest] = src
     return merged
 
 
@@ -512,12 +569,16 @@ def _merge_resources(
         for key in ALTERNATIVE_KEYS:
             if key not in given:
                 merged.pop(key, None)  # the argument's alternatives replace the YAML's
+    # autostop is the task's, given once beside the alternatives (never copied into them)
+    per_entry = {k: v for k, v in given.items() if k != "autostop"}
     for key in ALTERNATIVE_KEYS:
         entries = merged.get(key)
         if key in given or not isinstance(entries, (list, tuple)):
             continue
         merged[key] = [
-            _overlay({k: v for k, v in e.items() if k not in removed}, given) if isinstance(e, Mapping) else e
+            _overlay({k: v for k, v in e.items() if k not in removed}, per_entry)
+            if isinstance(e, Mapping)
+            else e
             for e in entries
         ]
     return merged
@@ -546,6 +607,39 @@ def _drop_ignored_resources(value: object) -> tuple[object, tuple[tuple[str, str
     return out, tuple(found.items())
 
 
+#: where autostop goes when an alternative gives it
+_AUTOSTOP_ONCE = (
+    "autostop is the cluster's idle time, whichever alternative is chosen: give it once, in resources: "
+    "itself (e.g. resources: {autostop: 10m, any_of: [...]})"
+)
+
+
+def _take_autostop(value: object) -> tuple[object, object]:
+    """(``resources.autostop`` as written, or a SpecError for one given inside an alternative; the
+    resources without it)."""
+    if not isinstance(value, Mapping):
+        return None, value
+    raw: object = value.get("autostop")
+    out = {k: v for k, v in value.items() if k != "autostop"}
+    for key in ALTERNATIVE_KEYS:
+        entries = out.get(key)
+        if not isinstance(entries, (list, tuple)):
+            continue
+        for i, entry in enumerate(entries):
+            if isinstance(entry, Mapping) and "autostop" in entry and not isinstance(raw, SpecError):
+                raw = SpecError(f"resources.{key}[{i}].autostop", _AUTOSTOP_ONCE)
+        out[key] = [
+            {k: v for k, v in e.items() if k != "autostop"} if isinstance(e, Mapping) else e for e in entries
+        ]
+    return raw, out
+
+
+def _autostop_of(raw: object) -> Autostop | None:
+    if isinstance(raw, SpecError):
+        raise raw
+    return parse_autostop(raw)
+
+
 def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | None = None) -> TaskSpec:
     """Parse a SkyPilot task YAML mapping as is.
 
@@ -568,6 +662,7 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
     data = _merge(obj, overrides)
     data["resources"], dropped = _drop_ignored_resources(data.get("resources"))
     ignored += dropped
+    raw_autostop, data["resources"] = _take_autostop(data.get("resources"))
 
     # Each field is parsed even when another failed: one error names every problem of the task.
     problems: list[SpecError] = []
@@ -607,12 +702,18 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
     options: tuple[Resources, ...] = attempt(
         lambda: _parse_resource_options(data.get("resources")), (Resources(),)
     )
+    autostop = attempt(lambda: _autostop_of(raw_autostop), None)
     num_nodes = attempt(lambda: _parse_num_nodes(data.get("num_nodes", 1)), 1)
     setup = attempt(lambda: _parse_script(data.get("setup"), "setup"), None)
     no_workdir: tuple[str | None, GitWorkdir | None] = (None, None)
     workdir, workdir_git = attempt(lambda: _parse_workdir(data.get("workdir")), no_workdir)
-    no_mounts: tuple[dict[str, str], dict[str, StorageMount], dict[str, object]] = ({}, {}, {})
-    file_mounts, storage, mounts_at_launch = attempt(
+    no_mounts: tuple[dict[str, str], dict[str, StorageMount], dict[str, object], tuple[str, ...]] = (
+        {},
+        {},
+        {},
+        (),
+    )
+    file_mounts, storage, mounts_at_launch, unset_buckets = attempt(
         lambda: _parse_file_mounts(data.get("file_mounts"), envs, bool(workdir), frozenset(unset_envs)),
         no_mounts,
     )
@@ -636,6 +737,8 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
         file_mounts=file_mounts,
         storage=storage,
         mounts_at_launch=mounts_at_launch,
+        unset_buckets=unset_buckets,
+        autostop=autostop,
         pod_config=pod_config,
         volumes=volumes,
         unset_envs=unset_envs,
@@ -645,14 +748,30 @@ def parse_task(obj: Mapping[str, object], *, overrides: Mapping[str, object] | N
     )
 
 
+def _give_bucket(dest: str) -> str:
+    """How to give a bucket name the YAML left null (the argument is merged into the YAML's mount)."""
+    return (
+        f"The YAML leaves the bucket name of file_mounts.{dest} for its user to write (name: with no value, "
+        "as SkyPilot's examples do; SkyPilot needs it too). Give it (1) as an argument: "
+        f"file_mounts={{'{dest}': {{'name': 'my-bucket'}}}} to sky_gang, @task.sky or the operators, merged "
+        "into the YAML's mount (a template, {'name': '{{ params.bucket }}'}, takes it from a DAG param when "
+        "the run starts), or (2) in the YAML: name: my-bucket, or name: ${BUCKET} with envs: {BUCKET: } "
+        "given at launch like any env"
+    )
+
+
 def unset_error(spec: TaskSpec) -> SpecError | None:
-    """One error naming every value still to be given and the three ways to give it; None: all given."""
+    """One error naming every value still to be given and the ways to give it; None: all given."""
     if not spec.unset:
         return None
-    first = (spec.unset_secrets or spec.unset_envs)[0]
-    kind = "secrets" if spec.unset_secrets else "envs"
-    example = f", e.g. {kind}={{'{first}': ...}}"
-    return SpecError(", ".join(spec.unset), "no value given. " + GIVE_AT_LAUNCH.format(example=example))
+    ways = []
+    if spec.unset_envs or spec.unset_secrets:
+        first = (spec.unset_secrets or spec.unset_envs)[0]
+        kind = "secrets" if spec.unset_secrets else "envs"
+        ways.append(GIVE_AT_LAUNCH.format(example=f", e.g. {kind}={{'{first}': ...}}"))
+    if spec.unset_buckets:
+        ways.append(_give_bucket(spec.unset_buckets[0]))
+    return SpecError(", ".join(spec.unset), "no value given. " + ". ".join(ways))
 
 
 def fill_at_launch(
@@ -697,7 +816,7 @@ def fill_at_launch(
     if err is not None:
         raise err
     if spec.mounts_at_launch:  # SkyPilot fills file_mounts from envs (the values given now included)
-        copies, mounts, _ = _parse_file_mounts(spec.mounts_at_launch, envs, bool(spec.workdir))
+        copies, mounts, _, _ = _parse_file_mounts(spec.mounts_at_launch, envs, bool(spec.workdir))
         filled = replace(
             filled,
             file_mounts={**filled.file_mounts, **copies},

@@ -241,11 +241,11 @@ def test_yaml_errors_say_which_argument_fixes_them(tmp_path: Path) -> None:
         sky_gang("g", task_yaml=str(yaml))
         sky_gang("g2", task_yaml=str(yaml), envs={"HF_TOKEN": "x"})
 
-        yaml.write_text("num_nodes: 2\nrun: echo hi\nresources:\n  autostop: 10\n")
+        yaml.write_text("num_nodes: 2\nrun: echo hi\nresources:\n  priority: 10\n")
         with pytest.raises(SpecError) as info:
             sky_gang("h", task_yaml=str(yaml))
-        assert "resources={'autostop': None}" in str(info.value), str(info.value)
-        sky_gang("h2", task_yaml=str(yaml), resources={"autostop": None})  # the fix it gives works
+        assert "resources={'priority': None}" in str(info.value), str(info.value)
+        sky_gang("h2", task_yaml=str(yaml), resources={"priority": None})  # the fix it gives works
 
 
 def test_rank_tasks_refuse_retries() -> None:
@@ -277,6 +277,36 @@ def test_a_kept_cluster_goes_down_after_idle_down(sky_home: Path) -> None:
     assert backend.find("sky-idle-kept") is None, "the idle cluster is still there"
     assert not (sky_home / "local" / "sky-idle-kept").exists()
     assert not job_processes(sky_home), "the rank's background sleep outlived the idle cluster"
+
+
+def test_a_kept_cluster_goes_down_after_the_yamls_autostop(
+    sky_home: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``resources.autostop: {idle_minutes: 1}`` with ``sky_gang(down=False)``: the launch arms every node
+    with 60 idle seconds (SkyPilot has minutes only) and warns once that the stop is a teardown here. The
+    test then shortens that armed setting on the nodes, so the keeper's teardown comes in seconds, not a
+    minute (the short idle path itself: test_a_kept_cluster_goes_down_after_idle_down)."""
+    from airflow_provider_sky.backends.local import LocalBackend
+
+    dr, tis = _run("sky_test_autostop", folder="tests/dags")
+    text = _out(capfd)
+    assert str(dr.state) == "success", text[-3000:]
+    assert ("down", -1) not in tis
+    backend = LocalBackend(sky_home)
+    handle = backend.find("sky-autostop-kept")
+    assert handle is not None, "kept after the run"
+    roots = [Path(n.root) for n in handle.nodes]
+    assert [(r / "idle_down").read_text().strip() for r in roots] == ["60", "60"]
+    warning = "SkyPilot would stop the cluster after 1 idle minute and keep its disks"
+    assert text.count(warning) == 1, text[-3000:]
+    assert "it is torn down instead" in text
+    for root in roots:  # the same keeper, armed by the YAML, with a shorter idle time
+        (root / "idle_down").write_text("1\n")
+    deadline = time.time() + 40
+    while backend.find("sky-autostop-kept") is not None and time.time() < deadline:
+        time.sleep(0.2)
+    assert backend.find("sky-autostop-kept") is None, "the idle cluster is still there"
+    assert not (sky_home / "local" / "sky-autostop-kept").exists()
 
 
 @pytest.mark.parametrize(

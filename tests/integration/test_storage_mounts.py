@@ -212,3 +212,50 @@ def test_s3_copy_onto_ssh_hosts(moto: MotoEC2, tmp_path: Path) -> None:
         finally:
             b.terminate("s")
             ssh.close_all()
+
+
+def test_a_bucket_name_left_null_is_given_at_launch_or_fails_before_provisioning(
+    sky_home: Path,
+    moto: MotoEC2,
+    airflow_db: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """SkyPilot's examples leave ``name:`` for their user (tests/dags/sky_test_bucket_name.yaml). Under
+    ``dag.test()``: never given, the cluster task fails naming the field and the ways to give it, and no
+    cluster is made; given as ``file_mounts={"~/data": {"name": "{{ params.bucket }}"}}`` (a DAG param),
+    every node gets the bucket's files."""
+    import json
+
+    from integration.test_dag_test import _load
+
+    dags = _load("sky_test_bucket_name", folder="tests/dags")
+    s3 = _s3(moto)
+    s3.create_bucket(Bucket=dags.BUCKET)
+    s3.put_object(Bucket=dags.BUCKET, Key="hello.txt", Body=b"hello from the bucket")
+    conn = {
+        "conn_type": "aws",
+        "login": KEY_ID,
+        "password": SECRET,
+        "extra": {"region_name": REGION, "endpoint_url": moto.url},
+    }
+    monkeypatch.setenv("AIRFLOW_CONN_AWS_DEFAULT", json.dumps(conn))
+
+    dr = dags.missing.test()
+    out, err = capfd.readouterr()
+    text = out + err
+    assert str(dr.state) == "failed"
+    tis = {ti.task_id: ti for ti in dr.get_task_instances()}
+    assert tis["g.cluster"].state == "failed"
+    assert "file_mounts.~/data.name: no value given" in text, text[-3000:]
+    assert "file_mounts={'~/data': {'name': 'my-bucket'}}" in text
+    assert "Provisioning cluster" not in text
+    assert not list((sky_home / "local").glob("sky-*")), "a cluster was made"
+
+    dr = dags.given.test()
+    out, err = capfd.readouterr()
+    text = out + err
+    assert str(dr.state) == "success", text[-3000:]
+    for rank in (0, 1):
+        assert f"hello from the bucket (rank {rank})" in text
+    assert not list((sky_home / "local").glob("sky-*"))  # torn down at the end of the run

@@ -76,11 +76,24 @@ BAD_INPUTS: list[tuple[str, dict[str, object], str, str]] = [
         "did you mean 'accelerators'?",
     ),
     ("unknown resources key cpu", _res(cpu=4), "resources.cpu", "did you mean 'cpus'?"),
+    ("skypilot-only resources key", _res(priority=10), "resources.priority", "does not support"),
+    ("autostop negative", _res(autostop=-1), "resources.autostop", "must be 0 or more idle minutes"),
+    ("autostop seconds", _res(autostop="30s"), "resources.autostop", "SkyPilot's units are m (minutes), h"),
+    ("autostop fraction", _res(autostop="1.5h"), "resources.autostop", "not a whole number"),
     (
-        "skypilot-only resources key",
-        _res(autostop=10),
-        "resources.autostop",
-        "no backend here stops a cluster: sky_gang(down=False, idle_down=SECONDS)",
+        "autostop unknown key",
+        _res(autostop={"idle_minute": 3}),
+        "resources.autostop.idle_minute",
+        "did you mean 'idle_minutes'?",
+    ),
+    ("autostop hook", _res(autostop={"hook": "git push"}), "resources.autostop.hook", "no backend here runs"),
+    ("autostop wait_for", _res(autostop={"wait_for": "ssh"}), "resources.autostop.wait_for", "jobs_and_ssh"),
+    ("autostop down", _res(autostop={"down": "yes"}), "resources.autostop.down", "true or false"),
+    (
+        "autostop in an alternative",
+        _res(any_of=[{"cpus": 2, "autostop": 5}]),
+        "resources.any_of[0].autostop",
+        "give it once, in resources: itself",
     ),
     ("gpus and accelerators", _res(gpus="H100:8", accelerators="A100:8"), "resources.gpus", "keep one"),
     ("gpus bad", _res(gpus="H100:0"), "resources.accelerators", "greater than 0"),
@@ -1741,3 +1754,107 @@ def test_a_mount_source_from_envs_is_the_value_not_a_path_beside_the_file(tmp_pa
     path.write_text("envs: {STORE: gs://b}\nfile_mounts:\n  /d: {source: $STORE, mode: MOUNT}\nrun: x\n")
     with pytest.raises(SpecError, match=r"'gs://b' is on Google Cloud Storage"):
         load_task_yaml(path)
+
+
+# ------------------------------------------------------------------------------------------- resources.autostop
+
+
+@pytest.mark.parametrize(
+    ("autostop", "minutes", "down", "seconds"),
+    [
+        (True, 5, False, 300),  # SkyPilot's default idle time
+        (10, 10, False, 600),
+        ("10", 10, False, 600),
+        ("10m", 10, False, 600),
+        ("1H", 60, False, 3600),
+        ("2d", 2880, False, 172800),
+        ("1w", 10080, False, 604800),
+        ({"idle_minutes": 2}, 2, False, 120),
+        ({"down": True}, 5, True, 300),
+        ({"idle_minutes": 3, "down": True, "wait_for": "JOBS"}, 3, True, 180),
+        (0, 0, False, 60),  # as soon as idle: one minute here, so the pause between setup and run is not idle
+    ],
+)
+def test_autostop_in_skypilots_forms_is_the_idle_time_of_the_cluster(
+    autostop: object, minutes: int, down: bool, seconds: int
+) -> None:
+    spec = parse_task(_res(autostop=autostop))
+    assert spec.autostop is not None
+    got = spec.autostop
+    assert (got.idle_minutes, got.down, got.idle_seconds) == (minutes, down, seconds)
+    assert spec.resources == Resources()  # the cluster's setting, not a resource a backend must have
+    assert parse_task(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize("autostop", [False, None])
+def test_autostop_false_or_empty_is_off(autostop: object) -> None:
+    assert parse_task(_res(autostop=autostop)).autostop is None
+
+
+def test_autostop_beside_alternatives_and_the_arguments_over_it() -> None:
+    base = _res(autostop="10m", any_of=[{"cpus": 2}, {"cpus": 4}])
+    spec = parse_task(base)
+    assert spec.autostop is not None and spec.autostop.idle_minutes == 10 and len(spec.alternatives) == 2
+    # the argument's autostop replaces the YAML's, and is not copied into the alternatives
+    over = parse_task(base, overrides={"resources": {"autostop": {"idle_minutes": 1, "down": True}}})
+    assert over.autostop is not None and (over.autostop.idle_minutes, over.autostop.down) == (1, True)
+    assert parse_task(base, overrides={"resources": {"autostop": None}}).autostop is None
+    assert parse_task(over.to_dict()) == over
+
+
+def _autostop_gang(tmp_path: Path, **kwargs: Any) -> tuple[Any, Any]:
+    """The cluster and job tasks sky_gang builds for a YAML with ``autostop: {idle_minutes: 2}``."""
+    import pendulum
+    from airflow.sdk import DAG
+
+    from airflow_provider_sky.taskgroup import sky_gang
+
+    path = tmp_path / "task.yaml"
+    path.write_text("num_nodes: 2\nresources:\n  autostop:\n    idle_minutes: 2\nrun: echo hi\n")
+    with DAG("autostop", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC")):
+        group = sky_gang("g", task_yaml=str(path), **kwargs)
+    return group.children["g.cluster"], group.children["g.job"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "idle_down"),
+    [
+        ({"down": False}, 120.0),  # a kept cluster: the YAML's 2 idle minutes
+        ({"down": False, "idle_down": 30}, 30.0),  # the argument wins
+        ({"down": False, "idle_down": 0}, 0.0),  # 0: never
+        # down=True (the default): the run's teardown removes the cluster, autostop changes nothing
+        ({}, 0.0),
+        ({"idle_down": 45}, 45.0),
+    ],
+)
+def test_sky_gang_arms_the_nodes_with_the_yamls_autostop_only_for_a_kept_cluster(
+    tmp_path: Path, kwargs: dict[str, Any], idle_down: float
+) -> None:
+    from airflow_provider_sky.operators._spec import idle_down_for
+
+    cluster, job = _autostop_gang(tmp_path, **kwargs)
+    for op in (cluster, job):  # both launch on the nodes, and the last launch's setting holds
+        assert idle_down_for(op.idle_down, op.rendered_spec()) == idle_down
+
+
+def test_a_stop_becomes_a_teardown_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from airflow_provider_sky.operators._spec import log_autostop
+
+    logger = logging.getLogger("test.autostop")
+    cluster, _ = _autostop_gang(tmp_path, down=False)
+    with caplog.at_level(logging.INFO, logger="test.autostop"):
+        log_autostop(cluster.idle_down, cluster.rendered_spec(), logger)
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "SkyPilot would stop the cluster after 2 idle minutes and keep its disks" in record.message
+    assert "it is torn down instead" in record.message
+    caplog.clear()
+    spec = parse_task(_res(autostop={"idle_minutes": 2, "down": True}))
+    with caplog.at_level(logging.INFO, logger="test.autostop"):
+        log_autostop(None, spec, logger)
+        log_autostop(0, spec, logger)  # sky_gang(down=True): said once, as information
+    assert [r.levelno for r in caplog.records] == [logging.INFO, logging.INFO]
+    assert "torn down after 2 idle minutes (SkyPilot's autodown)" in caplog.records[0].message
+    assert "is not used: idle_down=0 given" in caplog.records[1].message
