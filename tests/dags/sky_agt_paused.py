@@ -1,8 +1,9 @@
 """A 4-rank gang for the test of fail-fast with Airflow paused (``tests/e2e/test_k8s_agent_airflow.py``):
 ``sky_agt_paused`` on the ``sky_agt`` connection (Kubernetes pods with python3: node agents),
-``sky_agt_paused_local`` on ``sky_agt_local`` (the local backend: one machine). Rank 3 exits 1 once the
-file ``FAIL_FILE`` (``dag_run.conf["fail_file"]``, default ``/tmp/agt-fail`` in its pod) exists, which
-the test creates while every Airflow process is stopped; the others sleep until cancelled.
+``sky_agt_paused_local`` on ``sky_agt_local`` (the local backend: one machine) and ``sky_agt_paused_ssh``
+on ``sky_agt_ssh`` (4 sshd hosts, each its own user: node agents, on by default over SSH). Rank 3 exits 1
+once the file ``FAIL_FILE`` (``dag_run.conf["fail_file"]``, default ``/tmp/agt-fail`` on its node) exists,
+which the test creates while every Airflow process is stopped; the others sleep until cancelled.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ fi
 sleep 600
 """
 
-for dag_id, conn_id in (("sky_agt_paused", "sky_agt"), ("sky_agt_paused_local", "sky_agt_local")):
+for dag_id, conn_id in (
+    ("sky_agt_paused", "sky_agt"),
+    ("sky_agt_paused_local", "sky_agt_local"),
+    ("sky_agt_paused_ssh", "sky_agt_ssh"),
+):
     with DAG(
         dag_id,
         schedule=None,
