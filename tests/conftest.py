@@ -64,6 +64,9 @@ def sky_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     while left and time.time() < deadline:
         time.sleep(0.1)
         left = processes_under(state) + bridges(state)
+    # what each one was doing, read before it is killed: a process that outlives its test is a bug
+    # to find, and the tmp dir with its rank's records is rotated soon
+    seen = "".join(_left_behind(pid, cmd) for pid, cmd in left)
     for pid, _ in left:
         try:
             os.killpg(pid, 9)
@@ -82,7 +85,43 @@ def sky_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         if any("bridge" in cmd for _, cmd in left) and (state / "bridge").is_dir()
         else ""
     )
-    assert not left, f"processes left running after the test: {left}{logs}"
+    assert not left, f"processes left running after the test: {left}{seen}{logs}"
+
+
+def _left_behind(pid: int, cmd: str) -> str:
+    """A left process's state, wait channel, parent and children, and the files of the rank directory
+    its command line names (a wrapper's first argument)."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        wchan = (proc / "wchan").read_text()
+    except OSError:
+        return f"\n--- {pid}: gone before it was looked at"
+    kids = sorted(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == pid)
+    out = f"\n--- {pid}: state {stat[0]}, wchan {wchan or '?'}, parent {stat[1]}, children {kids}"
+    for kid in kids:
+        out += f"\n    child {kid}: {_cmdline(kid)[:200]}"
+    args = cmd.split()
+    rank_dir = Path(args[2]) if len(args) > 2 and args[1].endswith("rank.sh") else None
+    if rank_dir is not None and rank_dir.is_dir():
+        for f in sorted(rank_dir.iterdir()):
+            text = f.read_text(errors="replace")[-300:] if f.is_file() and f.name != "log" else ""
+            out += f"\n    {f.name}: {text.strip()!r}" if text else f"\n    {f.name}"
+    return out
+
+
+def _ppid(proc: Path) -> int:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "?"
 
 
 TIERS = ("unit", "integration", "e2e")

@@ -3,6 +3,8 @@ local backend and on real sshd hosts, from a real ``git daemon`` on loopback."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -53,6 +55,8 @@ def served(tmp_path: Path) -> Iterator[tuple[str, str]]:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        # `git daemon` runs git-daemon as its child: its own group, so one signal ends both
+        start_new_session=True,
     )
     url = f"git://127.0.0.1:{port}/repo"
     try:
@@ -62,7 +66,7 @@ def served(tmp_path: Path) -> Iterator[tuple[str, str]]:
             time.sleep(0.1)
         yield url, first
     finally:
-        daemon.kill()
+        os.killpg(daemon.pid, signal.SIGKILL)
         daemon.wait()
 
 

@@ -204,12 +204,12 @@ def test_a_hung_python_rank_gets_a_py_spy_dump_in_its_log(
 
     async def go():  # type: ignore[no-untyped-def]
         last = None
-        async for poll in watch_attempts(client, "job", poll_interval=0.2, hang_timeout=1.5):
+        async for poll in watch_attempts(client, "job", poll_interval=0.2, hang_timeout=5):
             last = poll
         return last
 
     final = asyncio.run(asyncio.wait_for(go(), 60))
-    assert final.final and final.status.by_rank(0).reason == "hung: no output for 1.5 s (rank 0)"
+    assert final.final and final.status.by_rank(0).reason == "hung: no output for 5 s (rank 0)"
     log = next(sky_home.glob("local/c/node-0/.sky/jobs/job/0/log")).read_text()
     assert "==== airflow-provider-sky: rank 0 hung: no output for 1.5 s (rank 0); stack dump" in log
     # py-spy's dump: the process, each thread by its Python name, its frames (function, file:line)
@@ -277,8 +277,13 @@ def test_a_hung_rank_that_closed_its_output_gets_a_dump_without_command_lines(sk
 
     from airflow_provider_sky.watch.retry import watch_attempts
 
+    # the rank waits for its filter to end (it ends once the rank closed its output): a filter still
+    # starting (a Python start, slow on a loaded machine) would mask the dump, rightly, and show the
+    # lines; the verdict after 5 s of silence leaves it that long to start, read the line and end
     run = (
-        f'echo "closing my output"; exec >/dev/null 2>&1; exec {sys.executable} -c '
+        'echo "closing my output"; exec >/dev/null 2>&1; '
+        'while [ ! -e "${SKY_PROVIDER_MARK}filter.done" ]; do sleep 0.05; done; '
+        f"exec {sys.executable} -c "
         "'import threading; threading.Event().wait()' --hf-token \"$HF_TOKEN\""
     )
     backend, client, task = local_gang(sky_home, 1, run, secrets={"HF_TOKEN": HF_TOKEN})
@@ -286,12 +291,12 @@ def test_a_hung_rank_that_closed_its_output_gets_a_dump_without_command_lines(sk
 
     async def go():  # type: ignore[no-untyped-def]
         last = None
-        async for poll in watch_attempts(client, "job", poll_interval=0.2, hang_timeout=1.5):
+        async for poll in watch_attempts(client, "job", poll_interval=0.2, hang_timeout=5):
             last = poll
         return last
 
     final = asyncio.run(asyncio.wait_for(go(), 60))
-    assert final.final and final.status.by_rank(0).reason == "hung: no output for 1.5 s (rank 0)"
+    assert final.final and final.status.by_rank(0).reason == "hung: no output for 5 s (rank 0)"
     log = next(sky_home.glob("local/c/node-0/.sky/jobs/job/0/log")).read_text()
     assert "command line not shown (the rank's secrets can no longer be masked)" in log, log[-3000:]
     assert re.search(r"thread \d+ \(python3?\): state S", log), log[-3000:]
