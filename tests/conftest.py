@@ -8,7 +8,9 @@ by the tiers are modules in ``tests/support`` (on ``sys.path``: ``from sshd impo
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +35,11 @@ DAGS = _SESSION_DIR / "dags"
 DAGS.mkdir()
 (DAGS / "examples").symlink_to(REPO / "dags_examples")
 (DAGS / "tests").symlink_to(REPO / "tests" / "dags")
+# a test DAG may import a module beside it (``from sky_test_oom import RUN``), as it does where its
+# folder is an Airflow stack's dags folder (on sys.path there)
+sys.path.insert(0, str(REPO / "tests" / "dags"))
+# the session's Airflow home and dags folder go with the process (each xdist worker has its own)
+atexit.register(shutil.rmtree, _SESSION_DIR, True)
 os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(DAGS)
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
