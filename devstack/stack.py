@@ -71,7 +71,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, ClassVar
 from urllib.parse import quote
 
 import httpx
@@ -212,6 +212,9 @@ class AirflowStack:
     :param broker_url: a Redis URL: run the CeleryExecutor with ``celery_workers`` workers.
     :param triggerers: how many triggerer processes (``triggerer``, ``triggerer-2``, ...).
     """
+
+    #: the stacks started and not stopped yet in this process (a failed test keeps their logs)
+    running: ClassVar[list[AirflowStack]] = []
 
     def __init__(
         self,
@@ -376,6 +379,7 @@ class AirflowStack:
         self.port = free_port()
         self.env = self._build_env()
         atexit.register(self.stop)
+        AirflowStack.running.append(self)
         try:
             with open(self.logs / "db-migrate.log", "ab") as log:
                 res = subprocess.run(
@@ -471,6 +475,29 @@ class AirflowStack:
                 os.killpg(proc.pid, signal.SIGTERM)
         self._reap(procs.values(), self.stop_grace)
         atexit.unregister(self.stop)
+        with contextlib.suppress(ValueError):
+            AirflowStack.running.remove(self)
+
+    def keep_logs(self, label: str) -> Path:
+        """A copy of every log of the stack (the services', the tasks' and the triggers') and of the
+        provider's own (``SKY_PROVIDER_HOME``: the bridges'), in ``$SKY_TEST_DUMPS`` (default
+        ``/tmp/sky-stack-dumps``), outside the test's tmp dir, which pytest rotates away."""
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:80]
+        out = Path(os.environ.get("SKY_TEST_DUMPS", "/tmp/sky-stack-dumps")) / (
+            f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{safe}"
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            shutil.copytree(self.logs, out / "airflow-logs", dirs_exist_ok=True)
+        sky = self.extra_env.get("SKY_PROVIDER_HOME")
+        if sky and Path(sky, "bridge").is_dir():
+            with contextlib.suppress(OSError):
+                shutil.copytree(Path(sky, "bridge"), out / "bridge", dirs_exist_ok=True)
+        return out
+
+    def log_tail(self, service: str, lines: int = 30) -> str:
+        """The last lines of a service's own log."""
+        return _tail(self.logs / f"{service}.log", lines)
 
     def _reap(self, procs: Iterable[subprocess.Popen[bytes]], grace: float) -> None:
         procs = list(procs)
