@@ -64,6 +64,14 @@ MAX_JOBS = 256
 #: processes, the SIGKILL after the grace): nodes that share CPUs (pods on one machine) all signal their
 #: groups before any of them forks a shell that polls the grace
 SCRIPT_AFTER_SIGNAL = 0.25
+#: seconds between reads of the rank directories where the end of each running rank's command wakes the
+#: agent (a pidfd): the reads then only find ranks that started and wrappers lost without a record, and
+#: a node's agents (128 pods on one machine) stay off the CPU their ranks and fail-fast need
+WAITED_SCAN = 0.25
+#: after a rank's command ended: its directory is read this often, up to BURST_FOR seconds, until its
+#: exit record is there (the wrapper writes it once the output is flushed through the mask)
+BURST_EVERY = 0.01
+BURST_FOR = 3.0
 #: a cancel reason as the node runtime writes it for a rank failing first (see ``runtime.node_cancel_reason``)
 RANK_FAILED = re.compile(r"@rank-failed (\d+) (-?\d+|-)( oom)?")
 JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,180}")
@@ -298,6 +306,7 @@ class NodeJob:
         self.covered: set = set()  # ranks a cancel call covered (their directory existed then)
         self.claimed = False  # this agent claimed the machine's cancel (.cancelling)
         self.done = False
+        self.waited: set = set()  # ranks whose command's end wakes the agent (a pidfd)
 
 
 class NodeWork:
@@ -310,6 +319,10 @@ class NodeWork:
         self.scan = scan
         self.jobs: dict[str, NodeJob] = {}
         self._tasks: set = set()
+        # each running rank's command is waited on (a pidfd, Linux 5.3+): its end wakes the agent at once
+        self.waits = hasattr(os, "pidfd_open")
+        self._ended: set = set()  # (job, rank) whose command ended and whose record is not read yet
+        self._bursting = False
 
     def add(self, job: str, ranks: list[list[Any]], flag: str, grace: float, cancel_script: str) -> NodeJob:
         nj = self.jobs.get(job)
@@ -352,14 +365,20 @@ class NodeWork:
                     continue
                 pid = nj.pids.get(r)
                 if pid and not os.path.exists(os.path.join(d, "exit")) and _alive(pid):
+                    if self.waits and r not in nj.waited:
+                        self._wait_end(nj, r, d)
                     continue  # still running: two system calls, not a read of every file (256 ranks: 10% of a core)
                 rec = read_rank(d)
                 if rec["state"] == "running" and r not in nj.pids:
                     nj.pids[r] = int(_num(_read(os.path.join(d, "pid"), 32)) or 0)
+                    if self.waits:
+                        self._wait_end(nj, r, d)
                 if rec["state"] == "lost" and r not in nj.lost_once:
                     nj.lost_once.add(r)  # a pid read half-written: the next read decides
                     continue
                 rec["rank"] = r
+                if rec["state"] in TERMINAL:
+                    self._ended.discard((nj.job, r))
                 if rec != old:
                     nj.recs[r] = rec
                     changed.append(rec)
@@ -378,7 +397,63 @@ class NodeWork:
                 self.tick()
             except Exception:  # one unreadable directory must not stop the watch of every job
                 log.exception("Reading the ranks failed")
-            await asyncio.sleep(self.scan)
+            await asyncio.sleep(max(self.scan, WAITED_SCAN) if self.waits else self.scan)
+
+    def _wait_end(self, nj: NodeJob, r: int, d: str) -> None:
+        """Be woken when rank ``r``'s command ends: a pidfd on its process group's first process
+        (``pgid``), readable once it exits; then its directory is read until the exit record is there."""
+        pg = _num(_read(os.path.join(d, "pgid"), 32))
+        if not pg or pg <= 1:
+            return  # not written yet: the next read
+        nj.waited.add(r)
+        try:
+            fd = os.pidfd_open(int(pg))
+        except ProcessLookupError:  # ended already
+            self._ended.add((nj.job, r))
+            self._spawn(self._burst())
+            return
+        except OSError as exc:  # no pidfds here (an old kernel, a seccomp filter): read every scan
+            log.info("Cannot wait on processes (%s): the rank directories are read every %ss", exc, self.scan)
+            self.waits = False
+            return
+        try:
+            asyncio.get_running_loop().add_reader(fd, self._command_ended, fd, nj.job, r)
+        except Exception:
+            os.close(fd)
+            raise
+
+    def _command_ended(self, fd: int, job: str, r: int) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(fd)
+        os.close(fd)
+        self._ended.add((job, r))
+        self._spawn(self._burst())
+
+    def _unrecorded(self, job: str, r: int) -> bool:
+        nj = self.jobs.get(job)
+        return nj is not None and not nj.done and (nj.recs.get(r) or {}).get("state") not in TERMINAL
+
+    async def _burst(self) -> None:
+        """Read the ranks every BURST_EVERY s while a command that ended has no exit record yet (the
+        wrapper writes it once the output is through), BURST_FOR s at most: a failure is reported
+        milliseconds after it, without reading every directory that often all the time."""
+        if self._bursting:
+            return
+        self._bursting = True
+        try:
+            until = time.monotonic() + BURST_FOR
+            while self._ended and time.monotonic() < until:
+                try:
+                    self.tick()
+                except Exception:
+                    log.exception("Reading the ranks failed")
+                self._ended = {(j, r) for j, r in self._ended if self._unrecorded(j, r)}
+                if not self._ended:
+                    break
+                await asyncio.sleep(BURST_EVERY)
+            self._ended.clear()
+        finally:
+            self._bursting = False
 
     def cancel(self, job: str, reason: str, orphaned: bool = False) -> None:
         """Stop this node's ranks of ``job`` (once; later calls add nothing): the node runtime's cancel."""

@@ -104,6 +104,27 @@ def test_a_failing_rank_on_one_node_cancels_every_node_through_the_head(cluster_
     assert agent_view(status)[0] == ("cancelled", 143, "cancelled: rank 5 failed first: exited with code 3")
 
 
+def test_a_ranks_end_wakes_its_agent_whatever_the_scan_interval(cluster_of: Any) -> None:
+    """Each running rank's command is waited on (a pidfd): with the directories read only every 5 s,
+    rank 3's failure still reaches every node at once; the scan is not what fail-fast waits for."""
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("this Python has no os.pidfd_open (3.9+ on Linux 5.3+): the agent reads every scan")
+    c = cluster_of(2, scan=5.0)
+    ranks = {"n0": [0, 1], "n1": [2, 3]}
+    run = f'if [ "$SKYPILOT_NODE_RANK" = 3 ]; then sleep 2; exit 5; fi\n{SLEEP}'
+    res = asyncio.run(with_client(c.client(), lambda cl: cl.start("job", c.plan("job", ranks, run))))
+    assert res.errors() == {}, res.nodes
+    assert _wait_for(lambda: over(c, "job", ranks), 15), records(c, "job", ranks)
+    ends = records(c, "job", ranks)
+    assert ends[3]["code"] == 5 and ends[3]["own"], ends[3]
+    gone = max(ends[r]["end"] for r in (0, 1)) - ends[3]["end"]
+    print(f"\nscan 5 s: rank 3's exit -> last sibling on the head's node gone: {gone:.3f} s")
+    # a scan would have taken up to 5 s; the wake is a millisecond, the rest the same as with a fast
+    # scan (1.5 s of margin for 2 cores shared with other test runs)
+    assert gone < 1.5, ends
+    assert all(ends[r]["why"] == "@rank-failed 3 5" for r in (0, 1, 2)), ends
+
+
 def test_a_rank_failing_at_once_during_the_start_stops_every_node(cluster_of: Any) -> None:
     """Rank 2 fails before the other nodes' launch scripts have run: the head's cancel comes right behind
     their ``run``; every other rank ends cancelled by rank 2 (started and stopped, or never started)."""

@@ -127,8 +127,10 @@ class Cluster:
         head_pid1: bool = False,
         via_proxy: tuple[str, ...] = (),
         python: str = sys.executable,
+        scan: float = 0.05,
     ) -> None:
         self.tmp = tmp
+        self.scan = scan
         self.python = python  # the node's interpreter
         self.agent = tmp / "shipped" / "agent.py"  # the one file a node gets
         self.agent.parent.mkdir(parents=True)
@@ -172,6 +174,7 @@ class Cluster:
             port_file=listen.get("--port-file"),
             beat=self.beat,
             lost_after=self.lost_after,
+            scan=self.scan,
             python=self.python,
         )
         cmd[1:1] = ["-I", "-S"]  # no site packages: only what a node has
