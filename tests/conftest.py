@@ -38,8 +38,17 @@ DAGS.mkdir()
 # a test DAG may import a module beside it (``from sky_test_oom import RUN``), as it does where its
 # folder is an Airflow stack's dags folder (on sys.path there)
 sys.path.insert(0, str(REPO / "tests" / "dags"))
-# the session's Airflow home and dags folder go with the process (each xdist worker has its own)
-atexit.register(shutil.rmtree, _SESSION_DIR, True)
+# the session's Airflow home and dags folder go with the process (each xdist worker has its own), not
+# with a child forked from it (Airflow forks task processes, which inherit atexit handlers)
+_OWNER = os.getpid()
+
+
+def _remove_session_dir() -> None:
+    if os.getpid() == _OWNER:
+        shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+
+
+atexit.register(_remove_session_dir)
 os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(DAGS)
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"

@@ -13,6 +13,11 @@ from siblings import matching
 from unit.test_taskflow import _run
 
 
+@pytest.fixture(autouse=True)
+def _db(airflow_db: Path) -> None:
+    """dag.test() needs the metadata DB (migrated once per test process, whatever ran before)."""
+
+
 def _xcom(dr: Any, task_id: str, key: str = "return_value", map_index: int = -1) -> Any:
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
