@@ -11,7 +11,10 @@ A cluster's record is its handle (``ClusterHandle.to_dict()``) plus who uses it 
 * ``unclean``: ``{node id: why}`` for nodes a teardown could not clean (they did not answer). The record
   stays, naming them, and the next teardown cleans only those.
 
-The functions below change a record (a plain dict); each backend applies them under its own lock.
+The functions below change a record (a plain dict). The lifecycle that applies them is written once, in
+:class:`Backend` (``provision``, ``terminate``, ``replace_nodes``): each backend supplies its
+:class:`RecordStore` (a file under a lock, a file on the head changed by compare-and-swap) and the hooks that
+make and delete its nodes.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from airflow_provider_sky.backends.gitworkdir import checkout
 from airflow_provider_sky.backends.storage import (
@@ -42,6 +45,7 @@ from airflow_provider_sky.backends.storage import (
 from airflow_provider_sky.errors import BackendError as BackendError
 from airflow_provider_sky.errors import ClusterBusy as ClusterBusy
 from airflow_provider_sky.model.gang import CUDA_VISIBLE_DEVICES
+from airflow_provider_sky.node import runtime
 from airflow_provider_sky.runners.base import CommandRunner, RunnerError
 from airflow_provider_sky.spec import (
     Accelerator,
@@ -137,6 +141,41 @@ class Teardown:
     unclean: tuple[str, ...] = ()
 
 
+Change = Callable[[dict[str, Any] | None], tuple[dict[str, Any] | None, _T]]
+
+
+class RecordStore(Protocol):
+    """Where a backend keeps its cluster records, one per cluster name: a file under an ``fcntl`` lock
+    (local), a file on the cluster's head changed by compare-and-swap (``headrecord``: SSH, Kubernetes,
+    EC2). A record that names another cluster is refused, never acted on."""
+
+    def load(self, name: str) -> dict[str, Any] | None:
+        """The record of cluster ``name``, or None."""
+
+    def update(self, name: str, change: Change[_T]) -> _T:
+        """Apply ``change`` (record or None -> new record or None, result) atomically: under the store's
+        lock, or again on the current record when it changed meanwhile. A new record of None deletes it;
+        one equal to the current is not written. Returns the change's result."""
+
+
+@dataclass
+class Provisioning:
+    """One call of :meth:`Backend.provision`: what the backend found or made for it.
+
+    Only ``made`` (the backend's own: directories, host claims, pods, a launch) is ever undone when the
+    call fails; nothing that was there before it is touched."""
+
+    name: str
+    spec: TaskSpec
+    holder: str | None
+    #: the nodes found or made before the record is written (a record kept on the head needs the head)
+    handle: ClusterHandle | None = None
+    #: what this call created, for :meth:`Backend.undo_provision`
+    made: Any = None
+    #: the record was made by this call (a new cluster), not joined
+    fresh: bool = False
+
+
 class Backend(ABC):
     """Provision / find / terminate; hand out runners. Implementations keep the rank order stable."""
 
@@ -209,6 +248,204 @@ class Backend(ABC):
     def forget_agent(self, handle: ClusterHandle) -> None:  # noqa: B027 - optional
         """The head agent refused or did not answer: drop what :meth:`agent_endpoint` cached."""
 
+    def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
+        """What a node removes besides its runtime directory when the cluster goes down idle (``idle_down``):
+        the cluster record, on the node that keeps it."""
+        return []
+
+    @abstractmethod
+    def find(self, name: str) -> ClusterHandle | None:
+        """The cluster of that name, if this backend has it."""
+
+    @abstractmethod
+    def runner(self, node: Node) -> CommandRunner:
+        """A command runner for one node of a cluster of this backend."""
+
+    @abstractmethod
+    def records(self, name: str, head: Node | None = None) -> RecordStore:
+        """The store of cluster ``name``'s record; ``head``: its head node, where the record is kept on
+        it and the caller knows it already (else the backend finds it)."""
+
+    # -- the lifecycle, written once: provision, terminate, replace_nodes -----------------------------
+    #
+    # Every backend runs these sequences; it supplies its record store (``records``) and the hooks below
+    # (making and deleting nodes, and what else is its own). The rules they keep: a provision joins a
+    # cluster under the record's lock (check_reusable, a lease) or makes one and writes its record there;
+    # a failed provision undoes only what it made; a teardown changes the record first and deletes
+    # nothing when it cannot (another run's lease may be in it); leases are honoured.
+
+    #: seconds between two tries of a provision that a teardown of the same name is in the way of
+    busy_pause: float = 0.5
+    #: the record store's errors that stop a teardown before anything is deleted (see ``teardown_refused``)
+    record_errors: tuple[type[Exception], ...] = (BackendError,)
+
+    def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
+        """Create the cluster, or reuse one of the same name with the same node count.
+
+        ``holder`` (e.g. ``<dag_id>/<run_id>``) gets a lease on the cluster, created or reused, under the
+        backend's lock; a holder that has one keeps it. ``None`` or ``""`` takes no lease. A cluster being
+        torn down is waited for (``busy_wait``), then made afresh; one with nodes left unclean by a
+        teardown is refused until that teardown is finished.
+        """
+        self.check_provision(name, spec)
+        return self._wait_out_teardown(
+            lambda: self._provision_once(Provisioning(name, spec, holder)), self.busy_pause
+        )
+
+    def _provision_once(self, p: Provisioning) -> ClusterHandle:
+        """One try: the record store (the backend may find or make nodes first), then the record changed
+        under its lock: joined (a lease) or made with the new nodes; on failure what this try made goes."""
+
+        def change(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, ClusterHandle]:
+            p.fresh = record is None
+            if record is None:
+                handle = self.create_nodes(p)
+                return new_record(handle, p.holder), handle
+            return self.join(p, record)
+
+        try:
+            handle = self.prepare_provision(p).update(p.name, change)
+        except BaseException as exc:
+            self.undo_provision(p, exc)
+            raise
+        return self.provisioned(p, handle)
+
+    def check_provision(self, name: str, spec: TaskSpec) -> None:
+        """What is checked once before any try: the name (never one of the backend's own paths)."""
+        runtime.check_job_id(name)
+
+    def prepare_provision(self, p: Provisioning) -> RecordStore:
+        """The store the cluster's record is in. A backend that keeps it on the head finds or makes the
+        nodes here (``p.handle``, and ``p.made`` for what it made)."""
+        return self.records(p.name)
+
+    def create_nodes(self, p: Provisioning) -> ClusterHandle:
+        """The nodes of a new cluster, called under the record's lock when it has no record (``p.made``
+        notes what is made, for ``undo_provision``). Default: those ``prepare_provision`` found or made."""
+        if p.handle is None:
+            raise BackendError(f"the {self.kind} backend made no nodes for cluster {p.name!r}")
+        return p.handle
+
+    def join(self, p: Provisioning, record: dict[str, Any]) -> tuple[dict[str, Any], ClusterHandle]:
+        """The record joined by this provision (under its lock) and the handle it returns."""
+        check_reusable(record, p.name, p.spec.num_nodes)
+        return add_lease(record, p.holder), ClusterHandle.from_dict(record)
+
+    def undo_provision(self, p: Provisioning, exc: BaseException) -> None:  # noqa: B027 - optional
+        """A try failed with ``exc``: remove what it made (``p.made``), nothing else; may raise a clearer
+        error in place of ``exc``."""
+
+    def provisioned(self, p: Provisioning, handle: ClusterHandle) -> ClusterHandle:
+        """After the record is written: a new cluster's node agents, what a try made but did not use."""
+        return handle
+
+    def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
+        """Release ``holder``'s lease; kill every process the cluster started and release it when no lease
+        remains. Idempotent: a cluster already gone is ``Teardown(removed=False)``.
+
+        ``holder=None`` is a forced teardown: leases are ignored. A holder without a lease (``""``, a run
+        whose provision failed) releases nothing and removes only a cluster nobody holds. When other
+        leases remain nothing is killed and their holders are returned in ``kept_for``. Nodes that do not
+        answer within the connect timeout are returned in ``unclean`` and kept in the record.
+        """
+        return self._teardown(name, grace, holder)
+
+    def _teardown(self, name: str, grace: float, holder: str | None, idle_only: bool = False) -> Teardown:
+        """``terminate``: the record changed first (the lease released, or the teardown marked), then the
+        nodes deleted. With ``idle_only`` only a cluster nobody holds (no record) goes."""
+        scope = self.teardown_scope(name)
+        if scope is None:
+            return Teardown(removed=False)
+        read: list[dict[str, Any] | None] = []
+
+        def begin(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, Any]:
+            read[:] = [record]
+            if record is None:
+                return self.begin_unrecorded(name, holder)
+            self.check_teardown(name, record)
+            if idle_only:  # adopted again, or being torn down: not idle
+                return record, (record, tuple(record.get("leases") or {}) or ("its record",))
+            new, kept_for = begin_teardown(record, holder)
+            return new, (new, kept_for)
+
+        try:
+            store = self.teardown_records(name, scope)
+            if store is None and idle_only:
+                return Teardown(removed=False)
+            begun = store.update(name, begin) if store is not None else (None, ())
+        except self.record_errors as exc:
+            refused = self.teardown_refused(
+                name, holder, bool(read), idle_only, read[0] if read else None, exc
+            )
+            if refused is not None:
+                raise refused from None
+            begun = (None, ())
+        if begun is None:
+            return Teardown(removed=False)
+        record, kept_for = begun
+        if kept_for:
+            log.info("cluster %s kept: still held by %s", name, ", ".join(kept_for))
+            return Teardown(removed=False, kept_for=kept_for)
+        return self.delete_cluster(name, scope, record, grace)
+
+    def teardown_scope(self, name: str) -> Any:
+        """What of cluster ``name`` is there to tear down (the backend's own: pods, instances); None:
+        nothing. Default: the record decides."""
+        return name
+
+    def teardown_records(self, name: str, scope: Any) -> RecordStore | None:
+        """The store whose record the teardown changes first; None: there is no record to honour."""
+        return self.records(name)
+
+    def begin_unrecorded(self, name: str, holder: str | None) -> tuple[dict[str, Any] | None, Any]:
+        """The teardown's change when there is no record: (new record, (record, kept_for)); a result of
+        None means there is no such cluster. Default: none."""
+        return None, None
+
+    def check_teardown(self, name: str, record: Mapping[str, Any]) -> None:  # noqa: B027 - optional
+        """Raise when this process must not tear down the cluster ``record`` names (nothing changed yet)."""
+
+    def teardown_refused(
+        self,
+        name: str,
+        holder: str | None,
+        read: bool,
+        idle_only: bool,
+        record: Mapping[str, Any] | None,
+        exc: Exception,
+    ) -> BackendError | None:
+        """The error when the record could not be changed (``read``: it was read); nothing is deleted
+        then. None: delete anyway (a forced teardown, where the backend knows its nodes without it)."""
+        return BackendError(
+            f"cluster {name!r}: the teardown could not update its record ({exc}), so nothing was deleted: "
+            "another run may still hold the cluster. Tear it down again once the record can be written"
+        )
+
+    def delete_cluster(self, name: str, scope: Any, record: dict[str, Any] | None, grace: float) -> Teardown:
+        """No lease remains: delete the nodes. Default: the nodes the record names (only those an
+        earlier teardown left unclean, when it did), then the record is removed, or names the nodes that
+        could not be cleaned."""
+        assert record is not None
+        nodes = nodes_to_clean(record)
+        unclean = self.delete_nodes(name, nodes, grace)
+
+        def finish(current: dict[str, Any] | None) -> tuple[dict[str, Any] | None, None]:
+            left = finish_teardown(current, unclean)
+            if left is None:
+                self.removed(name, record)
+            return left, None
+
+        self.records(name).update(name, finish)
+        return teardown_result(unclean, nodes)
+
+    def delete_nodes(self, name: str, nodes: list[Node], grace: float) -> dict[str, str]:
+        """Kill the cluster's processes on ``nodes`` and remove them; node id -> why, for those that could
+        not be cleaned (:func:`unclean_reason`)."""
+        raise NotImplementedError(f"the {self.kind} backend deletes its nodes in delete_cluster")
+
+    def removed(self, name: str, record: Mapping[str, Any]) -> None:  # noqa: B027 - optional
+        """The record is going (under its lock): what else of the cluster goes with it."""
+
     def replace_nodes(self, handle: ClusterHandle, ranks: Sequence[int]) -> ClusterHandle:
         """Put a new node in place of each lost node of ``ranks`` (the healthy ones are kept) and record
         it, so a teardown covers the new nodes; returns the cluster's handle, rank order unchanged.
@@ -220,39 +457,83 @@ class Backend(ABC):
         """
         raise BackendError(f"the {self.kind} backend cannot replace a lost node")
 
-    def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
-        """What a node removes besides its runtime directory when the cluster goes down idle (``idle_down``):
-        the cluster record, on the node that keeps it."""
-        return []
+    def _replace_in_record(self, handle: ClusterHandle, ranks: Sequence[int], where: str) -> ClusterHandle:
+        """``replace_nodes`` for a backend whose new nodes are picked under the record's lock (a node
+        number, a spare host): ``pick_replacements`` chooses them, the record names them, then
+        ``replaced`` does what follows (the old nodes cleaned, agents started)."""
+        name = handle.name
 
-    @abstractmethod
-    def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
-        """Create the cluster, or reuse one of the same name with the same node count.
+        def change(
+            record: dict[str, Any] | None,
+        ) -> tuple[dict[str, Any] | None, tuple[ClusterHandle, list[Node]]]:
+            if record is None:
+                raise BackendError(f"cluster {name!r} has no record {where}: it was torn down")
+            if record.get("down"):
+                raise BackendError(f"cluster {name!r} is being torn down")
+            todo = [r for r in ranks if still_recorded(record, r, handle.nodes[r])]
+            for rank, node in self.pick_replacements(name, record, handle, todo).items():
+                record = record_replacement(record, rank, node)
+            return record, (ClusterHandle.from_dict(record), [handle.nodes[r] for r in todo])
 
-        ``holder`` (e.g. ``<dag_id>/<run_id>``) gets a lease on the cluster, created or reused, under the
-        backend's lock; a holder that has one keeps it. ``None`` or ``""`` takes no lease. A cluster being
-        torn down is waited for (``busy_wait``), then made afresh; one with nodes left unclean by a
-        teardown is refused until that teardown is finished.
-        """
+        new, lost = self.records(name, handle.nodes[0]).update(name, change)
+        return self.replaced(handle, new, ranks, lost)
 
-    @abstractmethod
-    def find(self, name: str) -> ClusterHandle | None:
-        """The cluster of that name, if this backend has it."""
+    def _replace_made(self, handle: ClusterHandle, ranks: Sequence[int]) -> ClusterHandle:
+        """``replace_nodes`` for a backend whose new nodes take long to make (pods, instances): made
+        outside the record's lock by ``make_replacements``, then recorded; a rank another watcher replaced
+        meanwhile keeps its node and ours is deleted; a failure deletes only what this call made."""
+        name = handle.name
+        store = self.records(name, handle.nodes[0])
+        record = store.load(name)
+        if record is None:
+            raise BackendError(f"cluster {name!r} has no record on its head: it was torn down")
+        todo = [r for r in ranks if still_recorded(record, r, handle.nodes[r])]
+        if not todo:
+            return ClusterHandle.from_dict(record)
+        made: list[Any] = []
+        try:
+            new = self.make_replacements(handle, record, ranks, todo, made)
+            spare = store.update(name, replacements_recorder(name, handle, new))
+        except BaseException as exc:
+            self.undo_replacements(handle, todo, made, exc)
+            raise
+        if spare:
+            self.delete_spare(spare)
+        found = store.load(name)
+        assert found is not None
+        return ClusterHandle.from_dict(found)
 
-    @abstractmethod
-    def runner(self, node: Node) -> CommandRunner:
-        """A command runner for one node of a cluster of this backend."""
+    def pick_replacements(
+        self, name: str, record: dict[str, Any], handle: ClusterHandle, todo: list[int]
+    ) -> dict[int, Node]:
+        """Rank -> its new node, chosen under the record's lock (``_replace_in_record``)."""
+        raise BackendError(f"the {self.kind} backend cannot replace a lost node")
 
-    @abstractmethod
-    def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
-        """Release ``holder``'s lease; kill every process the cluster started and release it when no lease
-        remains. Idempotent: a cluster already gone is ``Teardown(removed=False)``.
+    def replaced(
+        self, old: ClusterHandle, new: ClusterHandle, ranks: Sequence[int], lost: list[Node]
+    ) -> ClusterHandle:
+        """After the record names the new nodes (``_replace_in_record``): the lost nodes' leftovers."""
+        return new
 
-        ``holder=None`` is a forced teardown: leases are ignored. A holder without a lease (``""``, a run
-        whose provision failed) releases nothing and removes only a cluster nobody holds. When other
-        leases remain nothing is killed and their holders are returned in ``kept_for``. Nodes that do not
-        answer within the connect timeout are returned in ``unclean`` and kept in the record.
-        """
+    def make_replacements(
+        self,
+        handle: ClusterHandle,
+        record: dict[str, Any],
+        ranks: Sequence[int],
+        todo: list[int],
+        made: list[Any],
+    ) -> dict[int, Node]:
+        """Rank -> a new node for each of ``todo`` (``_replace_made``), the lost ones deleted; ``made``
+        notes what is made as it is made."""
+        raise BackendError(f"the {self.kind} backend cannot replace a lost node")
+
+    def undo_replacements(  # noqa: B027 - optional
+        self, handle: ClusterHandle, todo: list[int], made: list[Any], exc: BaseException
+    ) -> None:
+        """A replacement failed with ``exc``: delete what it made (``made``); may raise a clearer error."""
+
+    def delete_spare(self, node_ids: list[str]) -> None:  # noqa: B027 - optional
+        """Delete new nodes another watcher's replacement made unneeded."""
 
     def _wait_out_teardown(self, attempt: Callable[[], _T], pause: float) -> _T:
         """Run ``attempt`` until no teardown of the same cluster name is in its way (``ClusterBusy``),

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from airflow_provider_sky.agent import agent_args, agent_source, new_token
-from airflow_provider_sky.backends.base import Node
+from airflow_provider_sky.backends.base import ClusterHandle, Node, RecordStore
 from airflow_provider_sky.runners.base import CommandRunner
 
 log = logging.getLogger(__name__)
@@ -293,6 +293,21 @@ class HostAgents:
         self.listen = listen
         self.head_address = head_address or (lambda n: n.ip)
         self.reach = reach
+
+    def start_recorded(self, handle: ClusterHandle, store: RecordStore) -> ClusterHandle:
+        """A new cluster's node agents; once every one joined the head, its record says where the head
+        listens (``extra["agent"]``) and so does the handle returned. Else the per-node path: ``handle``."""
+        where = self.start(handle.name, handle.nodes)
+        if where is None:
+            return handle
+
+        def note(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, ClusterHandle]:
+            if record is None or record.get("down"):
+                return record, handle  # torn down meanwhile: its teardown ends the agents
+            record = {**record, "extra": {**(record.get("extra") or {}), EXTRA_KEY: where}}
+            return record, ClusterHandle.from_dict(record)
+
+        return store.update(handle.name, note)
 
     def start(self, name: str, nodes: Sequence[Node]) -> dict[str, Any] | None:
         """Start every node's agent and check they joined the head: the handle's ``extra["agent"]``, or

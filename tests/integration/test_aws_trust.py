@@ -205,7 +205,7 @@ def test_the_reaper_spares_a_cluster_a_run_adopts_after_it_looked(
     assert b.reap(min_age=0) == []
     assert looked == ["adopted"]
     assert len(_live(ec2, "adopted")) == 2
-    record = b.records(h.nodes[0]).load("adopted")
+    record = b.records("adopted", h.nodes[0]).load("adopted")
     assert record is not None and list(record["leases"]) == ["d/new"] and not record.get("down")
     monkeypatch.undo()
     assert backend(moto.url, hosts).terminate("adopted", holder="d/new").removed

@@ -56,7 +56,7 @@ def _wait_running(client: GangClient, job_id: str, n: int, timeout: float = 30) 
 
 
 def _local_record(sky_home: Path, name: str) -> dict[str, Any] | None:
-    path = LocalBackend(sky_home).records / f"{name}.json"
+    path = LocalBackend(sky_home).records_dir / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -119,7 +119,7 @@ def test_a_local_teardown_that_cannot_write_the_record_deletes_nothing(sky_home:
     GangClient(b, h).launch(LONG, "job-a")
     b.provision("c", LONG, holder=B)
     before = _local_record(sky_home, "c")
-    blocker = b.records / "c.tmp"  # where the new record is written first: a directory cannot be
+    blocker = b.records_dir / "c.tmp"  # where the new record is written first: a directory cannot be
     blocker.mkdir()
     try:
         with pytest.raises(BackendError, match=r"could not update the record.*nothing was deleted"):

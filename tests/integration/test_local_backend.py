@@ -259,7 +259,7 @@ def test_a_record_that_names_another_cluster_is_never_acted_on(sky_home: Path) -
     hb = b.provision("b", spec)
     GangClient(b, hb).launch(spec, "job", orphan_timeout=0)
     b.provision("a", task_from_args(num_nodes=1, run="true"))
-    a_path, b_path = b.records / "a.json", b.records / "b.json"
+    a_path, b_path = b.records_dir / "a.json", b.records_dir / "b.json"
     a_text = a_path.read_text()
     a_path.write_text(b_path.read_text())
     with pytest.raises(BackendError, match=r"names cluster 'b', not 'a'.*nothing"):

@@ -382,5 +382,5 @@ def test_dag_test_lost_local_node_replaced_rank_tasks_show_it(
     assert [a["state"] for a in summary["attempts"]] == ["lost", "succeeded"], summary
     from airflow_provider_sky.backends.local import LocalBackend
 
-    assert not list(LocalBackend(sky_home).records.glob("*.json"))  # the down task removed the cluster
+    assert not list(LocalBackend(sky_home).records_dir.glob("*.json"))  # the down task removed the cluster
     assert not job_processes(sky_home)

@@ -103,7 +103,7 @@ def test_every_host_runs_an_agent_and_the_token_stays_in_its_0600_file(
     token = found[2]
     assert len(token) >= 32
     assert token.decode() not in json.dumps(h.to_dict())  # not in the handle (XCom)
-    assert token.decode() not in json.dumps(b.records.load("agt"))  # nor in the record on the head
+    assert token.decode() not in json.dumps(b.records("agt").load("agt"))  # nor in the record on the head
     for n in hosts.nodes:
         d = host_agent_dir(h.nodes[n.index].root)
         assert oct(os.stat(d).st_mode & 0o777) == "0o700"

@@ -34,6 +34,7 @@ from airflow_provider_sky.backends.base import (
     ClusterBusy,
     ClusterHandle,
     Node,
+    Provisioning,
     Teardown,
     add_lease,
     begin_teardown,
@@ -43,7 +44,6 @@ from airflow_provider_sky.backends.base import (
 from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
 from airflow_provider_sky.backends.nodeagents import EXTRA_KEY, HostAgents, parallel_map
 from airflow_provider_sky.model.gang import rank_order
-from airflow_provider_sky.node import runtime
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.ssh import SSHNodeConfig, SSHRunner, wait_for_ssh
 from airflow_provider_sky.runners.ssh.keys import load_private_key
@@ -171,17 +171,7 @@ class AWSBackend(Backend):
         if not own_group:
             log.info("cluster %s: security_group_ids given: no node agents (the per-node path)", handle.name)
             return handle
-        where = self.agents.start(handle.name, handle.nodes)
-        if where is None:
-            return handle
-
-        def note(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, ClusterHandle]:
-            if record is None or record.get("down"):
-                return record, handle
-            record = {**record, "extra": {**(record.get("extra") or {}), EXTRA_KEY: where}}
-            return record, replace(handle, extra={**handle.extra, EXTRA_KEY: where})
-
-        return self.records(handle.nodes[0]).update(handle.name, note)
+        return self.agents.start_recorded(handle, self.records(handle.name, handle.nodes[0]))
 
     def agent_endpoint(self, handle: ClusterHandle) -> tuple[str, int, bytes] | None:
         """A relay to the head agent's port and the token: cached in this process, else read from the
@@ -239,8 +229,14 @@ class AWSBackend(Backend):
 
     # -- records -------------------------------------------------------------------------------------
 
-    def records(self, head: Node) -> HeadRecords:
-        return HeadRecords(lambda: self.runner(head), f"instance {head.node_id} ({head.extra['host']})")
+    def records(self, name: str, head: Node | None = None) -> HeadRecords:
+        """The cluster's record, on its head instance (found by its tags when ``head`` is not given)."""
+        if head is None:
+            head = self._node(
+                name, self._ordered(name, api.describe_instances(self.ec2, name, self.owner))[0], None
+            )
+        node = head
+        return HeadRecords(lambda: self.runner(node), f"instance {node.node_id} ({node.extra['host']})")
 
     def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
         return [f"{handle.nodes[0].home}/{record_path(handle.name)}"] if rank == 0 else []
@@ -307,7 +303,7 @@ class AWSBackend(Backend):
             return None
         head = self._node(name, ordered[0], None)
         try:
-            record = self.records(head).load(name)
+            record = self.records(name, head).load(name)
         except (BackendError, RunnerError):
             return None
         if record is None:
@@ -355,37 +351,52 @@ class AWSBackend(Backend):
 
     # -- provisioning --------------------------------------------------------------------------------
 
-    def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
-        runtime.check_job_id(name)
+    busy_pause = 2.0
+
+    def check_provision(self, name: str, spec: TaskSpec) -> None:
+        super().check_provision(name, spec)
         problems = self.fit(spec.resources, spec.num_nodes, name)
         if problems:
             raise BackendError("; ".join(f"{f}: {m}" for f, m in problems) + "; nothing was created")
-        return self._wait_out_teardown(lambda: self._provision_once(name, spec, holder), 2.0)
 
-    def _provision_once(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
-        instances = api.describe_instances(self.ec2, name, self.owner)
+    def prepare_provision(self, p: Provisioning) -> HeadRecords:
+        """The record is on the head instance: the cluster's instances are found (started when stopped)
+        or launched first, every one reached over SSH (``p.made``: what this call made)."""
+        instances = api.describe_instances(self.ec2, p.name, self.owner)
         if instances:
-            return self._reuse(name, spec, holder, instances)
-        made = _Made(Launch(name, self.owner))
-        try:
-            instances = self._create(name, spec, made)
-            nodes = self._reach(name, self._ordered(name, instances), {})
-            handle = self._handle(name, nodes)
-            # a new instance's disk is new: a record there is not this cluster's, so it is replaced
-            handle = self.records(nodes[0]).update(name, lambda rec: (new_record(handle, holder), handle))
-        except BaseException as exc:
-            done, gone, left = self._undo(name, made)
-            if isinstance(exc, BackendError) and not isinstance(exc, ClusterBusy):
-                said = [done or "nothing launched"]
-                if left:
-                    said.append(f"also left: {', '.join(left)}")
-                elif gone:
-                    said.append("nothing of it is left")
-                raise BackendError(f"cluster {name!r} not provisioned: {exc}; {'; '.join(said)}") from None
-            if done:
-                log.warning("cluster %s: after a failed provision: %s", name, done)
-            raise
-        return self._start_agents(handle, own_group=bool(made.groups))
+            p.handle = self._reuse(p.name, p.spec, instances)
+        else:
+            p.made = _Made(Launch(p.name, self.owner))
+            instances = self._create(p.name, p.spec, p.made)
+            p.handle = self._handle(p.name, self._reach(p.name, self._ordered(p.name, instances), {}))
+        return self.records(p.name, p.handle.nodes[0])
+
+    def join(self, p: Provisioning, record: dict[str, Any]) -> tuple[dict[str, Any], ClusterHandle]:
+        assert p.handle is not None
+        if p.made is not None:  # a new instance's disk is new: a record there is not this cluster's
+            return new_record(p.handle, p.holder), p.handle
+        check_reusable(record, p.name, p.spec.num_nodes)
+        new = add_lease(record, p.holder)
+        new["nodes"] = [n for n in p.handle.to_dict()["nodes"]]  # addresses may change across stop/start
+        return new, _with_agent(p.handle, record)
+
+    def undo_provision(self, p: Provisioning, exc: BaseException) -> None:
+        """Every instance of this call's launch, its group and key pair go; the error says what was left."""
+        if p.made is None:
+            return
+        done, gone, left = self._undo(p.name, p.made)
+        if isinstance(exc, BackendError) and not isinstance(exc, ClusterBusy):
+            said = [done or "nothing launched"]
+            if left:
+                said.append(f"also left: {', '.join(left)}")
+            elif gone:
+                said.append("nothing of it is left")
+            raise BackendError(f"cluster {p.name!r} not provisioned: {exc}; {'; '.join(said)}") from None
+        if done:
+            log.warning("cluster %s: after a failed provision: %s", p.name, done)
+
+    def provisioned(self, p: Provisioning, handle: ClusterHandle) -> ClusterHandle:
+        return self._start_agents(handle, own_group=bool(p.made.groups)) if p.made is not None else handle
 
     def _create(self, name: str, spec: TaskSpec, made: _Made) -> list[dict[str, Any]]:
         """One RunInstances for all N (MinCount = N: EC2 gives every instance or none), then the head
@@ -539,21 +550,8 @@ class AWSBackend(Backend):
         except Exception as exc:
             raise api.client_error(f"tagging {instance_id} with its host key", exc) from None
 
-    @staticmethod
-    def _lease(
-        record: dict[str, Any] | None, handle: ClusterHandle, name: str, spec: TaskSpec, holder: str | None
-    ) -> tuple[dict[str, Any], ClusterHandle]:
-        if record is None:
-            return new_record(handle, holder), handle
-        check_reusable(record, name, spec.num_nodes)
-        new = add_lease(record, holder)
-        new["nodes"] = [n for n in handle.to_dict()["nodes"]]  # addresses may change across stop/start
-        return new, _with_agent(handle, record)
-
-    def _reuse(
-        self, name: str, spec: TaskSpec, holder: str | None, instances: list[dict[str, Any]]
-    ) -> ClusterHandle:
-        """Instances of this name exist: start them if stopped, then join (a lease) by the head's record."""
+    def _reuse(self, name: str, spec: TaskSpec, instances: list[dict[str, Any]]) -> ClusterHandle:
+        """Instances of this name exist: started if stopped, reached; joined (a lease) by the head's record."""
         states = {i["State"]["Name"] for i in instances}
         if states & {"shutting-down", "stopping"}:
             raise ClusterBusy(f"cluster {name!r}: its instances are {', '.join(sorted(states))}")
@@ -579,15 +577,13 @@ class AWSBackend(Backend):
         if recent and not head.extra.get("host_key") and self.settings.host_key_policy != "skip":
             raise ClusterBusy(f"cluster {name!r}: being made (its head's host key is not pinned yet)")
         wait_for_ssh(str(head.extra["host"]), int(head.extra["port"]), self.settings.provision_timeout)
-        record = self.records(head).load(name)
+        record = self.records(name, head).load(name)
         if record is None and recent:
             raise ClusterBusy(f"cluster {name!r}: its instances run but it has no record yet")
         if record is not None:  # else: gone idle (idle_down removed it), adopted with a new record
             check_reusable(record, name, spec.num_nodes)
         known = {n["node_id"]: n for n in (record or {}).get("nodes") or ()}
-        nodes = self._reach(name, ordered, known)
-        handle = self._handle(name, nodes)
-        return self.records(nodes[0]).update(name, lambda rec: self._lease(rec, handle, name, spec, holder))
+        return self._handle(name, self._reach(name, ordered, known))
 
     def _undo(self, name: str, made: _Made) -> tuple[str, bool, list[str]]:
         """Remove what a failed provision made: every instance of its launch (also those of a launch
@@ -604,64 +600,90 @@ class AWSBackend(Backend):
     # -- replacing a lost instance -----------------------------------------------------------------------
 
     def replace_nodes(self, handle: ClusterHandle, ranks: Sequence[int]) -> ClusterHandle:
-        """A new instance for each lost worker (``replacing``); the head cannot be replaced."""
-        from airflow_provider_sky.backends.aws.replacing import replace_nodes
+        """A new instance for each lost worker (``replacing``); the head cannot be replaced: it keeps the
+        record."""
+        if 0 in ranks:
+            raise BackendError("the head instance keeps the cluster record: a lost head cannot be replaced")
+        return self._replace_made(handle, ranks)
 
-        return replace_nodes(self, handle, ranks)
+    def make_replacements(
+        self,
+        handle: ClusterHandle,
+        record: dict[str, Any],
+        ranks: Sequence[int],
+        todo: list[int],
+        made: list[Any],
+    ) -> dict[int, Node]:
+        from airflow_provider_sky.backends.aws import replacing
 
-    # -- teardown ------------------------------------------------------------------------------------
+        return replacing.make_replacements(self, handle, ranks, todo, made)
 
-    def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
-        """Release ``holder``'s lease on the head; when none remains, terminate every instance tagged for
-        this cluster and owner and remove the cluster's own security group and key pair. Idempotent.
+    def undo_replacements(
+        self, handle: ClusterHandle, todo: list[int], made: list[Any], exc: BaseException
+    ) -> None:
+        from airflow_provider_sky.backends.aws import replacing
 
-        A record that was read but could not be written back (the head's lock held, its disk full) keeps
-        the cluster: nothing is terminated and the error says so, since the leases it holds cannot be
-        released or honoured (``holder=None``, forced, terminates anyway). A head that does not answer
-        at all (stopped, broken) is terminated without reading the record."""
-        return self._teardown(name, holder)
+        if made:  # nothing launched (the lost instances could not be ended): the error as it is
+            replacing.undo_replacements(self, handle, todo, made[0], exc)
 
-    def _teardown(self, name: str, holder: str | None, idle_only: bool = False) -> Teardown:
-        """``terminate``; with ``idle_only`` (the reaper) only a cluster whose head holds no record. A
-        head with no record gets one marked down, under the record's lock, before anything is
-        terminated: a run that adopted the cluster since it was looked at keeps it, and a provision that
-        comes after sees it and waits."""
-        instances = api.describe_instances(self.ec2, name, self.owner)
-        running = [i for i in instances if i["State"]["Name"] == "running"]
-        if running and len(running) == len(instances):
-            read: list[dict[str, Any] | None] = []
+    def delete_spare(self, node_ids: list[str]) -> None:
+        try:
+            self.ec2.terminate_instances(InstanceIds=node_ids)
+        except Exception as exc:
+            raise api.client_error(f"terminating the spare instance(s) {', '.join(node_ids)}", exc) from None
 
-            def begin(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
-                read[:] = [record]
-                if record is None:  # nobody holds it: marked down, so a run adopting it meanwhile waits
-                    return begin_teardown({"name": name, "nodes": [], "leases": {}}, holder)
-                if idle_only:  # adopted again, or being torn down: not idle
-                    return record, tuple(record.get("leases") or {}) or ("its record",)
-                return begin_teardown(record, holder)
+    # Teardown: the sequence is Backend's. ``holder``'s lease is released on the head; when none remains
+    # every instance tagged for this cluster and owner is terminated and the cluster's own security
+    # group and key pair removed. A record that was read but could not be written back (the head's lock
+    # held, its disk full) keeps the cluster: nothing is terminated and the error says so, since the
+    # leases it holds cannot be released or honoured (``holder=None``, forced, terminates anyway). A
+    # head that does not answer at all (stopped, broken) is terminated without reading the record. With
+    # ``idle_only`` (the reaper) only a cluster whose head holds no record goes: a head with no record
+    # gets one marked down, under the record's lock, before anything is terminated, so a run that
+    # adopted the cluster since it was looked at keeps it, and a provision that comes after waits.
 
-            try:  # no head (a provision killed before it tagged one): no record to honour
-                head = self._node(name, self._ordered(name, instances)[0], None)
-                kept_for = self.records(head).update(name, begin)
-            except (BackendError, RunnerError) as exc:
-                if idle_only or (read and holder is not None):
-                    held = ", ".join(((read or [None])[0] or {}).get("leases") or {})
-                    log.warning("cluster %s kept: its record could not be updated (%s)", name, exc)
-                    how = f"was read{f' (held by {held})' if held else ''} but could not be updated"
-                    raise BackendError(
-                        f"cluster {name!r} kept, nothing terminated: its record on the head "
-                        f"{how if read else 'could not be read'}: {exc}; tear it down again once the "
-                        "head's record can be written (clear the down task), or reap() removes it once "
-                        "no run holds it"
-                    ) from None
-                # the head does not answer (or forced): the instances go anyway
-                log.warning("cluster %s: the record on its head could not be read (%s)", name, exc)
-                kept_for = ()
-            if kept_for:
-                log.info("cluster %s kept: still held by %s", name, ", ".join(kept_for))
-                return Teardown(removed=False, kept_for=kept_for)
-        elif idle_only:
-            return Teardown(removed=False)
-        ids = [str(i["InstanceId"]) for i in instances if api.ours(i, name, self.owner)]
+    record_errors = (BackendError, RunnerError)
+
+    def teardown_scope(self, name: str) -> list[dict[str, Any]]:
+        return api.describe_instances(self.ec2, name, self.owner)
+
+    def teardown_records(self, name: str, scope: Any) -> HeadRecords | None:
+        running = [i for i in scope if i["State"]["Name"] == "running"]
+        if not running or len(running) != len(scope):
+            return None
+        # no head (a provision killed before it tagged one): no record to honour
+        return self.records(name, self._node(name, self._ordered(name, scope)[0], None))
+
+    def begin_unrecorded(self, name: str, holder: str | None) -> tuple[dict[str, Any] | None, Any]:
+        """Nobody holds it: marked down, so a run adopting it meanwhile waits."""
+        new, kept_for = begin_teardown({"name": name, "nodes": [], "leases": {}}, holder)
+        return new, (new, kept_for)
+
+    def teardown_refused(
+        self,
+        name: str,
+        holder: str | None,
+        read: bool,
+        idle_only: bool,
+        record: Mapping[str, Any] | None,
+        exc: Exception,
+    ) -> BackendError | None:
+        if idle_only or (read and holder is not None):
+            held = ", ".join((record or {}).get("leases") or {})
+            log.warning("cluster %s kept: its record could not be updated (%s)", name, exc)
+            how = f"was read{f' (held by {held})' if held else ''} but could not be updated"
+            return BackendError(
+                f"cluster {name!r} kept, nothing terminated: its record on the head "
+                f"{how if read else 'could not be read'}: {exc}; tear it down again once the "
+                "head's record can be written (clear the down task), or reap() removes it once "
+                "no run holds it"
+            )
+        # the head does not answer (or forced): the instances go anyway
+        log.warning("cluster %s: the record on its head could not be read (%s)", name, exc)
+        return None
+
+    def delete_cluster(self, name: str, scope: Any, record: dict[str, Any] | None, grace: float) -> Teardown:
+        ids = [str(i["InstanceId"]) for i in scope if api.ours(i, name, self.owner)]
         if ids:
             log.info("cluster %s: terminating %s instance(s)", name, len(ids))
         self.close()

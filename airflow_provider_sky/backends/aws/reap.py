@@ -56,14 +56,14 @@ def reap(backend: AWSBackend, min_age: float = 900.0) -> list[str]:
             continue
         try:
             head = backend._node(name, backend._ordered(name, instances)[0], None)
-            if backend.records(head).read(name) is not None:
+            if backend.records(name, head).read(name) is not None:
                 continue
         except (BackendError, RunnerError) as exc:
             log.info("cluster %s: head not reachable, not reaped (%s)", name, exc)
             continue
         log.warning("cluster %s: no record on its head (idle or orphaned): terminating it", name)
         try:  # only if still no record, made sure of under the head's lock (a run may adopt it meanwhile)
-            if backend._teardown(name, None, idle_only=True).removed:
+            if backend._teardown(name, 2.0, None, idle_only=True).removed:
                 reaped.append(name)
         except BackendError as exc:
             log.warning("cluster %s: not reaped: %s", name, exc)

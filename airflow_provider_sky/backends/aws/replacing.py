@@ -12,12 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_provider_sky.backends.aws import ec2 as api
 from airflow_provider_sky.backends.aws.launch import Launch
-from airflow_provider_sky.backends.base import (
-    BackendError,
-    ClusterHandle,
-    replacements_recorder,
-    still_recorded,
-)
+from airflow_provider_sky.backends.base import BackendError, ClusterHandle, Node
 
 if TYPE_CHECKING:
     from airflow_provider_sky.backends.aws.backend import AWSBackend
@@ -27,21 +22,13 @@ log = logging.getLogger(__name__)
 TERMINATE_WAIT = 600.0
 
 
-def replace_nodes(self: AWSBackend, handle: ClusterHandle, ranks: Sequence[int]) -> ClusterHandle:
-    """Each lost worker instance is terminated and one new instance launched with a healthy
+def make_replacements(
+    self: AWSBackend, handle: ClusterHandle, ranks: Sequence[int], todo: list[int], made: list[Any]
+) -> dict[int, Node]:
+    """Each lost worker instance of ``todo`` is terminated and one new instance launched with a healthy
     instance's launch spec (image, type, key pair, security groups, subnet, spot, root disk) and the
-    cluster's tags; its SSH is waited for and its host key pinned, and the record on the head names it
-    in the lost one's rank. The head cannot be replaced: it keeps the record."""
+    cluster's tags; its SSH is waited for and its host key pinned. ``made``: the launch, once made."""
     name = handle.name
-    if 0 in ranks:
-        raise BackendError("the head instance keeps the cluster record: a lost head cannot be replaced")
-    head = handle.nodes[0]
-    record = self.records(head).load(name)
-    if record is None:
-        raise BackendError(f"cluster {name!r} has no record on its head: it was torn down")
-    todo = [r for r in ranks if still_recorded(record, r, handle.nodes[r])]
-    if not todo:
-        return ClusterHandle.from_dict(record)
     kept = [n for i, n in enumerate(handle.nodes) if i not in ranks]
     model = self._by_ids([str(kept[-1].extra.get("instance_id") or kept[-1].node_id)])
     if not model:
@@ -54,26 +41,23 @@ def replace_nodes(self: AWSBackend, handle: ClusterHandle, ranks: Sequence[int])
         if api.error_code(exc)[0] != "InvalidInstanceID.NotFound":  # gone already: fine
             raise api.client_error(f"terminating the lost instance(s) {', '.join(lost_ids)}", exc) from None
     launch = Launch(name, self.owner)
-    try:
-        launched = launch.run(self.ec2, request, f"launching {len(todo)} x {request['InstanceType']}")
-        nodes = self._reach(name, self._wait_running(name, [str(i["InstanceId"]) for i in launched]), {})
-        by_rank = dict(zip(todo, nodes, strict=True))
-        spare = self.records(head).update(name, replacements_recorder(name, handle, by_rank))
-    except BaseException as exc:
-        done, gone = launch.undo(self.ec2, TERMINATE_WAIT, self.lookup_delays)
-        if isinstance(exc, BackendError):
-            state = f"{done or 'nothing launched'}{'; nothing of it is left' if gone else ''}"
-            raise BackendError(f"cluster {name!r}: replacing rank(s) {todo} failed: {exc}; {state}") from None
-        log.warning("cluster %s: after a failed replacement: %s", name, done)
-        raise
-    if spare:
-        try:
-            self.ec2.terminate_instances(InstanceIds=spare)
-        except Exception as exc:
-            raise api.client_error(f"terminating the spare instance(s) {', '.join(spare)}", exc) from None
-    found = self.records(head).load(name)
-    assert found is not None
-    return ClusterHandle.from_dict(found)
+    made.append(launch)
+    launched = launch.run(self.ec2, request, f"launching {len(todo)} x {request['InstanceType']}")
+    nodes = self._reach(name, self._wait_running(name, [str(i["InstanceId"]) for i in launched]), {})
+    return dict(zip(todo, nodes, strict=True))
+
+
+def undo_replacements(
+    self: AWSBackend, handle: ClusterHandle, todo: list[int], launch: Launch, exc: BaseException
+) -> None:
+    """Every instance of the replacement's launch goes (also those of a launch whose reply was lost)."""
+    done, gone = launch.undo(self.ec2, TERMINATE_WAIT, self.lookup_delays)
+    if isinstance(exc, BackendError):
+        state = f"{done or 'nothing launched'}{'; nothing of it is left' if gone else ''}"
+        raise BackendError(
+            f"cluster {handle.name!r}: replacing rank(s) {todo} failed: {exc}; {state}"
+        ) from None
+    log.warning("cluster %s: after a failed replacement: %s", handle.name, done)
 
 
 def _relaunch_request(self: AWSBackend, name: str, model: Mapping[str, Any], n: int) -> dict[str, Any]:

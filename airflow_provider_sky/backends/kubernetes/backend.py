@@ -30,13 +30,9 @@ from airflow_provider_sky.backends.base import (
     ClusterBusy,
     ClusterHandle,
     Node,
+    Provisioning,
     Teardown,
-    add_lease,
-    begin_teardown,
     check_reusable,
-    new_record,
-    replacements_recorder,
-    still_recorded,
 )
 from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
 from airflow_provider_sky.backends.kubernetes import agents
@@ -56,7 +52,6 @@ from airflow_provider_sky.backends.kubernetes.manifest import (
 )
 from airflow_provider_sky.backends.kubernetes.pods import ROLES, UNSCHEDULABLE_GRACE, PodState, pod_state
 from airflow_provider_sky.model.gang import rank_order
-from airflow_provider_sky.node import runtime
 from airflow_provider_sky.node.accelerators import close_names, known_name
 from airflow_provider_sky.runners.base import RunnerError
 from airflow_provider_sky.runners.kubernetes import KubernetesRunner
@@ -235,9 +230,10 @@ class KubernetesBackend(Backend):
     def runner(self, node: Node) -> KubernetesRunner:
         return self._pod_runner(node.extra["pod"], node.ip)
 
-    def records(self, name: str) -> HeadRecords:
-        head = head_name(name)
-        return HeadRecords(lambda: self._pod_runner(head, head), f"pod {self.namespace}/{head}")
+    def records(self, name: str, head: Node | None = None) -> HeadRecords:
+        """The cluster's record, on its head pod."""
+        pod = head_name(name)
+        return HeadRecords(lambda: self._pod_runner(pod, pod), f"pod {self.namespace}/{pod}")
 
     def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
         return [f"{handle.nodes[0].home}/{record_path(handle.name)}"] if rank == 0 else []
@@ -349,13 +345,14 @@ class KubernetesBackend(Backend):
 
     # -- provisioning ------------------------------------------------------------------------------------
 
-    def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
-        runtime.check_job_id(name)
-        return self._wait_out_teardown(lambda: self._provision_once(name, spec, holder), 1.0)
+    busy_pause = 1.0
 
-    def _provision_once(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
+    def prepare_provision(self, p: Provisioning) -> HeadRecords:
+        """The record is on the head pod: the cluster's pods are found (reused when they run and carry a
+        record) or made first, every one running (``p.made``: the pods this call created)."""
+        name, spec = p.name, p.spec
         pods, others = self._listed(name)
-        clash = next((p for p in others if p.owner and p.role in ROLES), None)
+        clash = next((s for s in others if s.owner and s.role in ROLES), None)
         if clash is not None:  # another cluster name that maps to the same label (and pod names)
             raise BackendError(
                 f"cluster {name!r}: pod {self.namespace}/{clash.name} has this cluster's label "
@@ -364,31 +361,29 @@ class KubernetesBackend(Backend):
             )
         self._leave(name, others)
         if pods:
-            if any(p.deleting for p in pods):
+            if any(s.deleting for s in pods):
                 raise ClusterBusy(f"cluster {name!r}: its pods are being deleted")
-            if all(p.fatal for p in pods):  # left over from an earlier cluster: start afresh
-                self._delete([p.name for p in pods], grace=0)
+            if all(s.fatal for s in pods):  # left over from an earlier cluster: start afresh
+                self._delete([s.name for s in pods], grace=0)
                 self._wait_gone(name, DELETE_WAIT)
             else:
-                return self._join(name, spec, holder, pods)
-        created: list[str] = []  # only what this call made is ever deleted on failure
-        try:
-            for index in range(spec.num_nodes):
-                manifest = pod_manifest(name, index, spec, self.settings.pods)
-                self._create(name, manifest)
-                created.append(manifest["metadata"]["name"])
-            states = self._wait_running(name, created, spec)
-            handle = self._handle(name, states)
-            if spec.resources.ports:
-                handle = self._open_ports(name, spec, handle)
-            return self.records(name).update(name, lambda rec: self._lease(rec, handle, name, spec, holder))
-        except BaseException:
-            self._delete(created, grace=0)
-            raise
+                return self._joinable(p, pods)
+        p.made = []  # only what this call made is ever deleted on failure
+        for index in range(spec.num_nodes):
+            manifest = pod_manifest(name, index, spec, self.settings.pods)
+            self._create(name, manifest)
+            p.made.append(manifest["metadata"]["name"])
+        states = self._wait_running(name, p.made, spec)
+        handle = self._handle(name, states)
+        if spec.resources.ports:
+            handle = self._open_ports(name, spec, handle)
+        p.handle = handle
+        return self.records(name)
 
-    def _join(self, name: str, spec: TaskSpec, holder: str | None, pods: list[PodState]) -> ClusterHandle:
-        """Pods of this name exist: reuse them when they run and carry a record, else wait."""
-        if not all(p.running for p in pods):
+    def _joinable(self, p: Provisioning, pods: list[PodState]) -> HeadRecords:
+        """Pods of this name exist: reused when they run and carry a record, else waited for."""
+        name = p.name
+        if not all(s.running for s in pods):
             raise ClusterBusy(f"cluster {name!r}: its pods are starting (another run is provisioning it)")
         try:
             record = self.records(name).load(name)
@@ -396,18 +391,13 @@ class KubernetesBackend(Backend):
             raise ClusterBusy(f"cluster {name!r}: its head does not answer ({exc})") from None
         if record is None:
             raise ClusterBusy(f"cluster {name!r}: its pods run but it has no record yet")
-        check_reusable(record, name, spec.num_nodes)
-        handle = ClusterHandle.from_dict(record)
-        return self.records(name).update(name, lambda rec: self._lease(rec, handle, name, spec, holder))
+        check_reusable(record, name, p.spec.num_nodes)
+        p.handle = ClusterHandle.from_dict(record)
+        return self.records(name)
 
-    @staticmethod
-    def _lease(
-        record: dict[str, Any] | None, handle: ClusterHandle, name: str, spec: TaskSpec, holder: str | None
-    ) -> tuple[dict[str, Any], ClusterHandle]:
-        if record is None:
-            return new_record(handle, holder), handle
-        check_reusable(record, name, spec.num_nodes)
-        return add_lease(record, holder), ClusterHandle.from_dict(record)
+    def undo_provision(self, p: Provisioning, exc: BaseException) -> None:
+        if p.made:
+            self._delete(p.made, grace=0)
 
     def _create(self, cluster: str, manifest: dict[str, Any]) -> None:
         from kubernetes.client.rest import ApiException
@@ -608,52 +598,53 @@ class KubernetesBackend(Backend):
         labels, image, resources, affinity; a new name ``<cluster>-worker<n>``), waited for until it runs;
         the record on the head names it, so the teardown (by label) and a restarted watcher see it.
         The head cannot be replaced: it keeps the record."""
-        name = handle.name
-        head = head_name(name)
-        lost = [r for r in ranks if handle.nodes[r].extra.get("pod")]
-        if any(handle.nodes[r].extra.get("pod") == head for r in lost):
+        head = head_name(handle.name)
+        if any(handle.nodes[r].extra.get("pod") == head for r in ranks):
             raise BackendError(
                 f"the head pod {head} keeps the cluster record: a lost head cannot be replaced"
             )
+        return self._replace_made(handle, [r for r in ranks if handle.nodes[r].extra.get("pod")])
+
+    def make_replacements(
+        self,
+        handle: ClusterHandle,
+        record: dict[str, Any],
+        ranks: Sequence[int],
+        todo: list[int],
+        made: list[Any],
+    ) -> dict[int, Node]:
+        name = handle.name
+        head = head_name(name)
         keep = [n for i, n in enumerate(handle.nodes) if i not in ranks and n.extra.get("pod") != head]
-        record = self.records(name).load(name)
-        if record is None:
-            raise BackendError(f"cluster {name!r} has no record on its head: it was torn down")
-        todo = [r for r in lost if still_recorded(record, r, handle.nodes[r])]
-        if not todo:
-            return ClusterHandle.from_dict(record)
         model = self._model(name, keep[0].extra["pod"] if keep else head)
         ours, others = self._listed(name)
         gone = {handle.nodes[r].extra["pod"] for r in todo}
-        self._leave(name, [p for p in others if p.name in gone])
-        self._delete([p.name for p in ours if p.name in gone], grace=0)
+        self._leave(name, [s for s in others if s.name in gone])
+        self._delete([s.name for s in ours if s.name in gone], grace=0)
         taken = {n.extra.get("pod") for n in handle.nodes} | {
             str(r.get("old_node_id")) for r in (record.get("extra") or {}).get("replaced", [])
         }
         base = dns_name(name, 63 - len("-worker9999"))
-        numbers = [int(p.rsplit("worker", 1)[1]) for p in taken if p and p.rsplit("worker", 1)[-1].isdigit()]
+        numbers = [int(s.rsplit("worker", 1)[1]) for s in taken if s and s.rsplit("worker", 1)[-1].isdigit()]
         nxt = max(numbers, default=0) + 1
-        made: dict[int, str] = {}
-        try:
-            for r in todo:
-                pod = f"{base}-worker{nxt}"
-                nxt += 1
-                manifest = copy.deepcopy(model)
-                manifest["metadata"]["name"] = pod
-                self._create(name, manifest)
-                made[r] = pod
-            states = {s.name: s for s in self._wait_running(name, list(made.values()))}
-            new, _ = self._handle_nodes(name, [states[p] for p in made.values()], self._agent_of(handle))
-        except BaseException:
-            self._delete(list(made.values()), grace=0)
-            raise
-        by_rank = dict(zip(made, new, strict=True))
+        for _ in todo:
+            pod = f"{base}-worker{nxt}"
+            nxt += 1
+            manifest = copy.deepcopy(model)
+            manifest["metadata"]["name"] = pod
+            self._create(name, manifest)
+            made.append(pod)
+        states = {s.name: s for s in self._wait_running(name, list(made))}
+        new, _ = self._handle_nodes(name, [states[pod] for pod in made], self._agent_of(handle))
+        return dict(zip(todo, new, strict=True))
 
-        extra_pods = self.records(name).update(name, replacements_recorder(name, handle, by_rank))
-        self._delete(extra_pods, grace=0)
-        found = self.records(name).load(name)
-        assert found is not None
-        return ClusterHandle.from_dict(found)
+    def undo_replacements(
+        self, handle: ClusterHandle, todo: list[int], made: list[Any], exc: BaseException
+    ) -> None:
+        self._delete(list(made), grace=0)
+
+    def delete_spare(self, node_ids: list[str]) -> None:
+        self._delete(node_ids, grace=0)
 
     def _agent_of(self, handle: ClusterHandle) -> tuple[bytes, str, int] | None:
         """(token, head IP, port) for a new pod of a cluster that runs agents: its agent joins the head."""
@@ -729,46 +720,53 @@ class KubernetesBackend(Backend):
                 return [s.name for s in states if s.name not in stopped]
             time.sleep(_POLL)
 
-    def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
-        """Release ``holder``'s lease; delete the cluster's pods (only ours) when no other run holds one.
+    # Teardown: the sequence is Backend's. Leases live in the record on the head: a running head whose
+    # record cannot be updated keeps the whole cluster (another run may hold it) unless the teardown is
+    # forced (``holder`` None). A head that does not run (ended idle, failed, gone) holds no lease any
+    # more: its pods go. Only pods of ours are deleted.
 
-        Leases live in the record on the head: a running head whose record cannot be updated keeps the
-        whole cluster (another run may hold it) unless the teardown is forced (``holder`` None). A head
-        that does not run (ended idle, failed, gone) holds no lease any more: its pods go."""
+    record_errors = (BackendError, RunnerError)
+
+    def teardown_scope(self, name: str) -> list[PodState] | None:
         pods, others = self._listed(name)
         self._leave(name, others)
-        if not pods:
-            return Teardown(removed=False)
-        head = next((p for p in pods if p.name == head_name(name)), None)
-        if head is not None and head.running:
+        return pods or None
 
-            def begin(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
-                if record is None:
-                    return None, ()
-                new, kept_for = begin_teardown(record, holder)
-                return new, kept_for
+    def teardown_records(self, name: str, scope: Any) -> HeadRecords | None:
+        head = next((s for s in scope if s.name == head_name(name)), None)
+        return self.records(name) if head is not None and head.running else None
 
-            try:
-                kept_for = self.records(name).update(name, begin)
-            except (BackendError, RunnerError) as exc:
-                if holder is not None:
-                    raise BackendError(
-                        f"cluster {name!r} kept, nothing deleted: the record on its head pod "
-                        f"{self.namespace}/{head.name} could not be updated ({exc}), so other runs' leases "
-                        "cannot be checked. Tear it down again once the head answers (a cluster left idle "
-                        "ends its pods itself after idle_down, and the next teardown removes them); a forced "
-                        "teardown (SkyHook(conn).teardown(name, force=True)) removes it whoever holds it"
-                    ) from None
-                log.warning(
-                    "cluster %s: the record on its head could not be updated (%s); forced: deleting its pods",
-                    name,
-                    exc,
-                )
-                kept_for = ()
-            if kept_for:
-                log.info("cluster %s kept: still held by %s", name, ", ".join(kept_for))
-                return Teardown(removed=False, kept_for=kept_for)
-        self._delete([p.name for p in pods], grace=max(0, int(grace)))
+    def begin_unrecorded(self, name: str, holder: str | None) -> tuple[dict[str, Any] | None, Any]:
+        return None, (None, ())  # a running head without a record holds no lease: its pods go
+
+    def teardown_refused(
+        self,
+        name: str,
+        holder: str | None,
+        read: bool,
+        idle_only: bool,
+        record: Mapping[str, Any] | None,
+        exc: Exception,
+    ) -> BackendError | None:
+        if holder is not None:
+            return BackendError(
+                f"cluster {name!r} kept, nothing deleted: the record on its head pod "
+                f"{self.namespace}/{head_name(name)} could not be updated ({exc}), so other runs' leases "
+                "cannot be checked. Tear it down again once the head answers (a cluster left idle "
+                "ends its pods itself after idle_down, and the next teardown removes them); a forced "
+                "teardown (SkyHook(conn).teardown(name, force=True)) removes it whoever holds it"
+            )
+        log.warning(
+            "cluster %s: the record on its head could not be updated (%s); forced: deleting its pods",
+            name,
+            exc,
+        )
+        return None
+
+    def delete_cluster(self, name: str, scope: Any, record: dict[str, Any] | None, grace: float) -> Teardown:
+        """Every pod of ours (the record went with the head); those still there after the wait are named."""
+        pods: list[PodState] = scope
+        self._delete([s.name for s in pods], grace=max(0, int(grace)))
         wait = DELETE_WAIT + DELETE_WAIT_PER_POD * len(pods)
         left = self._wait_gone(name, wait)
         if left:

@@ -16,14 +16,13 @@ devices held by another cluster of this machine are not handed out again until i
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import json
 import logging
 import os
 import shutil
 import socket
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -36,23 +35,17 @@ from airflow_provider_sky.backends.base import (
     BackendError,
     ClusterHandle,
     Node,
-    Teardown,
+    Provisioning,
     add_lease,
-    begin_teardown,
     check_reusable,
-    finish_teardown,
-    new_record,
     node_has,
-    nodes_to_clean,
-    record_replacement,
-    still_recorded,
-    teardown_result,
     unclean_reason,
     with_resources_recorded,
 )
+from airflow_provider_sky.backends.local.records import FileRecords
 from airflow_provider_sky.backends.local.topdir import mark_topdir
 from airflow_provider_sky.backends.local.trash import discard
-from airflow_provider_sky.backends.nodeagents import EXTRA_KEY, HostAgents, agents_on, parallel_map
+from airflow_provider_sky.backends.nodeagents import HostAgents, agents_on, parallel_map
 from airflow_provider_sky.model.gang import rank_order
 from airflow_provider_sky.node import runtime
 from airflow_provider_sky.node.accelerators import Inventory, detect_local, indices_text, pack, parse_declared
@@ -152,7 +145,8 @@ class LocalBackend(Backend):
         )
         self.base = self.state_dir / "local"
         #: dot-prefixed: no cluster name starts with a dot, so no cluster's tree can be the records
-        self.records = self.base / RECORDS_DIR
+        self.records_dir = self.base / RECORDS_DIR
+        self._records = FileRecords(self.records_dir, self.base / ".lock")
         self._inventory: Inventory | None = None
         if accelerators is not None:
             try:
@@ -173,8 +167,8 @@ class LocalBackend(Backend):
     def test_connection(self) -> str:
         """The state directory must be writable: nodes, logs and cluster records live there."""
         try:
-            self.records.mkdir(parents=True, exist_ok=True)
-            probe = self.records / f".test-{os.getpid()}"
+            self.records_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.records_dir / f".test-{os.getpid()}"
             probe.write_text("")
             probe.unlink()
         except OSError as exc:
@@ -190,49 +184,14 @@ class LocalBackend(Backend):
     def config(self) -> dict[str, Any]:
         return {"state_dir": str(self.state_dir)} | ({"node_agent": True} if self.node_agent else {})
 
-    @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
-        self.records.mkdir(parents=True, exist_ok=True)
-        with open(self.base / ".lock", "w") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
-
-    def _record(self, name: str) -> Path:
-        runtime.check_job_id(name)
-        return self.records / f"{name}.json"
-
-    def _load(self, name: str) -> dict[str, Any] | None:
-        """The raw record (handle, leases, unclean nodes); callers that change it hold the lock.
-
-        A record that names another cluster is refused: nothing is ever done with its nodes under
-        this name."""
-        path = self._record(name)
-        if not path.exists():
-            return None
-        data: dict[str, Any] = json.loads(path.read_text())
-        if data.get("name") != name:
-            raise BackendError(
-                f"the record {path} names cluster {data.get('name')!r}, not {name!r}: nothing is done "
-                "with it under this name. Move it back to the cluster it names, or remove it"
-            )
-        return data
-
-    def _store(self, name: str, record: dict[str, Any]) -> None:
-        tmp = self._record(name).with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        tmp.replace(self._record(name))
-
-    def _read(self, name: str) -> ClusterHandle | None:
-        record = self._load(name)
-        return ClusterHandle.from_dict(record) if record is not None else None
+    def records(self, name: str, head: Node | None = None) -> FileRecords:
+        """Every cluster's record, in ``<state>/local/.clusters`` (``local/records.py``)."""
+        return self._records
 
     def _gpus_in_use(self, exclude: str | None) -> dict[int, str]:
         """Device -> the cluster holding it, over every other cluster of this machine."""
         used: dict[int, str] = {}
-        for path in self.records.glob("*.json"):
+        for path in self.records_dir.glob("*.json"):
             if path.stem == exclude:
                 continue
             with contextlib.suppress(ValueError, KeyError, OSError, TypeError):
@@ -299,7 +258,7 @@ class LocalBackend(Backend):
 
     def _free_block(self) -> int:
         used = set()
-        for path in self.records.glob("*.json"):
+        for path in self.records_dir.glob("*.json"):
             with contextlib.suppress(ValueError, KeyError, OSError):
                 used.add(int(json.loads(path.read_text())["extra"]["block"]))
         for block in range(1, 255):
@@ -319,66 +278,40 @@ class LocalBackend(Backend):
             if not key.startswith("~/")
         ]
 
-    def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
+    # -- the lifecycle's hooks (the sequence is Backend's) --------------------------------------------
+
+    busy_pause = 0.2
+
+    def check_provision(self, name: str, spec: TaskSpec) -> None:
         if problems := self.spec_problems(spec):  # checked before provisioning too (hook.check)
             raise problems_error(self.kind, problems)
+        super().check_provision(name, spec)
 
-        made: list[bool] = []
-
-        def attempt() -> ClusterHandle:
-            with self._lock():
-                made[:] = [self._load(name) is None]
-                return self._provision_locked(name, spec, holder)
-
-        handle = self._wait_out_teardown(attempt, 0.2)
-        if made == [True] and self.node_agent:
-            handle = self._start_agents(handle)
-        return handle
-
-    # -- node agents ------------------------------------------------------------------------------
-
-    def _start_agents(self, handle: ClusterHandle) -> ClusterHandle:
-        """A new cluster's node agents, one process per node; once every one joined the head, the
-        record says where the head listens (``extra["agent"]``). Else the per-node path."""
-        where = self.agents.start(handle.name, handle.nodes)
-        if where is None:
-            return handle
-        with self._lock():
-            record = self._load(handle.name)
-            if record is None or record.get("down"):
-                return handle  # torn down meanwhile: its teardown ended the agents
-            record["extra"] = {**(record.get("extra") or {}), EXTRA_KEY: where}
-            self._store(handle.name, record)
-            return ClusterHandle.from_dict(record)
-
-    def agent_endpoint(self, handle: ClusterHandle) -> tuple[str, int, bytes] | None:
-        """The head agent's address (the handle's) and the token: cached in this process, else read
-        from the head node's directory (one call)."""
-        return self.agents.endpoint(handle)
-
-    def forget_agent(self, handle: ClusterHandle) -> None:
-        self.agents.forget(handle)
-
-    def _provision_locked(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
-        acc = spec.resources.accelerators
-        if disk := self._disk_problem(spec.resources.disk_size):
+    def prepare_provision(self, p: Provisioning) -> FileRecords:
+        if disk := self._disk_problem(p.spec.resources.disk_size):
             raise BackendError(f"resources.disk_size: {disk}")
-        existing = self._load(name)
-        if existing is not None:
-            check_reusable(existing, name, spec.num_nodes)
-            have = ClusterHandle.from_dict(existing)
-            short = [n for n in have.nodes if not node_has(n, acc) or (acc and GPU_NAME not in n.extra)]
-            if short:
-                given = short[0].extra.get(GPU_NAME)
-                held = f"{given}:{len(short[0].extra.get(GPU_DEVICES) or ())}" if given else "no GPUs"
-                raise BackendError(
-                    f"cluster {name!r} exists with {held} per node but the task asks for {acc}: "
-                    "tear it down first or use another cluster name"
-                )
-            record = add_lease(existing, holder)
-            if record != existing:
-                self._store(name, record)
-            return ClusterHandle.from_dict(record)
+        return self._records
+
+    def join(self, p: Provisioning, record: dict[str, Any]) -> tuple[dict[str, Any], ClusterHandle]:
+        """A cluster of this name: joined when its nodes were given the GPUs the task asks for."""
+        check_reusable(record, p.name, p.spec.num_nodes)
+        acc = p.spec.resources.accelerators
+        have = ClusterHandle.from_dict(record)
+        short = [n for n in have.nodes if not node_has(n, acc) or (acc and GPU_NAME not in n.extra)]
+        if short:
+            given = short[0].extra.get(GPU_NAME)
+            held = f"{given}:{len(short[0].extra.get(GPU_DEVICES) or ())}" if given else "no GPUs"
+            raise BackendError(
+                f"cluster {p.name!r} exists with {held} per node but the task asks for {acc}: "
+                "tear it down first or use another cluster name"
+            )
+        new = add_lease(record, p.holder)
+        return new, ClusterHandle.from_dict(new)
+
+    def create_nodes(self, p: Provisioning) -> ClusterHandle:
+        """Under the records' lock: the cluster's GPUs, address block and node directories."""
+        name, spec = p.name, p.spec
+        acc = spec.resources.accelerators
         gpus: tuple[str, list[list[int]]] | None = None
         if acc is not None:
             try:
@@ -410,58 +343,68 @@ class LocalBackend(Backend):
             cloud="local",
             extra={"block": block, "dir": str(cluster_dir)},
         )
-        handle = with_resources_recorded(handle, spec.resources)
-        self._store(name, new_record(handle, holder))
-        return handle
+        return with_resources_recorded(handle, spec.resources)
+
+    def provisioned(self, p: Provisioning, handle: ClusterHandle) -> ClusterHandle:
+        """A new cluster's node agents (one process per node) when the connection turns them on."""
+        return self.agents.start_recorded(handle, self._records) if p.fresh and self.node_agent else handle
+
+    # -- node agents ------------------------------------------------------------------------------
+
+    def agent_endpoint(self, handle: ClusterHandle) -> tuple[str, int, bytes] | None:
+        """The head agent's address (the handle's) and the token: cached in this process, else read
+        from the head node's directory (one call)."""
+        return self.agents.endpoint(handle)
+
+    def forget_agent(self, handle: ClusterHandle) -> None:
+        self.agents.forget(handle)
 
     def replace_nodes(self, handle: ClusterHandle, ranks: Sequence[int]) -> ClusterHandle:
         """A lost local node (its directory gone) gets a new one: the next free node number of the
         cluster, its own address and home, the lost node's GPUs. What still ran under the lost node's
         root is killed first (on a real machine it went with the machine)."""
-        name = handle.name
-        with self._lock():
-            record = self._load(name)
-            if record is None:
-                raise BackendError(f"cluster {name!r} has no record here: it was torn down")
-            if record.get("down"):
-                raise BackendError(f"cluster {name!r} is being torn down")
-            ids = [n["node_id"] for n in record["nodes"]]
-            ids += [r.get("old_node_id") or "" for r in (record.get("extra") or {}).get("replaced", [])]
-            nxt = 1 + max(
-                (int(i.rsplit("-", 1)[1]) for i in ids if i.rsplit("-", 1)[-1].isdigit()), default=-1
+        return self._replace_in_record(handle, ranks, "here")
+
+    def pick_replacements(
+        self, name: str, record: dict[str, Any], handle: ClusterHandle, todo: list[int]
+    ) -> dict[int, Node]:
+        ids = [n["node_id"] for n in record["nodes"]]
+        ids += [r.get("old_node_id") or "" for r in (record.get("extra") or {}).get("replaced", [])]
+        nxt = 1 + max((int(i.rsplit("-", 1)[1]) for i in ids if i.rsplit("-", 1)[-1].isdigit()), default=-1)
+        cluster_dir = Path(record["extra"].get("dir", self.base / name))
+        block = int(record["extra"]["block"])
+        new: dict[int, Node] = {}
+        for rank in todo:
+            if nxt >= LOCAL_MAX_NODES:
+                raise BackendError(f"cluster {name!r} has used all {LOCAL_MAX_NODES} node numbers")
+            home = cluster_dir / f"node-{nxt}"
+            home.mkdir(parents=True, exist_ok=True)
+            seen = handle.nodes[rank]
+            new[rank] = Node(
+                node_ip(block, nxt), f"node-{nxt}", str(home / ".sky"), str(home), dict(seen.extra)
             )
-            cluster_dir = Path(record["extra"].get("dir", self.base / name))
-            block = int(record["extra"]["block"])
-            old: list[Node] = []
-            for rank in ranks:
-                seen = handle.nodes[rank]
-                if not still_recorded(record, rank, seen):
-                    continue  # replaced already (another watcher)
-                if nxt >= LOCAL_MAX_NODES:
-                    raise BackendError(f"cluster {name!r} has used all {LOCAL_MAX_NODES} node numbers")
-                home = cluster_dir / f"node-{nxt}"
-                home.mkdir(parents=True, exist_ok=True)
-                node = Node(
-                    node_ip(block, nxt), f"node-{nxt}", str(home / ".sky"), str(home), dict(seen.extra)
-                )
-                record = record_replacement(record, rank, node)
-                old.append(seen)
-                nxt += 1
-            self._store(name, record)
-        if old:  # the lost nodes' directories are gone: clean from the cluster's
-            left = self._clean([replace(n, home=str(cluster_dir)) for n in old], 0.5)
+            nxt += 1
+        return new
+
+    def replaced(
+        self, old: ClusterHandle, new: ClusterHandle, ranks: Sequence[int], lost: list[Node]
+    ) -> ClusterHandle:
+        if lost:  # the lost nodes' directories are gone: clean from the cluster's
+            cluster_dir = str(new.extra.get("dir", self.base / new.name))
+            left = self._clean([replace(n, home=cluster_dir) for n in lost], 0.5)
             if left:
                 log.warning(
-                    "cluster %s: a replaced node could not be cleaned: %s", name, "; ".join(left.values())
+                    "cluster %s: a replaced node could not be cleaned: %s", new.name, "; ".join(left.values())
                 )
-        return ClusterHandle.from_dict(record)
+        return new
 
     def idle_down_paths(self, handle: ClusterHandle, rank: int) -> list[str]:
         """The cluster's directory and record (the keeper of this machine removes them)."""
-        return [str(handle.extra.get("dir", self.base / handle.name)), str(self._record(handle.name))]
+        return [str(handle.extra.get("dir", self.base / handle.name)), str(self._records.path(handle.name))]
 
     def find(self, name: str) -> ClusterHandle | None:
-        return self._read(name)
+        record = self._records.load(name)
+        return ClusterHandle.from_dict(record) if record is not None else None
 
     def check_handle(self, handle: ClusterHandle) -> None:
         check_machine(handle.nodes[0], f"reach cluster {handle.name!r}")
@@ -486,41 +429,41 @@ class LocalBackend(Backend):
         why = f"teardown failed: {res.error_text or f'exit code {res.returncode}'}"
         return {n.node_id: unclean_reason(n, why) for n in nodes if n.root not in done or res.returncode != 0}
 
-    def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
-        """See :meth:`Backend.terminate`. The lease is released (or the teardown marked) in the record
-        before anything is killed; a record that cannot be written deletes nothing (another run's lease
-        may be in it) and the error says so: the cluster stays for the next teardown."""
-        with self._lock():
-            record = self._load(name)
-            if record is None:
-                return Teardown(removed=False)
-            for node in ClusterHandle.from_dict(record).nodes:  # before the record changes
-                check_machine(node, f"tear down cluster {name!r}")
-            record, kept_for = begin_teardown(record, holder)
-            try:
-                self._store(name, record)
-            except OSError as exc:
-                raise BackendError(
-                    f"cluster {name!r}: the teardown could not update the record {self._record(name)} "
-                    f"({exc.strerror or exc}), so nothing was deleted: the cluster is kept as it was. "
-                    "Tear it down again once the state directory is writable"
-                ) from None
-        if kept_for:
-            log.info("cluster %s kept: still held by %s", name, ", ".join(kept_for))
-            return Teardown(removed=False, kept_for=kept_for)
-        nodes = nodes_to_clean(record)
+    # -- teardown: the sequence is Backend's; the record is changed before anything is killed, and a
+    # record that cannot be written deletes nothing (another run's lease may be in it)
+
+    record_errors = (OSError,)
+
+    def check_teardown(self, name: str, record: Mapping[str, Any]) -> None:
+        for node in ClusterHandle.from_dict(record).nodes:  # before the record changes
+            check_machine(node, f"tear down cluster {name!r}")
+
+    def teardown_refused(
+        self,
+        name: str,
+        holder: str | None,
+        read: bool,
+        idle_only: bool,
+        record: Mapping[str, Any] | None,
+        exc: Exception,
+    ) -> BackendError:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        return BackendError(
+            f"cluster {name!r}: the teardown could not update the record {self._records.path(name)} "
+            f"({why}), so nothing was deleted: the cluster is kept as it was. "
+            "Tear it down again once the state directory is writable"
+        )
+
+    def delete_nodes(self, name: str, nodes: list[Node], grace: float) -> dict[str, str]:
+        """Every node is on this machine: one call for all of them (one scan of /proc, not one per
+        node); their files go with the cluster's tree (``removed``)."""
         unclean: dict[str, str] = {}
-        # every node is on this machine: one call for all of them (one scan of /proc, not one per node)
         for start in range(0, len(nodes), TEARDOWN_CHUNK):
             unclean.update(self._clean(nodes[start : start + TEARDOWN_CHUNK], grace, remove=False))
-        with self._lock():
-            left = finish_teardown(self._load(name), unclean)
-            if left is None:
-                discard(Path(record["extra"].get("dir", self.base / name)), self.base)
-                self._record(name).unlink(missing_ok=True)
-            else:
-                self._store(name, left)
-        return teardown_result(unclean, nodes)
+        return unclean
+
+    def removed(self, name: str, record: Mapping[str, Any]) -> None:
+        discard(Path(record["extra"].get("dir", self.base / name)), self.base)
 
 
 def _loopback(node: Node) -> str:

@@ -31,22 +31,15 @@ from airflow_provider_sky.backends.base import (
     BackendError,
     ClusterHandle,
     Node,
-    Teardown,
+    Provisioning,
     add_lease,
-    begin_teardown,
     check_reusable,
-    finish_teardown,
-    new_record,
-    nodes_to_clean,
-    record_replacement,
     recorded_resources,
-    still_recorded,
-    teardown_result,
     unclean_reason,
     with_resources_recorded,
 )
 from airflow_provider_sky.backends.headrecord import HeadRecords, record_path
-from airflow_provider_sky.backends.nodeagents import EXTRA_KEY, HostAgents, endpoint
+from airflow_provider_sky.backends.nodeagents import HostAgents, endpoint
 from airflow_provider_sky.backends.ssh.claim import CLAIM_SCRIPT, RELEASE_SCRIPT, TEARDOWN_GUARD, owner_of
 from airflow_provider_sky.backends.ssh.config import SSHSettings, host_layout, parse_ssh_config
 from airflow_provider_sky.model.gang import rank_order
@@ -253,8 +246,7 @@ class SSHBackend(Backend):
     def _head_runner(self) -> SSHRunner:
         return self._runner_for(*self.head)
 
-    @property
-    def records(self) -> HeadRecords:
+    def records(self, name: str, head: Node | None = None) -> HeadRecords:
         """The cluster records, on the head host."""
         return HeadRecords(self._head_runner, self.head[0], self.record_lock, self.record_lock_wait)
 
@@ -313,7 +305,7 @@ class SSHBackend(Backend):
         return [f"{node.home}/{record_path(handle.name)}"]
 
     def find(self, name: str) -> ClusterHandle | None:
-        record = self.records.load(name)
+        record = self.records(name).load(name)
         return ClusterHandle.from_dict(record) if record is not None else None
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -352,12 +344,18 @@ class SSHBackend(Backend):
         numbers = [int(x) if x.strip().isdigit() else 0 for x in (lines + ["0"] * 4)[1:4]]
         return HostProbe(host, port, lines[0].strip(), numbers[0], numbers[1], gpus, numbers[2])
 
-    def provision(self, name: str, spec: TaskSpec, holder: str | None = None) -> ClusterHandle:
-        """Check every host answers and authenticates before anything runs; keep a stored rank order."""
-        runtime.check_job_id(name)
+    # -- the lifecycle's hooks (the sequence is Backend's) --------------------------------------------
+
+    def check_provision(self, name: str, spec: TaskSpec) -> None:
+        """Enough hosts in the connection; every host is checked to answer and authenticate (probed)
+        before anything runs, when the nodes are chosen."""
+        super().check_provision(name, spec)
         if (problem := num_nodes_problem(spec.num_nodes, connection_hosts(len(self.endpoints)))) is not None:
             raise BackendError(f"{FIELD}: {problem}")
-        return self._wait_out_teardown(lambda: self._provision_once(name, spec, holder), 0.5)
+
+    def prepare_provision(self, p: Provisioning) -> HeadRecords:
+        p.made = []  # the hosts whose directories this provision claimed
+        return self.records(p.name)
 
     def _probe_all(self, endpoints: Sequence[tuple[str, int]]) -> list[HostProbe]:
         """Probes of ``endpoints``; any host not usable is an error naming each, before anything runs."""
@@ -443,7 +441,7 @@ class SSHBackend(Backend):
         if resources.accelerators is None and not (resources.cpus or resources.memory or resources.disk_size):
             return []  # nothing to compare: provisioning probes its hosts as it always did
         try:
-            text = self.records.read(name) if name else None
+            text = self.records(name).read(name) if name else None
             if text is not None:
                 self._existing_fits(name or "", json.loads(text), resources)
             else:
@@ -472,79 +470,54 @@ class SSHBackend(Backend):
             extra=extra,
         )
 
-    def _provision_once(self, name: str, spec: TaskSpec, holder: str | None) -> ClusterHandle:
-        res = spec.resources
-        text = self.records.read(name)
+    def create_nodes(self, p: Provisioning) -> ClusterHandle:
+        """The first hosts (rank order: head first, then by IP) that have what the task asks for; their
+        directories are claimed first: a host where the name is another head's is refused."""
+        res = p.spec.resources
         try:
-            if text is not None:
-                existing = json.loads(text)
-                check_reusable(existing, name, spec.num_nodes)
-                probes = self._existing_fits(name, existing, res)
-            else:
-                probes = self._select(res, spec.num_nodes)
+            probes = self._select(res, p.spec.num_nodes)
         except _NoFit as err:
             raise BackendError(str(err)) from None
-        # a new cluster's directories are claimed first: a host where the name is another head's is refused
-        claimed = self._claim(name, probes) if text is None else []
-        # ``probes`` are in rank order: the stored order on reuse, else head first, then by IP
-        nodes = [self._node(i, name, p, res) for i, p in enumerate(probes)]
-        fresh = with_resources_recorded(
-            ClusterHandle(name=name, backend=self.kind, nodes=tuple(nodes), cloud="ssh"), res
+        p.made.extend(self._claim(p.name, probes))
+        nodes = [self._node(i, p.name, probe, res) for i, probe in enumerate(probes)]
+        return with_resources_recorded(
+            ClusterHandle(name=p.name, backend=self.kind, nodes=tuple(nodes), cloud="ssh"), res
         )
 
-        made = False
-
-        def join(record: dict[str, Any] | None) -> tuple[dict[str, Any], ClusterHandle]:
-            nonlocal made
-            made = record is None
-            if record is None:
-                return new_record(fresh, holder), fresh
-            check_reusable(record, name, spec.num_nodes)  # it may have changed since it was read
-            # a node is a whole host: its GPUs for this task come from the probe, not from the record
-            stored = ClusterHandle.from_dict(record)
-            by_id = {n.node_id: n for n in nodes}
-            merged = tuple(
-                Node(
-                    n.ip,
-                    n.node_id,
-                    n.root,
-                    n.home,
-                    {**_without_gpus(n.extra), **_gpus_of(by_id.get(n.node_id))},
-                )
-                for n in stored.nodes
-            )
-            handle = with_resources_recorded(replace(stored, nodes=merged), res)
-            return add_lease(record, holder), handle
-
+    def join(self, p: Provisioning, record: dict[str, Any]) -> tuple[dict[str, Any], ClusterHandle]:
+        """The cluster's hosts, in their stored order, must have what the task asks for; a node is a
+        whole host: its GPUs for this task come from the probe, not from the record."""
+        check_reusable(record, p.name, p.spec.num_nodes)
+        res = p.spec.resources
         try:
-            handle = self.records.update(name, join)
-        except Exception:
-            self._release(name, claimed)
-            raise
+            probes = self._existing_fits(p.name, record, res)
+        except _NoFit as err:
+            raise BackendError(str(err)) from None
+        by_id = {n.node_id: n for n in (self._node(i, p.name, pr, res) for i, pr in enumerate(probes))}
+        stored = ClusterHandle.from_dict(record)
+        merged = tuple(
+            Node(
+                n.ip, n.node_id, n.root, n.home, {**_without_gpus(n.extra), **_gpus_of(by_id.get(n.node_id))}
+            )
+            for n in stored.nodes
+        )
+        return add_lease(record, p.holder), with_resources_recorded(replace(stored, nodes=merged), res)
+
+    def undo_provision(self, p: Provisioning, exc: BaseException) -> None:
+        if p.made:
+            self._release(p.name, p.made)
+
+    def provisioned(self, p: Provisioning, handle: ClusterHandle) -> ClusterHandle:
+        """Claims of hosts a cluster made meanwhile did not take are given back; a new cluster's agents."""
         used = {(n.extra.get("host"), int(n.extra.get("port", 0))) for n in handle.nodes}
-        spare = [p for p in claimed if (p.host, p.port) not in used]  # joined a cluster made meanwhile
+        spare = [pr for pr in p.made if (pr.host, pr.port) not in used]  # joined a cluster made meanwhile
         if spare:
-            self._release(name, spare)
-        if made and self.settings.node_agent:
-            handle = self._start_agents(handle)
+            self._release(p.name, spare)
+        if p.fresh and self.settings.node_agent:
+            return self.agents.start_recorded(handle, self.records(p.name))
         return handle
 
     # -- node agents ------------------------------------------------------------------------------
-
-    def _start_agents(self, handle: ClusterHandle) -> ClusterHandle:
-        """A new cluster's node agents, one per host; once every one joined the head, the record says
-        where the head listens (``extra["agent"]``: address and port only). Else the per-node path."""
-        where = self.agents.start(handle.name, handle.nodes)
-        if where is None:
-            return handle
-
-        def note(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, ClusterHandle]:
-            if record is None or record.get("down"):
-                return record, handle  # torn down meanwhile: its teardown ends the agents
-            record = {**record, "extra": {**(record.get("extra") or {}), EXTRA_KEY: where}}
-            return record, ClusterHandle.from_dict(record)
-
-        return self.records.update(handle.name, note)
 
     def agent_endpoint(self, handle: ClusterHandle) -> tuple[str, int, bytes] | None:
         """The head agent's address (the handle's) and the token: cached in this process, else read
@@ -558,62 +531,61 @@ class SSHBackend(Backend):
         """A lost host's rank goes to the first spare host (``spare_hosts``) that answers, has what the
         cluster was provisioned with and is in no node of the cluster; the record on the head names it,
         so the teardown cleans it too. The head cannot be replaced: it keeps the record."""
-        name = handle.name
         if not self.spares:
             raise BackendError(
                 "no spare host: list hosts kept aside for lost ones in the connection's spare_hosts extra"
             )
+        return self._replace_in_record(handle, ranks, "on the head")
 
-        def change(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, ClusterHandle]:
-            if record is None:
-                raise BackendError(f"cluster {name!r} has no record on the head: it was torn down")
-            if record.get("down"):
-                raise BackendError(f"cluster {name!r} is being torn down")
-            current = ClusterHandle.from_dict(record)
-            res = recorded_resources(current) or Resources()
-            used = {(n.extra.get("host"), int(n.extra.get("port", 0))) for n in current.nodes}
-            for rank in ranks:
-                seen = handle.nodes[rank]
-                if not still_recorded(record, rank, seen):
-                    continue  # replaced already (another watcher)
-                if (seen.extra.get("host"), int(seen.extra.get("port", 0))) == self.head:
-                    raise BackendError(
-                        f"rank {rank}'s host is the head {self.head[0]}:{self.head[1]}, which keeps the "
-                        "cluster record: a lost head cannot be replaced"
-                    )
-                why: list[str] = []
-                for spare in self.spares:
-                    if spare in used:
-                        continue
-                    try:
-                        probe = self._probe(spare)
-                    except Exception as exc:
-                        why.append(f"{self._name(spare)}: not usable ({exc})")
-                        continue
-                    misfit = self._misfit(res, probe)
-                    if misfit:
-                        why.append(f"{self._name(spare)}: {misfit[1]}")
-                        continue
-                    try:
-                        self._claim(name, [probe])
-                    except BackendError as exc:
-                        why.append(f"{self._name(spare)}: {exc}")
-                        continue
-                    count = len((record.get("extra") or {}).get("replaced", [])) + 1
-                    node = replace(self._node(rank, name, probe, res), node_id=f"node-{rank}-spare{count}")
-                    record = record_replacement(record, rank, node)
-                    used.add(spare)
-                    break
-                else:
-                    raise BackendError(
-                        f"no spare host left for rank {rank} (spare_hosts: {len(self.spares)}, "
-                        f"{len(self.spares) - len(why)} in use by this cluster)"
-                        + (": " + "; ".join(why) if why else "")
-                    )
-            return record, ClusterHandle.from_dict(record)
+    def pick_replacements(
+        self, name: str, record: dict[str, Any], handle: ClusterHandle, todo: list[int]
+    ) -> dict[int, Node]:
+        current = ClusterHandle.from_dict(record)
+        res = recorded_resources(current) or Resources()
+        used = {(n.extra.get("host"), int(n.extra.get("port", 0))) for n in current.nodes}
+        count = len((record.get("extra") or {}).get("replaced", []))
+        new: dict[int, Node] = {}
+        for rank in todo:
+            seen = handle.nodes[rank]
+            if (seen.extra.get("host"), int(seen.extra.get("port", 0))) == self.head:
+                raise BackendError(
+                    f"rank {rank}'s host is the head {self.head[0]}:{self.head[1]}, which keeps the "
+                    "cluster record: a lost head cannot be replaced"
+                )
+            why: list[str] = []
+            for spare in self.spares:
+                if spare in used:
+                    continue
+                try:
+                    probe = self._probe(spare)
+                except Exception as exc:
+                    why.append(f"{self._name(spare)}: not usable ({exc})")
+                    continue
+                misfit = self._misfit(res, probe)
+                if misfit:
+                    why.append(f"{self._name(spare)}: {misfit[1]}")
+                    continue
+                try:
+                    self._claim(name, [probe])
+                except BackendError as exc:
+                    why.append(f"{self._name(spare)}: {exc}")
+                    continue
+                count += 1
+                new[rank] = replace(self._node(rank, name, probe, res), node_id=f"node-{rank}-spare{count}")
+                used.add(spare)
+                break
+            else:
+                raise BackendError(
+                    f"no spare host left for rank {rank} (spare_hosts: {len(self.spares)}, "
+                    f"{len(self.spares) - len(why)} in use by this cluster)"
+                    + (": " + "; ".join(why) if why else "")
+                )
+        return new
 
-        new = self.records.update(name, change)
-        self._agents_for_replaced(handle, new, ranks)
+    def replaced(
+        self, old: ClusterHandle, new: ClusterHandle, ranks: Sequence[int], lost: list[Node]
+    ) -> ClusterHandle:
+        self._agents_for_replaced(old, new, ranks)
         return new
 
     def _agents_for_replaced(self, old: ClusterHandle, new: ClusterHandle, ranks: Sequence[int]) -> None:
@@ -630,37 +602,32 @@ class SSHBackend(Backend):
             if node.node_id != old.nodes[rank].node_id and rank > 0:
                 self.agents.start_one(node, new.nodes[0], where, found[2])
 
-    def terminate(self, name: str, grace: float = 2.0, holder: str | None = None) -> Teardown:
-        """See :meth:`Backend.terminate`. The record on the head is updated first (the lease released,
-        or the teardown marked) and only then is anything killed: a teardown that cannot update it
-        (the head's record lock held, the head unreachable, the record unreadable) deletes nothing on
-        any node and raises saying so, since another run's lease may be in the record and the nodes are
-        known only from it. The cluster is kept for the next teardown, or its ``idle_down``. A node
-        directory that another cluster of this name owns (``claim``) is left alone, and the node is
-        kept in the record as not cleaned."""
+    # -- teardown: the sequence is Backend's. The record on the head is updated first (the lease
+    # released, or the teardown marked) and only then is anything killed: a teardown that cannot update
+    # it (the head's record lock held, the head unreachable, the record unreadable) deletes nothing on
+    # any node, since another run's lease may be in the record and the nodes are known only from it. A
+    # node directory that another cluster of this name owns (``claim``) is left alone, and the node is
+    # kept in the record as not cleaned.
 
-        def begin(record: dict[str, Any] | None) -> tuple[dict[str, Any] | None, Any]:
-            if record is None:
-                return None, None
-            new, kept_for = begin_teardown(record, holder)
-            return new, (new, kept_for)
+    record_errors = (BackendError, RunnerError, ValueError)  # ValueError: a record that is not JSON
 
-        try:
-            begun = self.records.update(name, begin)
-        except (BackendError, RunnerError, ValueError) as exc:  # ValueError: a record that is not JSON
-            raise BackendError(
-                f"cluster {name!r}: the teardown could not update its record on the head "
-                f"{self.head[0]}:{self.head[1]} ({exc}), so nothing was deleted on any node: another run "
-                "may still hold the cluster. It is kept as it was; tear it down again once the head "
-                "answers and its record can be written (or let its idle_down end it)"
-            ) from None
-        if begun is None:
-            return Teardown(removed=False)
-        record, kept_for = begun
-        if kept_for:
-            log.info("cluster %s kept: still held by %s", name, ", ".join(kept_for))
-            return Teardown(removed=False, kept_for=kept_for)
-        nodes = nodes_to_clean(record)
+    def teardown_refused(
+        self,
+        name: str,
+        holder: str | None,
+        read: bool,
+        idle_only: bool,
+        record: Mapping[str, Any] | None,
+        exc: Exception,
+    ) -> BackendError:
+        return BackendError(
+            f"cluster {name!r}: the teardown could not update its record on the head "
+            f"{self.head[0]}:{self.head[1]} ({exc}), so nothing was deleted on any node: another run "
+            "may still hold the cluster. It is kept as it was; tear it down again once the head "
+            "answers and its record can be written (or let its idle_down end it)"
+        )
+
+    def delete_nodes(self, name: str, nodes: list[Node], grace: float) -> dict[str, str]:
         script = TEARDOWN_GUARD + runtime.teardown_script()
         owner = self._owner(name)
 
@@ -692,5 +659,4 @@ class SSHBackend(Backend):
                 name,
                 reason,
             )
-        self.records.update(name, lambda record: (finish_teardown(record, unclean), None))
-        return teardown_result(unclean, nodes)
+        return unclean
