@@ -204,12 +204,12 @@ def test_a_hung_python_rank_gets_a_py_spy_dump_in_its_log(
 
     async def go():  # type: ignore[no-untyped-def]
         last = None
-        async for poll in watch_attempts(client, "job", poll_interval=0.2, hang_timeout=5):
+        async for poll in watch_attempts(client, "job", poll_interval=0.2, hang_timeout=1.5):
             last = poll
         return last
 
     final = asyncio.run(asyncio.wait_for(go(), 60))
-    assert final.final and final.status.by_rank(0).reason == "hung: no output for 5 s (rank 0)"
+    assert final.final and final.status.by_rank(0).reason == "hung: no output for 1.5 s (rank 0)"
     log = next(sky_home.glob("local/c/node-0/.sky/jobs/job/0/log")).read_text()
     assert "==== airflow-provider-sky: rank 0 hung: no output for 1.5 s (rank 0); stack dump" in log
     # py-spy's dump: the process, each thread by its Python name, its frames (function, file:line)
