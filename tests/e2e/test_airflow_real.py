@@ -103,7 +103,7 @@ class RealAirflow:
             return
         if self.hosts is None:
             dirs = [self.sky / "local" / name]
-            records = [LocalBackend(self.sky).records / f"{name}.json"]
+            records = [LocalBackend(self.sky).records_dir / f"{name}.json"]
         else:
             homes = [Path(n.home) / ".sky_airflow" for n in self.hosts.nodes]
             dirs = [home / name for home in homes]
