@@ -57,6 +57,30 @@ for root in $roots; do
   if [ -d "$root" ]; then echo "REMOVED $root"; else echo "ABSENT $root"; fi
   IFS=$nl; set -f
 done
+IFS=$oldifs; set +f
+# wrappers that wrote their exit and are still finishing (their last writes, a watchdog subshell of
+# theirs, which has the same command line): gone before their roots are, within 2 s, or killed
+pats=''
+IFS=$nl; set -f
+for root in $roots; do pats="$pats$root/jobs/$nl"; done
+IFS=$oldifs; set +f
+wrappers() {
+  [ -n "$pats" ] || return 0
+  # shellcheck disable=SC2062 # the glob is the files grep reads; the patterns come on stdin
+  printf '%s' "$pats" | grep -l -F -f - /proc/[0-9]*/cmdline 2>/dev/null |
+    while read -r _f; do
+      _p=${_f#/proc/}; _p=${_p%/cmdline}
+      case "$(tr '\000' ' ' < "/proc/$_p/cmdline" 2>/dev/null)" in *"/rank.sh "*) echo "$_p";; esac
+    done
+}
+n=0; w=$(wrappers)
+while [ -n "$w" ] && [ "$n" -lt 20 ]; do
+  sleep 0.1 2>/dev/null || sleep 1
+  n=$((n + 1)); w=$(wrappers)
+done
+# shellcheck disable=SC2086 # one kill for every pid: the list splits on purpose
+[ -z "$w" ] || kill -KILL $w 2>/dev/null || :
+IFS=$nl; set -f
 # shellcheck disable=SC2086 # split on purpose: IFS is a newline, globbing is off
 set -- $roots
 IFS=$oldifs; set +f
