@@ -87,6 +87,15 @@ SQLITE_CONNECT_ARGS: dict[str, Any] = {"timeout": 60}
 #: busy disk, every service's writers were seen queued in SQLite's busy wait (py-spy: every thread in
 #: ``do_execute``) and the api-server answered nothing for more than 30 s
 SQLITE_JOURNAL_MODE = "wal"
+#: the api-server's own wait for the lock: short. Airflow's audit log (``action_logging``) commits a sync
+#: session on the api-server's event loop before a write request runs; when another request's session in
+#: the same process holds SQLite's write lock and needs that loop to commit, the two wait on each other
+#: until the loop's wait times out (py-spy and the lock table of a stall: the api-server held the write
+#: lock, its loop in ``INSERT INTO log``). With 60 s the api-server answered nothing for a minute; with
+#: 5 s that request fails with "database is locked" before it did anything, and the client asks again
+SQLITE_API_CONNECT_ARGS: dict[str, Any] = {"timeout": 5}
+#: how often the client asks again after a 5xx ("database is locked": nothing of the request was done)
+API_RETRIES = 4
 
 #: start order; ``stop()`` terminates them all at once
 SERVICES: tuple[str, ...] = ("api-server", "scheduler", "dag-processor", "triggerer")
@@ -364,6 +373,11 @@ class AirflowStack:
         log: IO[bytes] = open(self.logs / f"{service}.log", "ab")
         try:
             env = self.env
+            if service == "api-server" and not self.sql_alchemy_conn:
+                env = {
+                    **env,
+                    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": f"{__name__}.SQLITE_API_CONNECT_ARGS",
+                }
             if service.startswith("triggerer"):
                 # Airflow records a job's unixname from LOGNAME: it tells which triggerer runs which trigger
                 env = {**env, "LOGNAME": service}
@@ -642,12 +656,17 @@ class AirflowStack:
         self, method: str, path: str, *, params: Mapping[str, Any] | None = None, json: Any = None
     ) -> Any:
         given = {k: v for k, v in (params or {}).items() if v is not None}
-        try:
-            resp = self._http().request(method, path, params=given, json=json)
-        except httpx.TimeoutException as exc:
-            raise StackError(
-                f"{method} {path}: the api-server did not answer ({exc!r}); {self.dump_api_server()}"
-            ) from exc
+        for attempt in range(API_RETRIES + 1):
+            try:
+                resp = self._http().request(method, path, params=given, json=json)
+            except httpx.TimeoutException as exc:
+                raise StackError(
+                    f"{method} {path}: the api-server did not answer ({exc!r}); {self.dump_api_server()}"
+                ) from exc
+            locked = resp.status_code >= 500 and not self.sql_alchemy_conn
+            if not locked or attempt == API_RETRIES:
+                break
+            time.sleep(1.0)  # see SQLITE_API_CONNECT_ARGS
         if resp.status_code >= 400:
             raise StackError(f"{method} {path} -> {resp.status_code}: {resp.text[:2000]}")
         return resp.json() if resp.content else None
