@@ -620,9 +620,16 @@ class AirflowStack:
         os.killpg(self.procs[service].pid, sig)
 
     def triggerer_jobs(self) -> dict[int, str]:
-        """Triggerer job id -> the service running it (``triggerer``, ``triggerer-2``...), for live jobs."""
+        """Triggerer job id -> the service running it (``triggerer``, ``triggerer-2``...): the newest open
+        job of each service running now. A triggerer that did not end within the stop grace was killed and
+        its job never got an end date; the job its service started since is the live one."""
         jobs = self._request("GET", "/api/v2/jobs", params={"job_type": "TriggererJob", "limit": 100})["jobs"]
-        return {int(j["id"]): str(j["unixname"]) for j in jobs if not j.get("end_date")}
+        newest: dict[str, int] = {}
+        for j in jobs:
+            name, job_id = str(j["unixname"]), int(j["id"])
+            if not j.get("end_date") and name in self.procs and job_id > newest.get(name, -1):
+                newest[name] = job_id
+        return {job_id: name for name, job_id in newest.items()}
 
     def service_processes(self, service: str) -> list[int]:
         """Live processes of a service (its process group: e.g. a triggerer and its trigger runner)."""
