@@ -1123,13 +1123,15 @@ STEADY = 10.0
 
 
 def _steady_calls(client: Any, n: int, log: Log) -> dict[str, Any]:
-    """Control-plane calls per second while ``watch.watch`` (poll 0.5 s) watches a running gang of quiet
-    ranks, counted on the client: calls to the head agent and per-node (exec) calls."""
+    """Control-plane calls per second while ``watch.watch`` (poll 0.5 s) watches a running gang whose
+    every rank prints a line a second (a training loop's progress), counted on the client: calls to the
+    head agent and per-node (exec) calls; and the log bytes the watcher got."""
     from airflow_provider_sky.spec import task_from_args
     from airflow_provider_sky.watch.loop import watch
 
     job = _job("steady", n)
-    spec = task_from_args(num_nodes=n, run="sleep 10000")
+    run = 'i=0; while :; do i=$((i+1)); echo "rank $SKYPILOT_NODE_RANK step $i"; sleep 1; done'
+    spec = task_from_args(num_nodes=n, run=run)
     try:
         client.launch(spec, job)
         counts: dict[str, float] = {}
@@ -1137,8 +1139,11 @@ def _steady_calls(client: Any, n: int, log: Log) -> dict[str, Any]:
         async def go() -> None:
             polls = 0
             a0 = n0 = t0 = None
-            async for _ in watch(client, job, poll_interval=POLL, grace=GRACE):
+            got = 0
+            async for poll in watch(client, job, poll_interval=POLL, grace=GRACE):
                 polls += 1
+                if t0 is not None:
+                    got += sum(len(data) for _, data in poll.chunks.values())
                 if polls == 3:  # past the first polls (the logs' first lines)
                     a0, n0, t0 = client.agent_calls, client.node_calls, time.monotonic()
                 elif t0 is not None and time.monotonic() - t0 >= STEADY:
@@ -1147,6 +1152,7 @@ def _steady_calls(client: Any, n: int, log: Log) -> dict[str, Any]:
                         agent=(client.agent_calls - a0) / dt,
                         node=(client.node_calls - (n0 or 0)) / dt,
                         polls=polls,
+                        log_bytes_per_s=got / dt,
                     )
                     return
 
@@ -1154,12 +1160,13 @@ def _steady_calls(client: Any, n: int, log: Log) -> dict[str, Any]:
         client.cancel(job, grace=1.0)
         log(
             f"  fig6-agent N={n} steady state: {counts['agent']:.2f} head-agent calls/s, "
-            f"{counts['node']:.2f} per-node calls/s"
+            f"{counts['node']:.2f} per-node calls/s, {counts['log_bytes_per_s']:.0f} log bytes/s read"
         )
         return {
             "agent_per_s": counts["agent"],
             "node_per_s": counts["node"],
             "total_per_s": counts["agent"] + counts["node"],
+            "log_bytes_per_s": counts["log_bytes_per_s"],
         }
     finally:
         _cleanup(job, log)
@@ -1308,6 +1315,7 @@ def _agent_rows(n: int, got: dict[str, list[Any]], info: dict[str, Any]) -> list
             calls,
             "/s",
             "independent of N",
+            note="every rank printing a line a second",
             extra={"samples": got["steady"]},
         ),
     ]

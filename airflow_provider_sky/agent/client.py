@@ -9,6 +9,8 @@ copy of them and a rank's start, exit record and cancel are the same as on the p
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
@@ -83,6 +85,12 @@ class AgentRank:
     log_size: int | None = None
     #: its progress file's mtime (node clock, whole seconds), None without one
     progress: float | None = None
+    #: new log bytes from the offset the status call asked for, as ``(offset, bytes)``, from the head
+    chunk: tuple[int, bytes] | None = None
+    #: the end of the log bytes its agent shipped to the head; None: the head has none of its log
+    shipped: int | None = None
+    #: the head's window of its log starts past the asked offset: read that part from its node
+    behind: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -137,6 +145,8 @@ class AgentStatus:
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: when the head decided the gang's fate (failed, cancelled: the head's clock), None while it runs
     decided: float | None = None
+    #: the agents ship running ranks' logs to the head (an older agent does not: read the nodes)
+    ships: bool = False
 
     def by_rank(self, rank: int) -> AgentRank:
         return next(r for r in self.ranks if r.rank == rank)
@@ -169,6 +179,17 @@ class StartResult:
         }
 
 
+def _chunk(item: Any) -> tuple[int, bytes] | None:
+    if not (
+        isinstance(item, list) and len(item) == 2 and isinstance(item[0], int) and isinstance(item[1], str)
+    ):
+        return None
+    try:
+        return item[0], base64.b64decode(item[1], validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
 def _rank(rec: Mapping[str, Any]) -> AgentRank:
     code = rec.get("code")
     return AgentRank(
@@ -185,6 +206,9 @@ def _rank(rec: Mapping[str, Any]) -> AgentRank:
         hung=bool(rec.get("hung")),
         log_size=int(rec["log"]) if isinstance(rec.get("log"), int) else None,
         progress=float(rec["progress"]) if isinstance(rec.get("progress"), (int, float)) else None,
+        chunk=_chunk(rec.get("chunk")),
+        shipped=int(rec["shipped"]) if isinstance(rec.get("shipped"), int) else None,
+        behind=bool(rec.get("behind")),
     )
 
 
@@ -285,10 +309,20 @@ class AgentClient:
         )
         return StartResult(state=str(reply.get("state")), nodes=dict(reply.get("nodes") or {}))
 
-    async def status(self, job_id: str, touch: bool = True) -> AgentStatus:
+    async def status(
+        self,
+        job_id: str,
+        touch: bool = True,
+        logs_from: Mapping[int, int] | None = None,
+        max_log: int = 0,
+    ) -> AgentStatus:
         """Every rank of the gang and the head's decision: one call at any number of nodes. ``touch``
-        False: a look that does not count as a watcher's poll for the head's dead-man's switch."""
-        reply = await self.call("status", job=job_id, **({} if touch else {"peek": True}))
+        False: a look that does not count as a watcher's poll for the head's dead-man's switch.
+        ``logs_from`` (rank -> offset) with ``max_log``: also each rank's new log bytes the head holds."""
+        args: dict[str, Any] = {} if touch else {"peek": True}
+        if logs_from and max_log > 0:
+            args.update(logs_from={str(r): int(off) for r, off in logs_from.items()}, max_log=int(max_log))
+        reply = await self.call("status", job=job_id, **args)
         cause = reply.get("cause")
         return AgentStatus(
             job_id=job_id,
@@ -299,6 +333,7 @@ class AgentClient:
             ranks=[_rank(r) for r in reply.get("ranks") or []],
             nodes=dict(reply.get("nodes") or {}),
             decided=reply.get("decided"),
+            ships=reply.get("ships") is True,
         )
 
     async def cancel(self, job_id: str, reason: str = "cancelled") -> str:

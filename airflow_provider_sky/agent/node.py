@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
 import collections
 import hashlib
 import hmac
@@ -72,6 +74,16 @@ WAITED_SCAN = 0.25
 #: exit record is there (the wrapper writes it once the output is flushed through the mask)
 BURST_EVERY = 0.01
 BURST_FOR = 3.0
+#: new log bytes an agent ships to the head with each heartbeat, per rank and in all: the control plane
+#: then reads running ranks' output from the head (one call per poll at any N). A rank that printed more
+#: than SHIP_RANK since the last beat is shipped from its newest SHIP_RANK bytes (a gap the control plane
+#: fills from the node); ranks past SHIP_BEAT go first at the next beat
+SHIP_RANK = 64 * 1024
+SHIP_BEAT = 4 * 1024 * 1024
+#: the newest log bytes the head keeps of each running rank (four beats of a rank at SHIP_RANK)
+HEAD_WINDOW = 256 * 1024
+#: log bytes in one status answer at most (base64 in JSON: under MAX_FRAME)
+STATUS_LOG_MAX = 6 * 1024 * 1024
 #: a cancel reason as the node runtime writes it for a rank failing first (see ``runtime.node_cancel_reason``)
 RANK_FAILED = re.compile(r"@rank-failed (\d+) (-?\d+|-)( oom)?")
 JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,180}")
@@ -323,6 +335,8 @@ class NodeWork:
         self.waits = hasattr(os, "pidfd_open")
         self._ended: set = set()  # (job, rank) whose command ended and whose record is not read yet
         self._bursting = False
+        self.shipped: dict[tuple[str, int], int] = {}  # (job, rank) -> log bytes shipped to the head
+        self._ship_first = 0  # where the next beat's shipping starts (ranks past SHIP_BEAT go first)
 
     def add(self, job: str, ranks: list[list[Any]], flag: str, grace: float, cancel_script: str) -> NodeJob:
         nj = self.jobs.get(job)
@@ -568,6 +582,44 @@ class NodeWork:
                 out[job] = sizes
         return out
 
+    def log_tails(self, sizes: dict[str, dict[str, Any]]) -> dict[str, dict[str, list[Any]]]:
+        """The new bytes of each running rank's log since the last beat (``sizes``: this beat's
+        :meth:`log_sizes`), ``[offset, base64]`` per rank, at most SHIP_RANK each and SHIP_BEAT in all.
+        The log on the node is masked already (the wrapper's filter wrote it)."""
+        live = {(job, int(r)) for job, by in sizes.items() for r in by}
+        for key in [k for k in self.shipped if k not in live]:
+            del self.shipped[key]  # an ended rank: its last bytes are read from its node once
+        todo = []
+        for job, by in sizes.items():
+            for r, size in by.items():
+                end = size[0] if isinstance(size, list) else size
+                if end > self.shipped.get((job, int(r)), 0):
+                    todo.append((job, int(r), int(end)))
+        if not todo:
+            return {}
+        first = self._ship_first % len(todo)
+        self._ship_first += 1
+        out: dict[str, dict[str, list[Any]]] = {}
+        budget = SHIP_BEAT
+        for job, rank, end in todo[first:] + todo[:first]:
+            if budget <= 0:
+                break
+            nj = self.jobs.get(job)
+            if nj is None:
+                continue
+            off = max(self.shipped.get((job, rank), 0), end - SHIP_RANK)
+            try:
+                with open(os.path.join(nj.dirs[rank], "log"), "rb") as f:
+                    f.seek(off)
+                    data = f.read(min(end - off, budget))
+            except (OSError, KeyError):
+                continue
+            if data:
+                self.shipped[(job, rank)] = off + len(data)
+                budget -= len(data)
+                out.setdefault(job, {})[str(rank)] = [off, base64.b64encode(data).decode()]
+        return out
+
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
@@ -676,6 +728,8 @@ class HeadJob:
         self.contact = now
         self.started: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.logs: dict[int, Any] = {}  # rank -> its log's size (or [size, progress mtime]), from the beats
+        self.tails: dict[int, list[Any]] = {}  # rank -> [offset, bytearray]: its newest shipped log bytes
+        self.rotor = 0  # where the next status answer's log bytes start (STATUS_LOG_MAX is shared)
 
     def done(self) -> bool:
         for r, n in self.node_of.items():
@@ -739,6 +793,68 @@ class Head:
                 if ok and str(r).isdigit() and hj.node_of.get(int(r)) == node:
                     hj.logs[int(r)] = size
 
+    def on_tails(self, node: str, tails: Any) -> None:
+        """New log bytes from a node's heartbeat (its own ranks only): each rank keeps its newest
+        HEAD_WINDOW bytes; bytes after a gap (the agent skipped ahead) start the window again."""
+        if not isinstance(tails, dict):
+            return
+        for job, by in tails.items():
+            hj = self.jobs.get(str(job))
+            if hj is None or not isinstance(by, dict):
+                continue
+            for r, item in by.items():
+                if not (str(r).isdigit() and hj.node_of.get(int(r)) == node and isinstance(item, list)):
+                    continue
+                if len(item) != 2 or not isinstance(item[0], int) or not isinstance(item[1], str):
+                    continue
+                try:
+                    data = base64.b64decode(item[1], validate=True)
+                except (binascii.Error, ValueError):
+                    continue
+                off, rank = item[0], int(r)
+                win = hj.tails.get(rank)
+                if win is not None and win[0] <= off <= win[0] + len(win[1]):
+                    win[1] += data[win[0] + len(win[1]) - off :]
+                elif off >= 0:
+                    win = hj.tails[rank] = [off, bytearray(data)]
+                else:
+                    continue
+                if len(win[1]) > HEAD_WINDOW:
+                    cut = len(win[1]) - HEAD_WINDOW
+                    del win[1][:cut]
+                    win[0] += cut
+
+    def _log_bytes(self, hj: HeadJob, logs_from: Any, max_log: Any) -> dict[int, dict[str, Any]]:
+        """What a status answer says of each asked rank's log from the watcher's offset: ``chunk``
+        ``[offset, base64]`` (the head has bytes from there), ``behind`` (the head's window starts past
+        it: the watcher reads that rank's node), and ``shipped``, the end of what the head has.
+        STATUS_LOG_MAX bytes in one answer, shared in turns."""
+        out: dict[int, dict[str, Any]] = {}
+        if not isinstance(logs_from, dict) or not isinstance(max_log, int) or max_log <= 0:
+            return out
+        asked = sorted(
+            (int(r), off)
+            for r, off in logs_from.items()
+            if str(r).isdigit() and int(r) in hj.tails and isinstance(off, int) and off >= 0
+        )
+        if not asked:
+            return out
+        first = hj.rotor % len(asked)
+        hj.rotor += 1
+        budget = STATUS_LOG_MAX
+        for rank, off in asked[first:] + asked[:first]:
+            start, buf = hj.tails[rank]
+            end = start + len(buf)
+            item: dict[str, Any] = {"shipped": end}
+            if off < start:
+                item["behind"] = True
+            elif off < end and budget > 0:
+                data = bytes(buf[off - start : off - start + min(max_log, budget)])
+                budget -= len(data)
+                item["chunk"] = [off, base64.b64encode(data).decode()]
+            out[rank] = item
+        return out
+
     def decide(self, hj: HeadJob, state: str, reason: str, cancel: str, orphaned: bool = False) -> None:
         """The gang's fate, once: every agent is told to cancel at once (the head's own node first)."""
         if hj.cancel is not None:
@@ -781,7 +897,9 @@ class Head:
 
     def housekeep(self) -> None:
         now = time.monotonic()
-        self.on_logs(self.node, self.work.log_sizes())
+        sizes = self.work.log_sizes()
+        self.on_logs(self.node, sizes)
+        self.on_tails(self.node, self.work.log_tails(sizes))
         for hj in self.jobs.values():
             if hj.state == "running":
                 for node in hj.nodes:
@@ -868,15 +986,19 @@ class Head:
         hj.contact = time.monotonic()
         return {"ok": True, "job": job, "nodes": results, "state": hj.state}
 
-    def status(self, job: str, touch: bool = True) -> dict[str, Any]:
+    def status(self, job: str, touch: bool = True, logs_from: Any = None, max_log: Any = 0) -> dict[str, Any]:
+        """The gang's state and every rank's; with ``logs_from`` (rank -> the watcher's offset in its
+        log) also up to ``max_log`` new log bytes of each from the head's windows."""
         hj = self.jobs.get(job)
         if hj is None:
             return {"ok": False, "error": f"no job {job} on this head"}
         if touch:  # a watcher's poll keeps the dead-man's switch away; a one-off look (peek) does not
             hj.contact = time.monotonic()
+        logs = self._log_bytes(hj, logs_from, max_log)
         ranks = []
         for r in sorted(hj.node_of):
             rec = dict(hj.ranks.get(r) or {"rank": r, "state": "pending"})
+            rec.update(logs.get(r, {}))
             rec["node"] = hj.node_of[r]
             if "log" not in rec and r in hj.logs:
                 size = hj.logs[r]
@@ -894,6 +1016,7 @@ class Head:
             "done": hj.done(),
             "ranks": ranks,
             "nodes": self.nodes(),
+            "ships": True,  # the agents ship running ranks' logs here (a head without: read the nodes)
         }
 
     def cancel(self, job: str, reason: str) -> dict[str, Any]:
@@ -1034,6 +1157,7 @@ class Server:
                 op = msg["op"]
                 if op == "beat":
                     self.head.on_logs(node, msg.get("logs"))
+                    self.head.on_tails(node, msg.get("tails"))
                     await chan.send({"op": "ack"})
                 elif op == "report":
                     recs = msg.get("ranks")
@@ -1052,7 +1176,9 @@ class Server:
             if op == "start":
                 reply = await self.head.start(msg)
             elif op == "status":
-                reply = self.head.status(str(msg.get("job")), not msg.get("peek"))
+                reply = self.head.status(
+                    str(msg.get("job")), not msg.get("peek"), msg.get("logs_from"), msg.get("max_log", 0)
+                )
             elif op == "cancel":
                 reply = self.head.cancel(str(msg.get("job")), str(msg.get("reason") or ""))
             elif op == "nodes":
@@ -1142,7 +1268,8 @@ class Worker:
     async def _beats(self, chan: Channel) -> None:
         while True:
             await asyncio.sleep(self.beat)
-            await self._send(chan, {"op": "beat", "logs": self.work.log_sizes()})
+            sizes = self.work.log_sizes()
+            await self._send(chan, {"op": "beat", "logs": sizes, "tails": self.work.log_tails(sizes)})
 
     async def watchdog(self) -> None:
         while True:

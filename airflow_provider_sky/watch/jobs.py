@@ -238,9 +238,16 @@ class GangClient:
         self.agent_jobs.add(job_id)
         return words
 
-    async def _agent_status(self, job_id: str, mark: bool = True) -> AgentStatus | None:
-        """The gang's status from its head (one call), or None: no agent, or the head does not know
-        this job (then the per-node path reads it, from now on)."""
+    async def _agent_status(
+        self,
+        job_id: str,
+        mark: bool = True,
+        logs_from: Mapping[int, int] | None = None,
+        max_log: int = 0,
+    ) -> AgentStatus | None:
+        """The gang's status from its head (one call; with ``logs_from``, the new log bytes the head
+        holds too), or None: no agent, or the head does not know this job (then the per-node path
+        reads it, from now on)."""
         if job_id in self._per_node_jobs:
             return None
         agent = await self.agent()
@@ -248,7 +255,7 @@ class GangClient:
             return None
         self.agent_calls += 1
         try:
-            return await agent.status(job_id, touch=mark)
+            return await agent.status(job_id, touch=mark, logs_from=logs_from, max_log=max_log)
         except AgentUnreachable as exc:
             self._agent_down(exc)
         except AgentError as exc:
@@ -567,7 +574,9 @@ class GangClient:
         offsets = offsets or {}
         wanted = list(range(self.num_ranks)) if ranks is None else list(ranks)
         started = time.time()
-        found = await self._agent_status(job_id, mark)
+        found = await self._agent_status(
+            job_id, mark, {r: offsets.get(r, 0) for r in wanted} if max_log > 0 else None, max_log
+        )
         if found is not None:
             return await self._agent_poll(found, job_id, offsets, max_log, wanted, started)
         calls = self._calls(job_id, wanted)
@@ -610,8 +619,11 @@ class GangClient:
         at: float,
     ) -> Poll:
         """A poll from the head's answer: every rank's state read the way the status script's is read
-        (``AgentRank.to_raw``, ``classify``); log bytes only of ranks whose log grew past ``offsets``
-        (their nodes' sizes come with the agents' heartbeats), one call per machine of those."""
+        (``AgentRank.to_raw``, ``classify``). Log bytes of a running rank come in the same answer
+        (its agent ships them to the head each heartbeat); its node is read (one call per machine of
+        such ranks) only where the head's window starts past the watcher's offset (a rank that printed
+        faster than its agent ships), for a rank that ended (its last bytes) and where the agents do not
+        ship (an older agent)."""
         poll = Poll(GangStatus(job_id), at=at)
         by_rank = {r.rank: r for r in found.ranks}
         grown: list[int] = []
@@ -629,8 +641,15 @@ class GangClient:
                 poll.cancel_seen.add(rank)
             if raw.cancel_reason and not poll.status.cancel_reason:
                 poll.status.cancel_reason = raw.cancel_reason
-            if max_log > 0 and (ar.log_size or 0) > offsets.get(rank, 0):
-                grown.append(rank)
+            if max_log <= 0 or (ar.log_size or 0) <= offsets.get(rank, 0):
+                continue
+            if found.ships and not ar.terminal:
+                if ar.chunk is not None and ar.chunk[1]:
+                    poll.chunks[rank] = ar.chunk
+                elif ar.behind:
+                    grown.append(rank)
+                continue  # the rest of its bytes: shipped to the head by the next heartbeat
+            grown.append(rank)
         if grown:
             calls = self._calls(job_id, grown)
             self.node_calls += len(calls)

@@ -92,3 +92,55 @@ def test_a_machine_without_python3_keeps_the_per_node_path(
         assert c.agent_calls == 0
     finally:
         b.terminate("nopy")
+
+
+def test_running_ranks_logs_come_from_the_head_in_the_one_status_call(sky_home: Path) -> None:
+    """With agents, every rank printing: each poll is one call to the head, which carries the new log
+    bytes its agents shipped with their heartbeats (every 1 s); no node is read while the ranks run, a
+    line reaches the watcher within 5 s of being printed (expected ~1.5 s: a heartbeat plus a poll;
+    the 5 s are the issue's bound, with room for a loaded machine), and the bytes streamed plus each
+    ended rank's last bytes (read from its node once) are its whole log, in order, once."""
+    from airflow_provider_sky.watch.loop import MonitorState
+
+    b = LocalBackend(sky_home, node_agent=True)
+    h = b.provision("logs", task_from_args(num_nodes=N, run="true"))
+    run = (
+        'for i in $(seq 1 25); do echo "rank $SKYPILOT_NODE_RANK line $i at $(date +%s.%N)"; sleep 0.2; done'
+    )
+    try:
+        c = GangClient(b, h)
+        c.launch(task_from_args(num_nodes=N, run=run), "lg")
+        st = MonitorState()
+        got: dict[int, bytes] = {r: b"" for r in range(N)}
+        late: list[float] = []
+        polls = node_calls_running = 0
+        deadline = time.monotonic() + 60
+        while True:
+            before = c.node_calls
+            poll = c.poll("lg", st.offsets)
+            polls += 1
+            running = not any(r.terminal for r in poll.status.ranks)
+            if running:
+                node_calls_running += c.node_calls - before
+            now = time.time()
+            for rank, (off, data) in poll.chunks.items():
+                assert off == st.offsets.get(rank, 0), (rank, off, st.offsets)
+                st.offsets[rank] = off + len(data)
+                got[rank] += data
+                if running:
+                    late += [now - float(line.split()[-1]) for line in data.decode().splitlines()]
+            if all(r.terminal for r in poll.status.ranks):
+                break
+            assert time.monotonic() < deadline, poll.status.ranks
+            time.sleep(0.5)
+        assert node_calls_running == 0, f"{node_calls_running} node calls while the ranks ran ({polls} polls)"
+        assert late and max(late) < 5.0, sorted(late)[-5:]
+        for rank in range(N):
+            want = Path(h.nodes[rank].root, "jobs", "lg", str(rank), "log").read_bytes()
+            assert want.count(b"\n") == 25
+            assert got[rank] == want, (rank, len(got[rank]), len(want))
+        print(
+            f"\n{polls} polls, {c.agent_calls} head calls, {c.node_calls} node calls; latest line {max(late):.2f} s"
+        )
+    finally:
+        assert b.terminate("logs").removed
