@@ -483,7 +483,7 @@ class Bench:
                 "fig 6a: the node-agent path: pods of busybox + this machine's python3 run the agent as their "
                 "own process; launch/status/cancel are calls to the head agent. Start vs the kubectl exec "
                 "fan-out, fail-fast as in fig 6 (watch.watch polls 0.5 s, the head cancels on its own), calls "
-                f"per second counted on the client over {fig_k8s.STEADY:g} s of watching quiet ranks."
+                f"per second counted on the client over {fig_k8s.STEADY:g} s of watching ranks that each print a line a second."
             )
             self.rows += fig_k8s.run_agent(self.plan, say, self.plan.k8s_ns)
             return
