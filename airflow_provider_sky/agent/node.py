@@ -761,6 +761,8 @@ class Head:
             if hj.ranks.get(r, {}).get("state") in TERMINAL and rec.get("state") not in TERMINAL:
                 continue  # an ended rank stays ended, whatever a late or repeated report says
             hj.ranks[r] = rec
+            if rec.get("state") in TERMINAL:
+                hj.tails.pop(r, None)  # an ended rank's log is read from its node, to its last byte
             if rec.get("own") and hj.state == "running":
                 code = rec.get("code")
                 why = (
@@ -901,6 +903,8 @@ class Head:
         self.on_logs(self.node, sizes)
         self.on_tails(self.node, self.work.log_tails(sizes))
         for hj in self.jobs.values():
+            if hj.tails and hj.done():
+                hj.tails.clear()  # a finished job's windows (a lost node's ranks never report an end)
             if hj.state == "running":
                 for node in hj.nodes:
                     if node not in hj.lost and not self.up(node):

@@ -135,3 +135,11 @@ def test_ranks_past_a_beats_budget_go_first_at_the_next(
     first = _shipped(work.log_tails(work.log_sizes()))
     second = _shipped(work.log_tails(work.log_sizes()))
     assert len(first) == len(second) == 1 and {**first, **second} == {1: (0, b"aaaa"), 2: (0, b"bbbb")}
+
+
+def test_an_ended_ranks_window_is_dropped(head: Head) -> None:
+    head.on_tails("n1", {"j": {"1": [0, _b64(b"abc")], "2": [0, _b64(b"xyz")]}})
+    head.on_report("n1", "j", [{"rank": 1, "state": "exited", "code": 0, "log": 3}])
+    got = _logs(head, {1: 0, 2: 0})
+    assert got[1].shipped is None and got[1].log_size == 3  # read from its node, to its last byte
+    assert got[2].chunk == (0, b"xyz")
