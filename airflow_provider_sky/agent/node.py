@@ -1266,8 +1266,12 @@ class Worker:
             res = await self.work.run(msg)
         except Exception as exc:
             res = {"rc": None, "out": "", "error": str(exc)}
-        # on the link of now: one made again while the script ran still gets the answer to the head
-        await self._send(self.chan or chan, {"op": "ran", "job": msg.get("job"), **res})
+        # on the link of now: one made again while the script ran still gets the answer to the head.
+        # Sent from a task of its own, queued after the report of the ranks it started (``run``'s last
+        # read): tasks start in order and the channel's lock is fair, so the head hears the ranks
+        # running before the start's answer, and a status right after the start never says "pending"
+        ran = {"op": "ran", "job": msg.get("job"), **res}
+        self.work._spawn(self._send(self.chan or chan, ran))
 
     async def _beats(self, chan: Channel) -> None:
         while True:

@@ -144,3 +144,22 @@ def test_running_ranks_logs_come_from_the_head_in_the_one_status_call(sky_home: 
         )
     finally:
         assert b.terminate("logs").removed
+
+
+def test_a_status_right_after_the_start_sees_every_rank_running(sky_home: Path) -> None:
+    """The start's answer comes after the head heard each node's ranks running: a peek right behind it
+    never says ``pending`` for a rank the start reported ``STARTED`` (ten starts in a row)."""
+    b = LocalBackend(sky_home, node_agent=True)
+    h = b.provision("order", task_from_args(num_nodes=N, run="true"))
+    try:
+        c = GangClient(b, h)
+        for i in range(10):
+            job = f"o{i}"
+            assert c.launch(task_from_args(num_nodes=N, run="sleep 10000"), job) == dict.fromkeys(
+                range(N), "STARTED"
+            )
+            states = {r.rank: r.state.value for r in c.peek(job).ranks}
+            assert set(states.values()) == {"running"}, (i, states)
+            c.cancel(job, grace=0.5)
+    finally:
+        assert b.terminate("order").removed
