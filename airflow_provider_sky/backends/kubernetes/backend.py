@@ -61,6 +61,10 @@ from airflow_provider_sky.spec.common import K8S_LABEL_KEY
 log = logging.getLogger(__name__)
 
 _HOME_SCRIPT = 'printf "%s\\n" "${HOME:-/root}"'
+#: exec calls of one pod's provisioning probe at most: its script can run twice (it writes files whole
+#: and wakes the agent only while pid 1 still idles), so an exec stream the API server drops mid-call
+#: (``socket is already closed``, seen on a loaded test cluster) is asked again
+PROBE_TRIES = 3
 #: how long a teardown waits for deleted pods to be gone
 DELETE_WAIT = 60.0
 #: and this much longer per pod: kubelets end a wide gang's containers a few per second (128 pods on the
@@ -568,7 +572,16 @@ class KubernetesBackend(Backend):
             if agent is not None:
                 token, head_ip, port = agent
                 script = agents.start_script(state.name, token, head_ip, port, state.name == head)
-            res = self._pod_runner(state.name, state.ip or "").run_script(script, timeout=60)
+            runner = self._pod_runner(state.name, state.ip or "")
+            for attempt in range(1, PROBE_TRIES + 1):
+                try:
+                    res = runner.run_script(script, timeout=60)
+                    break
+                except RunnerError as exc:
+                    if attempt == PROBE_TRIES or "timed out" in str(exc):
+                        raise
+                    log.info("pod %s: provisioning probe failed (%s); asking again", state.name, exc)
+                    time.sleep(0.5 * attempt)
             if res.returncode != 0:
                 raise BackendError(f"pod {state.name}: probe failed: {res.error_text}")
             lines = res.text.strip().splitlines() or ["/root"]
