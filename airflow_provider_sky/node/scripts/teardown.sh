@@ -40,6 +40,19 @@ IFS=$oldifs; set +f
   # shellcheck source=cancel.sh
   . "$SKY_SCRIPTS/cancel.sh"
 )
+# kill a wrapper (SIGKILL) with its process group when it leads one (started with setsid: its output
+# filter and the watchdog subshell, whose `sleep` would outlive a wrapper killed alone by up to 2 s)
+kill_wrapper() {
+  _g=''
+  if { read -r _st < "/proc/$1/stat"; } 2>/dev/null; then
+    _st=${_st##*) }
+    # shellcheck disable=SC2086 # the fields after the command name: state ppid pgrp ...
+    set -- "$1" $_st
+    _g=$4
+  fi
+  [ "$_g" != "$1" ] || kill -KILL "-$1" 2>/dev/null
+  kill -KILL "$1" 2>/dev/null
+}
 # a wrapper still alive without an exit code: kill it, but only if that pid is still our wrapper
 # (pids are reused; without /proc a reused pid can't be told apart, so it is left alone)
 IFS=$nl; set -f
@@ -51,7 +64,7 @@ for root in $roots; do
     read -r pid < "$d/pid" || continue
     [ -r "/proc/$pid/cmdline" ] || continue
     case "$(tr '\000' ' ' < "/proc/$pid/cmdline" 2>/dev/null)" in
-      *"$d/rank.sh"*) kill -KILL "$pid" 2>/dev/null ;;
+      *"$d/rank.sh"*) kill_wrapper "$pid" ;;
     esac
   done
   if [ -d "$root" ]; then echo "REMOVED $root"; else echo "ABSENT $root"; fi
@@ -78,8 +91,7 @@ while [ -n "$w" ] && [ "$n" -lt 20 ]; do
   sleep 0.1 2>/dev/null || sleep 1
   n=$((n + 1)); w=$(wrappers)
 done
-# shellcheck disable=SC2086 # one kill for every pid: the list splits on purpose
-[ -z "$w" ] || kill -KILL $w 2>/dev/null || :
+for p in $w; do kill_wrapper "$p"; done
 IFS=$nl; set -f
 # shellcheck disable=SC2086 # split on purpose: IFS is a newline, globbing is off
 set -- $roots

@@ -50,7 +50,10 @@ if [ -f "$d/mask" ]; then
     # the result file is masked like the log once the command ended (RESULT below): keep the mask open
     rmask=''; [ ! -f "$d/result_file" ] || { exec 4<"$d/mask"; rmask=1; }
     rm -f "$d/mask" ${sfd:+"$d/secrets"}
-    (maskfilter <"$d/out" >>"$d/log" 2>&1; : > "$d/filter.done") 5<&- 6>&- &
+    # the filter opens the pipe with a write end of its own first (an open that never blocks), then
+    # drops it: a wrapper killed before this open leaves no filter blocked on it for ever
+    # shellcheck disable=SC2094 # one pipe, read here; the write end opened first is closed at once
+    (exec 7<>"$d/out" <"$d/out" 7>&-; maskfilter >>"$d/log" 2>&1; : > "$d/filter.done") 5<&- 6>&- &
     fpid=$!
     exec 3<&-
     out="$d/out"
