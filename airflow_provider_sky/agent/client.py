@@ -21,7 +21,7 @@ from airflow_provider_sky.agent.node import Channel, ProtocolError, connect
 from airflow_provider_sky.errors import AgentError as AgentError
 from airflow_provider_sky.errors import AgentUnreachable as AgentUnreachable
 from airflow_provider_sky.node import runtime
-from airflow_provider_sky.node.shell import CANCEL_SCRIPT
+from airflow_provider_sky.node.shell import CANCEL_SCRIPT, DUMP_SCRIPT
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,14 @@ class NodePlan:
     ranks: list[tuple[str, int]]
     script: str
     flag: str
+    #: the script's positional arguments (``sh -s -- ARGS`` on the node): ids, integers and paths
+    args: tuple[str, ...] = ()
 
     def to_msg(self) -> dict[str, Any]:
         return {
             "ranks": [[root, rank] for root, rank in self.ranks],
             "script": self.script,
+            "args": list(self.args),
             "flag": self.flag,
         }
 
@@ -147,6 +150,8 @@ class AgentStatus:
     decided: float | None = None
     #: the agents ship running ranks' logs to the head (an older agent does not: read the nodes)
     ships: bool = False
+    #: the head finds hung ranks itself after this many seconds of silence (0: it does not)
+    hang_timeout: float = 0.0
 
     def by_rank(self, rank: int) -> AgentRank:
         return next(r for r in self.ranks if r.rank == rank)
@@ -291,11 +296,22 @@ class AgentClient:
         *,
         grace: float = 3.0,
         orphan_timeout: float = 0.0,
+        hang_timeout: float = 0.0,
+        attempt_of: str = "",
         timeout: float = 120.0,
     ) -> StartResult:
         """Start the gang: one call; the head has every node's agent run its launch script. Raises
-        :class:`AgentUnreachable` (nothing started) when a node's agent is not connected to the head."""
+        :class:`AgentUnreachable` (nothing started) when a node's agent is not connected to the head.
+
+        ``hang_timeout``: the head dumps and fails ranks silent that long. ``attempt_of``: this is a
+        later attempt of that job (whole-gang retries): the head gives it that job's dead-man's switch
+        and hang watch."""
         runtime.check_job_id(job_id)
+        args: dict[str, Any] = {}
+        if hang_timeout > 0:
+            args.update(hang_timeout=float(hang_timeout), dump_script=DUMP_SCRIPT)
+        if attempt_of:
+            args["attempt_of"] = runtime.check_job_id(attempt_of)
         reply = await self.call(
             "start",
             wait=timeout + self.timeout,
@@ -306,6 +322,7 @@ class AgentClient:
             grace=float(grace),
             orphan_timeout=float(orphan_timeout),
             timeout=float(timeout),
+            **args,
         )
         return StartResult(state=str(reply.get("state")), nodes=dict(reply.get("nodes") or {}))
 
@@ -334,6 +351,7 @@ class AgentClient:
             nodes=dict(reply.get("nodes") or {}),
             decided=reply.get("decided"),
             ships=reply.get("ships") is True,
+            hang_timeout=float(reply["hang"]) if isinstance(reply.get("hang"), (int, float)) else 0.0,
         )
 
     async def cancel(self, job_id: str, reason: str = "cancelled") -> str:

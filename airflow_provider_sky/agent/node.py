@@ -90,6 +90,18 @@ JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,180}")
 NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,120}")
 
 TERMINAL = ("exited", "badexit", "lost")
+#: a hung rank's reason (and its siblings' cancel) starts so (``gang.classify`` reads it)
+HUNG_PREFIX = "hung: "
+#: seconds the head waits for the hung ranks' stack dumps before it cancels the gang
+DUMP_TIMEOUT = 60.0
+
+
+def hang_reason(timeout: float, ranks: Any) -> str:
+    """ "hung: no output for 600 s (ranks 1, 3)": every hung rank's reason, and the siblings' cancel
+    (one text whichever side found the hang: the head, or a watcher on the per-node path)."""
+    rs = sorted(int(r) for r in ranks)
+    which = ("rank " if len(rs) == 1 else "ranks ") + ", ".join(str(r) for r in rs)
+    return f"{HUNG_PREFIX}no output for {timeout:g} s ({which})"
 
 
 class ProtocolError(Exception):
@@ -306,8 +318,17 @@ def read_rank(d: str) -> dict[str, Any]:
 class NodeJob:
     """A job's ranks on this node and what this node was told about it."""
 
-    def __init__(self, job: str, ranks: list[list[Any]], flag: str, grace: float, cancel_script: str):
+    def __init__(
+        self,
+        job: str,
+        ranks: list[list[Any]],
+        flag: str,
+        grace: float,
+        cancel_script: str,
+        dump_script: str = "",
+    ):
         self.job = job
+        self.dump_script = dump_script  # the node runtime's stack dump of hung ranks (hang_timeout)
         self.dirs = {int(r): os.path.join(str(root), "jobs", job, str(int(r))) for root, r in ranks}
         self.roots = {int(r): str(root) for root, r in ranks}
         self.flag, self.grace, self.cancel_script = flag, grace, cancel_script
@@ -338,10 +359,18 @@ class NodeWork:
         self.shipped: dict[tuple[str, int], int] = {}  # (job, rank) -> log bytes shipped to the head
         self._ship_first = 0  # where the next beat's shipping starts (ranks past SHIP_BEAT go first)
 
-    def add(self, job: str, ranks: list[list[Any]], flag: str, grace: float, cancel_script: str) -> NodeJob:
+    def add(
+        self,
+        job: str,
+        ranks: list[list[Any]],
+        flag: str,
+        grace: float,
+        cancel_script: str,
+        dump_script: str = "",
+    ) -> NodeJob:
         nj = self.jobs.get(job)
         if nj is None:
-            nj = self.jobs[job] = NodeJob(job, ranks, flag, grace, cancel_script)
+            nj = self.jobs[job] = NodeJob(job, ranks, flag, grace, cancel_script, dump_script)
             done = [j for j, x in self.jobs.items() if x.done]
             for j in done[: max(0, len(self.jobs) - MAX_JOBS)]:
                 del self.jobs[j]  # the oldest finished: every hello carries the state of the rest
@@ -356,6 +385,7 @@ class NodeWork:
             str(msg.get("flag") or ""),
             float(msg["grace"]),
             msg["cancel_script"],
+            str(msg.get("dump_script") or ""),
         )
 
     async def run(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -363,7 +393,10 @@ class NodeWork:
         Cancelled already, it still runs: with the gang flag set its launchers record every rank
         cancelled without starting it, and a rank started all the same is cancelled when a scan sees it."""
         self.prepare(msg)
-        rc, out = await _sh(str(msg["script"]), [], timeout=float(msg.get("timeout") or 120))
+        args = msg.get("args") or []
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            return {"rc": None, "out": "", "error": "a run's args must be a list of strings"}
+        rc, out = await _sh(str(msg["script"]), args, timeout=float(msg.get("timeout") or 120))
         self.tick()  # a rank that failed at once is reported with the answer
         return {"rc": rc, "out": out}
 
@@ -552,6 +585,21 @@ class NodeWork:
         if rc != 0:
             log.warning("The cancel of job %s ranks %s ended with %s: %s", nj.job, ranks, rc, out[-500:])
 
+    async def dump(self, job: str, ranks: Any, reason: str) -> None:
+        """Dump the stacks of this node's hung ranks into their logs (the node runtime's dump script, as
+        the per-node path runs it: ``mkdir hang`` is its lock, so a watcher dumping too adds nothing)."""
+        nj = self.jobs.get(job)
+        if nj is None or not nj.dump_script or not isinstance(ranks, list):
+            return
+        args = [reason]
+        for r in ranks:
+            if isinstance(r, int) and r in nj.roots:
+                args += [nj.roots[r], job, str(r)]
+        if len(args) > 1:
+            rc, out = await _sh(nj.dump_script, args, timeout=DUMP_TIMEOUT)
+            if rc != 0:
+                log.warning("The stack dump of job %s ranks %s ended with %s: %s", job, ranks, rc, out[-500:])
+
     def stop_all(self, reason: str) -> None:
         """The head is lost: every job still running here is stopped (all or nothing)."""
         for job, nj in self.jobs.items():
@@ -713,7 +761,9 @@ class Link:
 
 
 class HeadJob:
-    def __init__(self, job: str, plan: dict[str, Any], orphan_timeout: float, now: float) -> None:
+    def __init__(
+        self, job: str, plan: dict[str, Any], orphan_timeout: float, now: float, hang_timeout: float = 0.0
+    ) -> None:
         self.job = job
         self.nodes: dict[str, list[int]] = {n: [int(r) for _, r in p["ranks"]] for n, p in plan.items()}
         self.node_of = {r: n for n, rs in self.nodes.items() for r in rs}
@@ -730,6 +780,14 @@ class HeadJob:
         self.logs: dict[int, Any] = {}  # rank -> its log's size (or [size, progress mtime]), from the beats
         self.tails: dict[int, list[Any]] = {}  # rank -> [offset, bytearray]: its newest shipped log bytes
         self.rotor = 0  # where the next status answer's log bytes start (STATUS_LOG_MAX is shared)
+        #: a running rank silent this long (no new log byte, no newer progress file) is hung (0: off)
+        self.hang_timeout = hang_timeout
+        #: rank -> (its last sign of life, when the head first saw it, the check before that one)
+        self.signs: dict[int, tuple[Any, float, float]] = {}
+        self.hang_at: float | None = None  # the head's last hang check
+        self.hanging = False  # hung ranks found: their stacks are being dumped, then the gang fails
+        self.dump_script = ""  # the node runtime's stack dump, run by the hung ranks' agents
+        self.dumps: dict[str, asyncio.Future[None]] = {}  # node -> its answer to the dump
 
     def done(self) -> bool:
         for r, n in self.node_of.items():
@@ -920,6 +978,7 @@ class Head:
                             hj.cause = {"rank": min(hj.nodes[node]), "code": None, "oom": False, "node": node}
                             hj.cause["why"] = reason
                             self.decide(hj, "failed", reason, reason)
+                self._hang_check(hj, now)
                 if hj.orphan_timeout > 0 and hj.state == "running" and now - hj.contact > hj.orphan_timeout:
                     reason = (
                         f"orphaned: nothing polled this job for {hj.orphan_timeout:.0f}s (Airflow lost it); "
@@ -930,6 +989,71 @@ class Head:
                 for node in hj.nodes:  # a node that goes silent after the decision: its ranks are lost
                     if node not in hj.lost and not self.up(node) and not self._node_done(hj, node):
                         hj.lost[node] = "its agent stopped answering"
+
+    def _hang_check(self, hj: HeadJob, now: float) -> None:
+        """Hung ranks (``hang_timeout``), timed by the head's clock from the heartbeats' log sizes and
+        progress times, so a hang is found on the cluster with or without a watcher. A rank is hung once
+        it is surely silent that long; the verdict then also names each rank that may have been (its
+        last sign came between two checks, or up to a heartbeat before one: ranks that stopped together
+        are seen a beat apart), up to half the timeout, as the per-node path's watcher does."""
+        if hj.hang_timeout <= 0 or hj.hanging or hj.state != "running":
+            return
+        prev, hj.hang_at = hj.hang_at, now
+        sure, maybe = [], []
+        for r, node in hj.node_of.items():
+            rec = hj.ranks.get(r)
+            if rec is None or rec.get("state") != "running" or node in hj.lost:
+                continue
+            sign = hj.logs.get(r, rec.get("log"))
+            seen = hj.signs.get(r)
+            if seen is None or seen[0] != sign:
+                hj.signs[r] = (sign, now, now if prev is None else prev)
+                continue
+            silent = now - seen[1]
+            doubt = min(seen[1] - seen[2] + self.beat, hj.hang_timeout / 2)
+            if silent >= hj.hang_timeout:
+                sure.append(r)
+            elif silent + doubt >= hj.hang_timeout:
+                maybe.append(r)
+        if sure:
+            hj.hanging = True
+            self.work._spawn(self._hang(hj, sorted(sure + maybe)))
+
+    async def _hang(self, hj: HeadJob, ranks: list[int]) -> None:
+        """Dump the hung ranks' stacks on their nodes (each agent runs the node runtime's dump script),
+        then fail the gang with the hang's reason: every agent cancels."""
+        reason = hang_reason(hj.hang_timeout, ranks)
+        log.warning("Job %s: %s; dumping their stacks, then cancelling the gang", hj.job, reason)
+        by_node: dict[str, list[int]] = {}
+        for r in ranks:
+            by_node.setdefault(hj.node_of[r], []).append(r)
+        waits: list[Any] = []
+        for node, rs in by_node.items():
+            if node == self.node:
+                waits.append(self.work.dump(hj.job, rs, reason))
+                continue
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            hj.dumps[node] = fut
+            link = self.links.get(node)
+            if link is None or not await link.send(
+                {"op": "dump", "job": hj.job, "ranks": rs, "reason": reason}
+            ):
+                fut.set_result(None)
+            waits.append(fut)
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), DUMP_TIMEOUT)
+        except asyncio.TimeoutError:
+            log.warning("Job %s: a stack dump took over %.0fs; cancelling the gang", hj.job, DUMP_TIMEOUT)
+        if hj.cancel is None:
+            node = hj.node_of[ranks[0]]
+            hj.cause = {"rank": ranks[0], "code": None, "oom": False, "node": node, "why": reason}
+            self.decide(hj, "failed", reason, reason)
+
+    def on_dumped(self, node: str, job: str) -> None:
+        hj = self.jobs.get(job)
+        fut = hj.dumps.get(node) if hj else None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def _node_done(self, hj: HeadJob, node: str) -> bool:
         return all(hj.ranks.get(r, {}).get("state") in TERMINAL for r in hj.nodes[node])
@@ -957,18 +1081,36 @@ class Head:
             # nodes the head cannot reach: the control plane uses the per-node path instead
             return {"ok": False, "error": "unreachable", "nodes": missing}
         now = time.monotonic()
-        hj = HeadJob(job, plan, float(msg.get("orphan_timeout") or 0), now)
+        orphan_timeout, hang_timeout = (
+            float(msg.get("orphan_timeout") or 0),
+            float(msg.get("hang_timeout") or 0),
+        )
+        dump_script = str(msg.get("dump_script") or "")
+        first = self.jobs.get(str(msg.get("attempt_of") or ""))
+        if first is not None:
+            # a later attempt of a gang (whole-gang retries): its first attempt's dead-man's switch
+            # and hang watch, which the watcher starting it does not know
+            orphan_timeout, hang_timeout = first.orphan_timeout, first.hang_timeout
+            dump_script = first.dump_script
+        hj = HeadJob(job, plan, orphan_timeout, now, hang_timeout if dump_script else 0.0)
+        hj.dump_script = dump_script
         self.jobs[job] = hj
         self._forget()
         loop = asyncio.get_running_loop()
         timeout = float(msg.get("timeout") or 120)
-        common = {"job": job, "grace": float(msg.get("grace", 3.0)), "cancel_script": msg["cancel_script"]}
+        common = {
+            "job": job,
+            "grace": float(msg.get("grace", 3.0)),
+            "cancel_script": msg["cancel_script"],
+            "dump_script": dump_script,
+        }
         for node, p in plan.items():
             run = {
                 "op": "run",
                 **common,
                 "ranks": p["ranks"],
                 "script": p["script"],
+                "args": p.get("args") or [],
                 "flag": p.get("flag", ""),
             }
             run["timeout"] = timeout
@@ -1021,6 +1163,7 @@ class Head:
             "ranks": ranks,
             "nodes": self.nodes(),
             "ships": True,  # the agents ship running ranks' logs here (a head without: read the nodes)
+            "hang": hj.hang_timeout,  # the head finds hung ranks (watchers leave that to it)
         }
 
     def cancel(self, job: str, reason: str) -> dict[str, Any]:
@@ -1166,6 +1309,8 @@ class Server:
                 elif op == "report":
                     recs = msg.get("ranks")
                     self.head.on_report(node, str(msg.get("job")), recs if isinstance(recs, list) else [])
+                elif op == "dumped":
+                    self.head.on_dumped(node, str(msg.get("job")))
                 elif op == "ran":
                     hj = self.head.jobs.get(str(msg.get("job")))
                     fut = hj.started.get(node) if hj else None
@@ -1252,6 +1397,8 @@ class Worker:
                         self.work.cancel(
                             str(msg.get("job")), str(msg.get("reason")), bool(msg.get("orphaned"))
                         )
+                    elif op == "dump":
+                        self.work._spawn(self._dump(chan, msg))
                     elif op != "ack":
                         raise ProtocolError(f"the head may not send {op!r}")
             except Exception as exc:
@@ -1272,6 +1419,13 @@ class Worker:
         # running before the start's answer, and a status right after the start never says "pending"
         ran = {"op": "ran", "job": msg.get("job"), **res}
         self.work._spawn(self._send(self.chan or chan, ran))
+
+    async def _dump(self, chan: Channel, msg: dict[str, Any]) -> None:
+        job = str(msg.get("job"))
+        try:
+            await self.work.dump(job, msg.get("ranks"), str(msg.get("reason")))
+        finally:
+            self.work._spawn(self._send(self.chan or chan, {"op": "dumped", "job": job}))
 
     async def _beats(self, chan: Channel) -> None:
         while True:

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TypeVar
 
+# how a hung rank's reason starts ("hung: no output for 600 s (ranks 1, 3)"): the head agent writes it too
+from airflow_provider_sky.agent.node import HUNG_PREFIX as HUNG_PREFIX
 from airflow_provider_sky.node.exitcodes import describe_exit
 from airflow_provider_sky.node.runtime import RawRankStatus
 
@@ -51,9 +53,6 @@ UNKNOWN = RankState.UNKNOWN
 #: terminal rank states; the others are running, pending and unknown
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED, LOST})
 BAD = frozenset({FAILED, LOST})
-
-#: how a hung rank's reason starts ("hung: no output for 600 s (ranks 1, 3)", see ``hang.py``)
-HUNG_PREFIX = "hung: "
 
 ORPHANED_REASON = (
     "orphaned: nothing polled this job for its orphan_timeout (Airflow lost track of it), so the node's "

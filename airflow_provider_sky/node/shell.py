@@ -124,3 +124,18 @@ def teardown_script(remove: bool = True) -> str:
     if remove:
         return TEARDOWN_SCRIPT
     return TEARDOWN_SCRIPT.replace('[ $# -eq 0 ] || rm -rf -- "$@" || exit 1\n', ":\n", 1)
+
+
+#: Dump the stacks of every process of each listed rank into the rank's own log, once: ``mkdir
+#: $d/hang`` is the lock (two watchers finding the same hang dump it once) and the marker the
+#: status script reports. ``py-spy dump`` where the node has it (Python processes), else each
+#: thread's state, ``wchan`` and kernel stack from /proc (the stack needs root). Arguments:
+#: ``reason``, then ``root job rank`` per rank; prints ``DUMPED <rank>`` per rank dumped here.
+#:
+#: A rank with secrets writes through its mask filter (``$d/out``, a fifo while the filter runs): the
+#: dump goes the same way, so a ``--hf-token "$TOKEN"`` in a command line (ours, or py-spy's header)
+#: is masked like the rank's own output (whole arguments only: a cut one could show the start of a
+#: secret). The fifo is opened read-write (an open that never blocks,
+#: should the filter end meanwhile). A rank whose filter has ended (its command closed its output) can
+#: mask nothing more: its dump shows no command lines and no py-spy output.
+DUMP_SCRIPT = load("hang_dump.sh")

@@ -42,8 +42,8 @@ class SkyJobOperator(WatchFields, SkySpecMixin, ResumableJobMixin, BaseOperator)
     first. It watches the gang from the instant the ranks exist until the triggers' shared poll takes
     over (and again whenever that poll lapses), then exits when the job is over. A cluster whose node
     agents decide the gang's fate on its head node (``docs/node-agent.md``) needs none: the launch is one
-    call to the head from this task (with whole-gang retries or ``hang_timeout``, the bridge still runs:
-    it starts each next attempt, and times a rank's silence from its start).
+    call to the head from this task, and the head fails the gang fast, finds hung ranks and keeps the
+    dead-man's switch; the rank tasks' triggers start each next attempt of a gang with retries.
 
     :param cluster: the cluster handle (``cluster_task.output``).
     :param task_yaml, task_config, num_nodes, run, ...: the task, as for :class:`SkyClusterOperator`.
@@ -163,6 +163,7 @@ class SkyJobOperator(WatchFields, SkySpecMixin, ResumableJobMixin, BaseOperator)
                     orphan_timeout=float(self.orphan_timeout or 0),
                     idle_down=idle_down_for(self.idle_down, spec),
                     grace=float(self.grace),
+                    hang_timeout=float(self.hang_timeout or 0),
                 )
                 self.log.info("Started: %s", started)
                 if job_id in client.agent_jobs:
@@ -257,10 +258,10 @@ class SkyJobOperator(WatchFields, SkySpecMixin, ResumableJobMixin, BaseOperator)
 
     def _agents_decide(self, client: GangClient) -> bool:
         """Whether the cluster's node agents decide the gang's fate (``docs/node-agent.md``): then no
-        launch-side watcher is needed, since fail-fast and the dead-man's switch run on the head node.
-        Whole-gang retries and hang detection still need one (a watcher starts each next attempt, and
-        times a rank's silence from its start)."""
-        return not self.retry and not self.hang_timeout and client.has_agent()
+        launch-side watcher is needed, since fail-fast, hang verdicts and the dead-man's switch run on
+        the head node. Whole-gang retries need no bridge either: the rank tasks' triggers start each
+        next attempt through the head (the attempts' state is on the nodes), whenever they poll."""
+        return client.has_agent()
 
     def _watch_from_here(self, job_id: str) -> None:
         """A bridge that only watches the job (no launch) until the triggers take over; if another

@@ -264,6 +264,7 @@ async def serve(req: BridgeRequest, answer: Callable[[dict[str, Any]], None]) ->
                     orphan_timeout=req.orphan_timeout,
                     idle_down=req.idle_down,
                     grace=req.grace,
+                    hang_timeout=req.hang_timeout,
                 )
             except LaunchError as exc:
                 message = spec.redacted(str(exc))

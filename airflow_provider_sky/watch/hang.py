@@ -7,6 +7,10 @@ detection costs no extra remote call until a rank is found hung. A sign of life 
 or a newer mtime of the rank's progress file (``$SKY_PROGRESS_FILE``, for ranks that print little).
 Silence is timed by the watcher's own clock from its first poll of the rank (no clock comparison
 between machines): a watcher that starts later (a triggerer restart) counts from then.
+
+On a cluster with node agents the head's agent finds hangs itself (``agent/node.py``: the heartbeats
+carry each running rank's log size and progress time), dumps the stacks with the same script and fails
+the gang, with or without a watcher; the watchers then leave hangs to it (``Poll.head_hangs``).
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from airflow_provider_sky.model.gang import HUNG_PREFIX
+from airflow_provider_sky.agent import node
+from airflow_provider_sky.agent.node import hang_reason as hang_reason
 from airflow_provider_sky.node.runtime import check_job_id
-from airflow_provider_sky.node.scripts import load
+from airflow_provider_sky.node.shell import DUMP_SCRIPT
 from airflow_provider_sky.spec.timing import check_timing
 from airflow_provider_sky.watch.jobs import GangClient, Poll, fan_out
 from airflow_provider_sky.watch.loop import MonitorState, watch
@@ -29,34 +34,13 @@ log = logging.getLogger(__name__)
 #: the env var naming a rank's progress file (touch it to show the rank is alive without printing)
 PROGRESS_ENV = "SKY_PROGRESS_FILE"
 #: seconds a stack dump may take on one node (py-spy attaches to each process)
-DUMP_TIMEOUT = 60.0
-
-#: Dump the stacks of every process of each listed rank into the rank's own log, once: ``mkdir
-#: $d/hang`` is the lock (two watchers finding the same hang dump it once) and the marker the
-#: status script reports. ``py-spy dump`` where the node has it (Python processes), else each
-#: thread's state, ``wchan`` and kernel stack from /proc (the stack needs root). Arguments:
-#: ``reason``, then ``root job rank`` per rank; prints ``DUMPED <rank>`` per rank dumped here.
-#:
-#: A rank with secrets writes through its mask filter (``$d/out``, a fifo while the filter runs): the
-#: dump goes the same way, so a ``--hf-token "$TOKEN"`` in a command line (ours, or py-spy's header)
-#: is masked like the rank's own output (whole arguments only: a cut one could show the start of a
-#: secret). The fifo is opened read-write (an open that never blocks,
-#: should the filter end meanwhile). A rank whose filter has ended (its command closed its output) can
-#: mask nothing more: its dump shows no command lines and no py-spy output.
-DUMP_SCRIPT = load("hang_dump.sh")
+DUMP_TIMEOUT = node.DUMP_TIMEOUT
 
 
 def check_hang_timeout(value: Any) -> float:
     """``hang_timeout`` as seconds (0: off), or a SpecError (a ValueError) naming the field: checked
     when the DAG is parsed, so a typo never reaches a provisioned cluster (see :mod:`timing`)."""
     return float(check_timing(hang_timeout=value)["hang_timeout"] or 0.0)
-
-
-def hang_reason(timeout: float, ranks: Sequence[int]) -> str:
-    """ "hung: no output for 600 s (ranks 1, 3)": every hung rank's reason, and the siblings' cancel."""
-    rs = sorted(ranks)
-    which = ("rank " if len(rs) == 1 else "ranks ") + ", ".join(str(r) for r in rs)
-    return f"{HUNG_PREFIX}no output for {timeout:g} s ({which})"
 
 
 @dataclass
@@ -80,6 +64,8 @@ class HangWatch:
         polls, so two ranks that stopped together can be seen a poll apart (a loaded watcher, ranks that
         print their last line a moment apart); that uncertainty counts up to half the timeout."""
         if self.fired or not self.timeout or poll.status.cancel_requested or poll.status.failed:
+            return []
+        if poll.head_hangs:  # the cluster's head agent times the silences and gives the verdict
             return []
         sure, maybe = [], []
         prev, self.last_at = self.last_at, poll.at

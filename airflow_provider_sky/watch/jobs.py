@@ -25,6 +25,7 @@ from airflow_provider_sky.agent.client import (
     AgentError,
     AgentStatus,
     AgentUnreachable,
+    NodePlan,
     node_plan,
 )
 from airflow_provider_sky.aio import CANCEL_WAIT, FANOUT_LIMIT, cancel_bounded, fan_out, run_sync
@@ -106,6 +107,8 @@ class Poll:
     at: float = 0.0
     #: ranks whose node holds a cancel for them (it reached them; they may still be ending)
     cancel_seen: set[int] = field(default_factory=set)
+    #: the cluster's head agent finds this job's hung ranks after this many seconds (0: the watchers do)
+    head_hangs: float = 0.0
 
 
 class GangClient:
@@ -210,10 +213,12 @@ class GangClient:
         orphan_timeout: float,
         idle_down: float,
         grace: float,
+        hang_timeout: float = 0.0,
     ) -> dict[int, str]:
         """The gang start through the head: one call; every node's agent runs that node's launch
-        script (the one the per-node path runs). The dead-man's switch moves to the head (nothing
-        marks the nodes' poll files on this path). Raises :class:`AgentUnreachable` (nothing started)."""
+        script (the one the per-node path runs). The dead-man's switch and the hang watch move to the
+        head (nothing marks the nodes' poll files on this path). Raises :class:`AgentUnreachable`
+        (nothing started)."""
         launches = self.rank_launches(spec, job_id, stage)
         by_node: dict[str, list[tuple[str, runtime.RankLaunch, runtime.Guard]]] = {}
         for rl in launches:
@@ -222,7 +227,12 @@ class GangClient:
         plan = {nid: node_plan(job_id, items, grace) for nid, items in by_node.items()}
         self.agent_calls += 1
         res = await agent.start(
-            job_id, plan, grace=grace, orphan_timeout=orphan_timeout, timeout=60 + len(launches) / 8
+            job_id,
+            plan,
+            grace=grace,
+            orphan_timeout=orphan_timeout,
+            hang_timeout=hang_timeout,
+            timeout=60 + len(launches) / 8,
         )
         errors = res.errors()
         words = res.words()
@@ -237,6 +247,51 @@ class GangClient:
             log.info("A rank of job %s failed during the gang start (the head cancelled the gang)", job_id)
         self.agent_jobs.add(job_id)
         return words
+
+    async def agent_restart(
+        self,
+        job_id: str,
+        aid: str,
+        script: str,
+        args_of: Callable[[str, list[int]], list[str]],
+        grace: float,
+    ) -> list[str | BaseException] | None:
+        """Start ``aid``, a later attempt of ``job_id`` (whole-gang retries), through the head that runs
+        ``job_id``: one call, each node's agent runs ``script`` with ``args_of(its gang flag, its
+        ranks)``; the head then decides the attempt's fate as the first's (its dead-man's switch and hang
+        watch too). Returns each node's output (or its error), or None: not this way (no agent, the head
+        does not know ``job_id``, or it did not take the start): the caller runs it per node."""
+        if job_id in self._per_node_jobs or await self._agent_status(job_id, mark=False) is None:
+            return None
+        agent = await self.agent()
+        if agent is None:
+            return None
+        by_node: dict[str, list[int]] = {}
+        for r in range(self.num_ranks):
+            by_node.setdefault(self.node_of(r).node_id, []).append(r)
+        plan = {}
+        for nid, ranks in by_node.items():
+            flag = runtime.gang_flag(self.node_of(ranks[0]).root, aid) if self.num_ranks > 1 else ""
+            targets = [(self.node_of(r).root, r) for r in ranks]
+            plan[nid] = NodePlan(targets, script, flag, tuple(args_of(flag, ranks)))
+        self.agent_calls += 1
+        try:
+            res = await agent.start(
+                aid, plan, grace=grace, attempt_of=job_id, timeout=60 + self.num_ranks / 8
+            )
+        except AgentUnreachable as exc:  # nothing started: the per-node path
+            self._agent_down(exc)
+            return None
+        except AgentError as exc:  # e.g. another watcher started it through the head already
+            log.info("The head did not start %s (%s): the per-node path", aid, exc)
+            return None
+        self._per_node_jobs.discard(aid)  # a look before the start found no such job on the head
+        self.agent_jobs.add(aid)
+        errors = res.errors()
+        return [
+            RunnerError(nid, errors[nid]) if nid in errors else str(out.get("out") or "")
+            for nid, out in res.nodes.items()
+        ]
 
     async def _agent_status(
         self,
@@ -345,6 +400,7 @@ class GangClient:
         orphan_timeout: float = DEFAULT_ORPHAN_TIMEOUT,
         idle_down: float = 0,
         grace: float = 3.0,
+        hang_timeout: float = 0.0,
     ) -> dict[int, str]:
         """Start every rank at once. Returns rank → ``STARTED``/``EXISTS``/``CANCELLED``.
 
@@ -354,13 +410,16 @@ class GangClient:
         failed, root cause included. A launch that fails cancels every rank and raises
         :class:`LaunchError`. ``orphan_timeout``: the nodes kill the job when nothing polled it for
         that long (0: never). ``idle_down``: the nodes tear the cluster down once nothing ran on it
-        for that long (0: never).
+        for that long (0: never). ``hang_timeout``: on a cluster with node agents the head finds hung
+        ranks (elsewhere the watchers do).
         """
         runtime.check_job_id(job_id)
         agent = await self.agent()
         if agent is not None:
             try:
-                return await self._agent_launch(agent, spec, job_id, stage, orphan_timeout, idle_down, grace)
+                return await self._agent_launch(
+                    agent, spec, job_id, stage, orphan_timeout, idle_down, grace, hang_timeout
+                )
             except AgentUnreachable as exc:  # the launch scripts are idempotent: ranks started say EXISTS
                 self._agent_down(exc)
             except AgentError as exc:
@@ -624,7 +683,7 @@ class GangClient:
         such ranks) only where the head's window starts past the watcher's offset (a rank that printed
         faster than its agent ships), for a rank that ended (its last bytes) and where the agents do not
         ship (an older agent)."""
-        poll = Poll(GangStatus(job_id), at=at)
+        poll = Poll(GangStatus(job_id), at=at, head_hangs=found.hang_timeout)
         by_rank = {r.rank: r for r in found.ranks}
         grown: list[int] = []
         for rank in wanted:

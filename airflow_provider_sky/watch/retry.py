@@ -460,7 +460,7 @@ async def _next_attempt(
     left = await _clean(client, runtime_retry.attempt_job_id(job_id, attempt))
     if left:
         return f"attempt {nxt} not started: processes of attempt {attempt} still run ({left})", ""
-    return await _relaunch(client, job_id, nxt), replaced
+    return await _relaunch(client, job_id, nxt, grace), replaced
 
 
 async def _per_machine(
@@ -498,18 +498,26 @@ async def _clean(client: GangClient, aid: str) -> str:
     return "; ".join(left)
 
 
-async def _relaunch(client: GangClient, job_id: str, attempt: int) -> str:
-    """Start every rank of ``attempt`` from attempt 1's files: '' when each started (or existed)."""
+async def _relaunch(client: GangClient, job_id: str, attempt: int, grace: float = 3.0) -> str:
+    """Start every rank of ``attempt`` from attempt 1's files: '' when each started (or existed).
+
+    Through the head's agent when it runs attempt 1 (one call; the head then decides this attempt's
+    fate as the first's, with or without a watcher), else one call per machine."""
     now = time.time()
     aid = runtime_retry.attempt_job_id(job_id, attempt)
     flags = client._gang_flags(aid) if client.num_ranks > 1 else {}
 
-    def args_of(chunk: list[int]) -> list[str]:
+    def args_with(flag: str, chunk: list[int]) -> list[str]:
         targets = [(client.node_of(r).root, r) for r in chunk]
-        flag = flags.get(client.backend.machine_of(client.node_of(chunk[0])), "")
         return runtime_retry.relaunch_args(job_id, attempt, now, targets, client.handle.ips, flag)
 
-    out = await _per_machine(client, job_id, runtime_retry.RELAUNCH_SCRIPT, args_of)
+    def args_of(chunk: list[int]) -> list[str]:
+        return args_with(flags.get(client.backend.machine_of(client.node_of(chunk[0])), ""), chunk)
+
+    script = runtime_retry.RELAUNCH_SCRIPT
+    out = await client.agent_restart(job_id, aid, script, args_with, grace)
+    if out is None:
+        out = await _per_machine(client, job_id, script, args_of)
     words: dict[str, list[str]] = {}
     errors = [str(res) for res in out if isinstance(res, BaseException)]
     for res in out:

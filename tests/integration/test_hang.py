@@ -302,3 +302,15 @@ def test_a_hung_rank_that_closed_its_output_gets_a_dump_without_command_lines(sk
     assert re.search(r"thread \d+ \(python3?\): state S", log), log[-3000:]
     assert HF_TOKEN not in log and "--hf-token" not in log, log[-3000:]
     backend.terminate("c")
+
+
+def test_a_watcher_leaves_hangs_to_the_clusters_head_agent() -> None:
+    """On a cluster with node agents the head times the silences (``agent/node.py``): a watcher whose
+    poll says so gives no verdict of its own, however long a rank is silent."""
+    hw = HangWatch(10.0)
+    for at in (0.0, 11.0, 30.0):
+        p = _poll(at, {0: 5, 1: 5})
+        p.head_hangs = 10.0
+        assert hw.hung(p) == []
+    alone = HangWatch(10.0)  # the same polls from a cluster without agents: the watcher's verdict
+    assert alone.hung(_poll(0.0, {0: 5, 1: 5})) == [] and alone.hung(_poll(11.0, {0: 5, 1: 5})) == [0, 1]
