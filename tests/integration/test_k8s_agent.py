@@ -215,7 +215,7 @@ def test_a_dag_on_agent_pods_starts_no_launch_side_watcher_and_still_fails_fast(
     """The seed scenario (the example ``sky_fail_fast``, unchanged) under ``dag.test()`` on pods with python3:
     the job task starts the gang with one call to the head and no launch-side watcher (the head decides
     the gang's fate); rank 2's failure still fails the run with every rank task failed and the cluster
-    torn down. With whole-gang retries the bridge still runs (the retry example on Kubernetes)."""
+    torn down."""
     from integration.test_dag_test import _out, _run, _states
 
     extras = connection_extras(k8s, k8s_python_image)

@@ -129,8 +129,20 @@ def _check_attempt_2(
 
 
 def _lose_local(home: Path) -> None:
-    """A local node is lost as a machine is: its processes die and its directory goes."""
-    for pid, _ in processes_under(home):
+    """A local node is lost as a machine is: its processes die at once and its directory goes. They are
+    stopped first, until a scan finds no new one, then killed: a process killed while its siblings
+    still run could see a child of theirs born after the scan outlive the "machine" (a wrapper forks
+    its watchdog's ``sleep 2`` as its command ends)."""
+    stopped: set[int] = set()
+    while True:
+        new = [pid for pid, _ in processes_under(home) if pid not in stopped]
+        if not new:
+            break
+        for pid in new:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGSTOP)
+            stopped.add(pid)
+    for pid in stopped:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     shutil.rmtree(home)

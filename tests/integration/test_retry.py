@@ -12,6 +12,9 @@ from leaks import bridges, job_processes
 
 from integration.test_dag_test import _load, _out, _run, _states, _xcom
 
+#: dag.test() needs the metadata DB (migrated once per session), whichever module runs first
+pytestmark = pytest.mark.usefixtures("airflow_db")
+
 
 def _run_dag(name: str) -> tuple[Any, dict[tuple[str, int], Any]]:
     """dag.test() of one DAG of tests/dags/sky_test_retry.py (two DAGs in one file)."""

@@ -10,6 +10,9 @@ from airflow_provider_sky.spec import SpecError, load_task_yaml
 from airflow_provider_sky.spec.yamlfile import load_pipeline_yaml
 from unit.test_sky_pipeline import DAGS, PIPELINE
 
+#: dag.test() needs the metadata DB (migrated once per session), whichever module runs first
+pytestmark = pytest.mark.usefixtures("airflow_db")
+
 
 def _module() -> Any:
     import importlib.util
