@@ -834,9 +834,30 @@ class Head:
                     text = why
                 hj.cause = {"rank": r, "code": code, "oom": bool(rec.get("oom")), "node": node, "why": text}
                 self.decide(hj, "failed", text, why)
+            elif self._stopped_on_its_own(hj, rec):
+                # its node stopped it without the head's word (that node lost the head for lost_after):
+                # the rest of the gang stops too, all or nothing, for the reason that node gave
+                text = str(rec.get("why"))
+                hj.cause = {"rank": r, "code": rec.get("code"), "oom": False, "node": node, "why": text}
+                self.decide(hj, "failed", text, text)
         if hj.state == "running" and hj.done():
             ok = all(hj.ranks.get(r, {}).get("code") == 0 for r in hj.node_of)
             hj.state = "succeeded" if ok else "failed"
+
+    @staticmethod
+    def _stopped_on_its_own(hj: HeadJob, rec: dict[str, Any]) -> bool:
+        """A rank its node cancelled while the head had said nothing: not a sibling's fail-fast on that
+        machine (``@rank-failed``: the failing rank's own report decides), not the dead-man's switch."""
+        why = str(rec.get("why") or "")
+        return (
+            hj.state == "running"
+            and hj.cancel is None
+            and rec.get("state") in TERMINAL
+            and rec.get("code") != 0
+            and bool(why)
+            and not rec.get("orphaned")
+            and not RANK_FAILED.fullmatch(why)
+        )
 
     def on_logs(self, node: str, logs: Any) -> None:
         """Log sizes from a node's heartbeat (its own ranks only)."""
@@ -1355,11 +1376,14 @@ class Worker:
         self.chan: Channel | None = None
         self.work: NodeWork  # set by the caller
         self.head_lost = False
+        self.unsent: set = set()  # jobs whose report found no link to the head
 
     def report(self, job: str, recs: list[dict[str, Any]]) -> None:
         chan = self.chan
         if chan is not None:
             self.work._spawn(self._send(chan, {"op": "report", "job": job, "ranks": recs}))
+        else:  # sent again once linked: the next hello may have been read before this change
+            self.unsent.add(job)
 
     async def _send(self, chan: Channel, msg: dict[str, Any]) -> None:
         try:
@@ -1384,6 +1408,12 @@ class Worker:
             if self.head_lost:
                 log.info("The head answers again")
             self.chan = chan
+            # what changed while the link was being made (the hello's records were read before it)
+            unsent, self.unsent = self.unsent, set()
+            for job in unsent:
+                nj = self.work.jobs.get(job)
+                if nj is not None:
+                    self.report(job, list(nj.recs.values()))
             beats = asyncio.ensure_future(self._beats(chan))
             try:
                 while True:

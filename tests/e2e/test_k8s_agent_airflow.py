@@ -5,7 +5,8 @@ A 4-rank gang runs; every process of the Airflow stack is stopped (SIGSTOP: the 
 scheduler and its task processes, the dag-processor, the triggerer with its shared poll, the launch-side
 bridge when there is one), as a stalled or restarting control plane; then rank 3 exits 1. Its siblings
 are gone within seconds (SSH: within a second) with nothing on the Airflow side running; once Airflow
-resumes, the run fails, each rank's task saying why. On Kubernetes the pods have python3, so their node
+resumes, the run fails, each rank's task saying why. The same with only the triggerer killed (SIGKILL)
+during the gang: a new one started after the failure picks the rank triggers up. On Kubernetes the pods have python3, so their node
 agents decide on the head pod; on SSH each host (a loopback address of this machine, its own user and
 home) runs an agent and the head host's decides; on the local backend every node is on one machine,
 whose wrappers cancel their siblings themselves. ``SKY_TEST_AGENT_OFF=1`` runs the Kubernetes and SSH
@@ -162,6 +163,20 @@ def _rank_log(airflow: AirflowStack, dag_id: str, run_id: str, rank: int) -> str
 def test_a_failure_stops_the_siblings_with_airflow_paused_and_the_run_fails_once_resumed(
     stack: Stack, where: str
 ) -> None:
+    _fails_with_airflow_away(stack, where, "paused")
+
+
+@pytest.mark.parametrize("where", ["kubernetes", pytest.param("ssh", marks=needs_sshd)])
+def test_a_failure_stops_the_siblings_with_the_triggerer_killed_and_the_run_fails_once_it_is_back(
+    stack: Stack, where: str
+) -> None:
+    """The triggerer (with its shared poll and every rank's trigger) is killed (SIGKILL) while the gang
+    runs, then rank 3 fails: the head's agent stops the siblings; a new triggerer picks the rank
+    triggers up and the run fails, each rank's task saying why."""
+    _fails_with_airflow_away(stack, where, "triggerer killed")
+
+
+def _fails_with_airflow_away(stack: Stack, where: str, how: str) -> None:
     airflow = stack.airflow
     dag_id = {"kubernetes": "sky_agt_paused", "local": "sky_agt_paused_local", "ssh": "sky_agt_paused_ssh"}[
         where
@@ -241,11 +256,16 @@ def test_a_failure_stops_the_siblings_with_airflow_paused_and_the_run_fails_once
 
         assert sleeping() == 3
 
-        paused = _stack_processes(stack)
-        assert len(paused) >= 4, paused
-        _signal(paused, signal.SIGSTOP)
-        # every watcher is stopped: a bridge that runs (the per-node path) is among them
-        assert {pid for pid, _ in bridges(stack.sky)} <= set(paused), (bridges(stack.sky), paused)
+        paused: list[int] = []
+        if how == "paused":
+            paused = _stack_processes(stack)
+            assert len(paused) >= 4, paused
+            _signal(paused, signal.SIGSTOP)
+            # every watcher is stopped: a bridge that runs (the per-node path) is among them
+            assert {pid for pid, _ in bridges(stack.sky)} <= set(paused), (bridges(stack.sky), paused)
+        else:
+            airflow.kill_service("triggerer")
+            assert not bridges(stack.sky) or stack.agent_off, bridges(stack.sky)
         try:
             t0 = time.monotonic()
             fail()
@@ -261,7 +281,7 @@ def test_a_failure_stops_the_siblings_with_airflow_paused_and_the_run_fails_once
             ends = [_record(end, r) for r in range(4)]
             latency = max(ends[:3]) - ends[3]
             print(
-                f"\n{where}: rank 3 exit -> last sibling gone, Airflow paused: {latency:.2f}s (records), seen {gone_at:.2f}s after the fail file"
+                f"\n{where}: rank 3 exit -> last sibling gone, {how}: {latency:.2f}s (records), seen {gone_at:.2f}s after the fail file"
             )
             assert latency < margin and gone_at < margin + look, (ends, gone_at)
             stopped = [p for p in paused if Path(f"/proc/{p}").exists()]
@@ -269,7 +289,10 @@ def test_a_failure_stops_the_siblings_with_airflow_paused_and_the_run_fails_once
                 Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for p in stopped
             )
         finally:
-            _signal(paused, signal.SIGCONT)
+            if how == "paused":
+                _signal(paused, signal.SIGCONT)
+            else:
+                airflow.start_service("triggerer")
 
         assert airflow.wait_run(dag_id, run_id, timeout=180) == "failed"
         states = {

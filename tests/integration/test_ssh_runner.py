@@ -519,3 +519,63 @@ def test_put_tree_and_put_file(cluster4: SSHDCluster, tmp_path: Path) -> None:
     runner.put_file(src / "sub" / "run.sh", f"{node.home}/abs/run.sh")
     out = runner.run_script("stat -c %a ~/x/y/z.txt ~/abs/run.sh && cat ~/x/y/z.txt").text
     assert out.splitlines() == ["600", "755", "alpha"]
+
+
+# ------------------------------------------------------------------------------------------- the relay
+
+
+def test_a_relay_flooded_with_silent_clients_leaves_the_hosts_sessions_to_other_calls(
+    make_cluster: Callable[..., SSHDCluster],
+) -> None:
+    """An EC2 head's agent is reached through a relay (an SSH session per connection). 12 local clients
+    connect and say nothing, more than sshd's MaxSessions (10): the relay holds a few sessions at most,
+    so a script on the host still runs at once, and each held session is freed as soon as the node's
+    side drops its silent client (the agent does after its 5 s handshake; this server after 1 s)."""
+    from airflow_provider_sky.runners.ssh.relay import MAX_RELAYED, Relay
+
+    cluster = make_cluster(1)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=one, args=(conn,), daemon=True).start()
+
+    def one(conn: socket.socket) -> None:  # echo; a client silent for 1 s is dropped
+        with conn:
+            conn.settimeout(1.0)
+            try:
+                while data := conn.recv(4096):
+                    conn.sendall(data)
+            except OSError:
+                pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    runner = SSHRunner(cluster.node_config(0))
+    relay = Relay(runner, port)
+    clients = [socket.create_connection(relay.address, 5) for _ in range(12)]
+    try:
+        time.sleep(0.5)
+        with ThreadPoolExecutor(1) as pool:
+            t0 = time.monotonic()
+            assert pool.submit(runner.run_script, "echo ok").result(timeout=10).text == "ok\n"
+            assert time.monotonic() - t0 < 5.0  # not behind the silent clients
+        # the node's side dropped them: their sessions are free, and a client that speaks gets through
+        for c in clients[:MAX_RELAYED]:
+            c.settimeout(5)
+            assert c.recv(1) == b""
+        talker = socket.create_connection(relay.address, 5)
+        talker.settimeout(15)  # past the silent ones still waiting for a session (1 s each)
+        talker.sendall(b"ping")
+        assert talker.recv(4) == b"ping"
+        talker.close()
+    finally:
+        for c in clients:
+            c.close()
+        relay.close()
+        server.close()
+        runner.close()

@@ -20,6 +20,14 @@ from airflow_provider_sky.runners.ssh.runner import SSHRunner
 
 log = logging.getLogger(__name__)
 
+#: relayed connections at once: each holds one of the host connection's SSH sessions (sshd allows
+#: ``MaxSessions``, 10 by default, and the runner as many), so local clients that open many and say
+#: nothing (the head drops them after its 5 s handshake) never take the sessions the control plane's
+#: other calls to that host need
+MAX_RELAYED = 4
+#: seconds a connection past them waits for one to end before it is closed
+RELAY_WAIT = 10.0
+
 #: the node's side: stdin -> 127.0.0.1:PORT -> stdout, until either side closes
 _NODE_SIDE = """import os, socket, sys, threading
 s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10)
@@ -56,6 +64,7 @@ class Relay:
         self._sock.listen(64)
         self.port: int = self._sock.getsockname()[1]
         self._closed = threading.Event()
+        self._slots = threading.BoundedSemaphore(min(MAX_RELAYED, max(1, runner.config.max_sessions // 2)))
         threading.Thread(target=self._accept, daemon=True, name=f"ssh-relay-{self.port}").start()
 
     @property
@@ -72,6 +81,15 @@ class Relay:
 
     def _serve(self, conn: socket.socket) -> None:
         command = f"python3 -c {shlex.quote(_NODE_SIDE)} {int(self.node_port)}"
+        if not self._slots.acquire(timeout=RELAY_WAIT):
+            log.info(
+                "relay to %s port %s: %d connections relayed already",
+                self.runner.host,
+                self.node_port,
+                MAX_RELAYED,
+            )
+            conn.close()
+            return
         try:
             with conn, self.runner.stream(command) as chan:
                 down = threading.Thread(target=_copy_down, args=(chan, conn), daemon=True)
@@ -86,6 +104,8 @@ class Relay:
                 down.join()
         except Exception as exc:  # the client sees its connection closed and says so
             log.info("relay to %s port %s: %s", self.runner.host, self.node_port, exc)
+        finally:
+            self._slots.release()
 
     def close(self) -> None:
         self._closed.set()
@@ -103,5 +123,7 @@ def _copy_down(chan: Any, conn: socket.socket) -> None:
     except OSError:
         pass
     finally:
+        # both ways: the node's side closed (the agent dropped the connection), so the relay's read of
+        # a client that says nothing ends too, and its session is freed
         with contextlib.suppress(OSError):
-            conn.shutdown(socket.SHUT_WR)
+            conn.shutdown(socket.SHUT_RDWR)
