@@ -374,6 +374,12 @@ def a_partition_between_a_worker_and_the_head_stops_the_gang_on_both_sides(a: Ag
     assert "head node lost" in states[N - 1][1], states
 
 
+IDS = {
+    "hostile_clients_leave_the_head_serving": "hostile",
+    "a_lost_worker_agent_fails_the_gang_and_its_ranks_stop_once_it_answers": "lost-worker",
+    "a_lost_head_agent_makes_every_worker_stop_its_ranks": "lost-head",
+    "a_partition_between_a_worker_and_the_head_stops_the_gang_on_both_sides": "partition",
+}
 CASES = [
     hostile_clients_leave_the_head_serving,
     a_lost_worker_agent_fails_the_gang_and_its_ranks_stop_once_it_answers,
@@ -381,7 +387,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__.split("_")[0 if f.__name__[1] != "_" else 2])
+@pytest.mark.parametrize("case", CASES, ids=lambda f: IDS[f.__name__])
 def test_agents_on_hosts(host_agents: Agents, case: Callable[[Agents, str], None]) -> None:
     case(host_agents, f"j{CASES.index(case)}")
 
@@ -394,7 +400,7 @@ def test_a_partition_on_hosts(host_agents: Agents) -> None:
 @pytest.mark.parametrize(
     "case",
     [*CASES, a_partition_between_a_worker_and_the_head_stops_the_gang_on_both_sides],
-    ids=lambda f: f.__name__.split("_")[0 if f.__name__[1] != "_" else 2],
+    ids=lambda f: IDS[f.__name__],
 )
 def test_agents_on_pods(pod_agents: Agents, case: Callable[[Agents, str], None]) -> None:
     pod_agents.wait_joined()  # a case before may have cut one off
