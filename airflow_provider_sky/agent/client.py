@@ -297,19 +297,23 @@ class AgentClient:
         grace: float = 3.0,
         orphan_timeout: float = 0.0,
         hang_timeout: float = 0.0,
+        lost_after: float = 0.0,
         attempt_of: str = "",
         timeout: float = 120.0,
     ) -> StartResult:
         """Start the gang: one call; the head has every node's agent run its launch script. Raises
         :class:`AgentUnreachable` (nothing started) when a node's agent is not connected to the head.
 
-        ``hang_timeout``: the head dumps and fails ranks silent that long. ``attempt_of``: this is a
-        later attempt of that job (whole-gang retries): the head gives it that job's dead-man's switch
-        and hang watch."""
+        ``hang_timeout``: the head dumps and fails ranks silent that long. ``lost_after``: a node not
+        heard from that long is lost, and a node that did not hear from the head that long stops the
+        job's ranks (0: the agents' own). ``attempt_of``: this is a later attempt of that job (whole-gang
+        retries): the head gives it that job's dead-man's switch, hang watch and ``lost_after``."""
         runtime.check_job_id(job_id)
         args: dict[str, Any] = {}
         if hang_timeout > 0:
             args.update(hang_timeout=float(hang_timeout), dump_script=DUMP_SCRIPT)
+        if lost_after > 0:
+            args["lost_after"] = float(lost_after)
         if attempt_of:
             args["attempt_of"] = runtime.check_job_id(attempt_of)
         reply = await self.call(

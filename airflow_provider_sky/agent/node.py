@@ -326,9 +326,11 @@ class NodeJob:
         grace: float,
         cancel_script: str,
         dump_script: str = "",
+        lost_after: float = 0.0,
     ):
         self.job = job
         self.dump_script = dump_script  # the node runtime's stack dump of hung ranks (hang_timeout)
+        self.lost_after = lost_after  # the head silent this long: the job's ranks stop (0: the agent's)
         self.dirs = {int(r): os.path.join(str(root), "jobs", job, str(int(r))) for root, r in ranks}
         self.roots = {int(r): str(root) for root, r in ranks}
         self.flag, self.grace, self.cancel_script = flag, grace, cancel_script
@@ -367,10 +369,11 @@ class NodeWork:
         grace: float,
         cancel_script: str,
         dump_script: str = "",
+        lost_after: float = 0.0,
     ) -> NodeJob:
         nj = self.jobs.get(job)
         if nj is None:
-            nj = self.jobs[job] = NodeJob(job, ranks, flag, grace, cancel_script, dump_script)
+            nj = self.jobs[job] = NodeJob(job, ranks, flag, grace, cancel_script, dump_script, lost_after)
             done = [j for j, x in self.jobs.items() if x.done]
             for j in done[: max(0, len(self.jobs) - MAX_JOBS)]:
                 del self.jobs[j]  # the oldest finished: every hello carries the state of the rest
@@ -386,6 +389,7 @@ class NodeWork:
             float(msg["grace"]),
             msg["cancel_script"],
             str(msg.get("dump_script") or ""),
+            float(msg.get("lost_after") or 0),
         )
 
     async def run(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -600,11 +604,19 @@ class NodeWork:
             if rc != 0:
                 log.warning("The stack dump of job %s ranks %s ended with %s: %s", job, ranks, rc, out[-500:])
 
-    def stop_all(self, reason: str) -> None:
-        """The head is lost: every job still running here is stopped (all or nothing)."""
+    def stop_lost(self, silent: float, lost_after: float) -> bool:
+        """The head has been silent for ``silent`` seconds: every job still running here whose
+        ``lost_after`` (else the agent's) has passed is stopped (all or nothing). Whether one was."""
+        stopped = False
         for job, nj in self.jobs.items():
-            if not nj.done:
-                self.cancel(job, reason)
+            limit = nj.lost_after or lost_after
+            if not nj.done and silent >= limit:
+                stopped = True
+                if nj.cancel is None:
+                    self.cancel(
+                        job, f"the head node's agent stopped answering for {limit:.0f}s (head node lost)"
+                    )
+        return stopped
 
     def state(self) -> dict[str, list[dict[str, Any]]]:
         return {job: list(nj.recs.values()) for job, nj in self.jobs.items()}
@@ -787,6 +799,7 @@ class HeadJob:
         self.hang_at: float | None = None  # the head's last hang check
         self.hanging = False  # hung ranks found: their stacks are being dumped, then the gang fails
         self.dump_script = ""  # the node runtime's stack dump, run by the hung ranks' agents
+        self.lost_after = 0.0  # a node not heard from this long is lost (set by the start)
         self.dumps: dict[str, asyncio.Future[None]] = {}  # node -> its answer to the dump
 
     def done(self) -> bool:
@@ -956,11 +969,13 @@ class Head:
             self.work._spawn(link.send(msg))
 
     # links
-    def up(self, node: str) -> bool:
+    def up(self, node: str, within: float = 0.0) -> bool:
+        """Whether the head heard from ``node`` within ``within`` seconds (0: the agent's lost_after)."""
         link = self.links.get(node)
         if link is None:
             return False
-        return (link.chan is None and node == self.node) or time.monotonic() - link.heard < self.lost_after
+        limit = within or self.lost_after
+        return (link.chan is None and node == self.node) or time.monotonic() - link.heard < limit
 
     def attach(self, node: str, chan: Channel, state: dict[str, Any]) -> Link:
         old = self.links.get(node)
@@ -986,9 +1001,9 @@ class Head:
                 hj.tails.clear()  # a finished job's windows (a lost node's ranks never report an end)
             if hj.state == "running":
                 for node in hj.nodes:
-                    if node not in hj.lost and not self.up(node):
+                    if node not in hj.lost and not self.up(node, hj.lost_after):
                         link = self.links.get(node)
-                        heard = now - link.heard if link else self.lost_after
+                        heard = now - link.heard if link else hj.lost_after
                         hj.lost[node] = f"its agent stopped answering for {heard:.0f}s"
                         ranks = ",".join(str(r) for r in hj.nodes[node])
                         reason = f"node {node} (ranks {ranks}) lost: {hj.lost[node]}"
@@ -1107,14 +1122,16 @@ class Head:
             float(msg.get("hang_timeout") or 0),
         )
         dump_script = str(msg.get("dump_script") or "")
+        # a node silent this long is lost (never below two heartbeats)
+        lost_after = max(2 * self.beat, float(msg.get("lost_after") or self.lost_after))
         first = self.jobs.get(str(msg.get("attempt_of") or ""))
         if first is not None:
-            # a later attempt of a gang (whole-gang retries): its first attempt's dead-man's switch
-            # and hang watch, which the watcher starting it does not know
+            # a later attempt of a gang (whole-gang retries): its first attempt's dead-man's switch,
+            # hang watch and lost_after, which the watcher starting it does not know
             orphan_timeout, hang_timeout = first.orphan_timeout, first.hang_timeout
-            dump_script = first.dump_script
+            dump_script, lost_after = first.dump_script, first.lost_after
         hj = HeadJob(job, plan, orphan_timeout, now, hang_timeout if dump_script else 0.0)
-        hj.dump_script = dump_script
+        hj.dump_script, hj.lost_after = dump_script, lost_after
         self.jobs[job] = hj
         self._forget()
         loop = asyncio.get_running_loop()
@@ -1124,6 +1141,7 @@ class Head:
             "grace": float(msg.get("grace", 3.0)),
             "cancel_script": msg["cancel_script"],
             "dump_script": dump_script,
+            "lost_after": lost_after,
         }
         for node, p in plan.items():
             run = {
@@ -1467,13 +1485,10 @@ class Worker:
         while True:
             await asyncio.sleep(min(self.beat, self.lost_after / 4))
             silent = time.monotonic() - self.heard
-            if silent >= self.lost_after:
+            if self.work.stop_lost(silent, self.lost_after) or silent >= self.lost_after:
                 if not self.head_lost:
                     log.warning("The head has been silent for %.1fs: stopping this node's ranks", silent)
                 self.head_lost = True
-                self.work.stop_all(
-                    f"the head node's agent stopped answering for {self.lost_after:.0f}s (head node lost)"
-                )
             else:
                 self.head_lost = False
 

@@ -164,6 +164,7 @@ class SkyJobOperator(WatchFields, SkySpecMixin, ResumableJobMixin, BaseOperator)
                     idle_down=idle_down_for(self.idle_down, spec),
                     grace=float(self.grace),
                     hang_timeout=float(self.hang_timeout or 0),
+                    lost_after=float(self.lost_after),
                 )
                 self.log.info("Started: %s", started)
                 if job_id in client.agent_jobs:

@@ -265,6 +265,7 @@ async def serve(req: BridgeRequest, answer: Callable[[dict[str, Any]], None]) ->
                     idle_down=req.idle_down,
                     grace=req.grace,
                     hang_timeout=req.hang_timeout,
+                    lost_after=req.lost_after,
                 )
             except LaunchError as exc:
                 message = spec.redacted(str(exc))

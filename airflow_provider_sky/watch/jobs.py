@@ -214,6 +214,7 @@ class GangClient:
         idle_down: float,
         grace: float,
         hang_timeout: float = 0.0,
+        lost_after: float = 0.0,
     ) -> dict[int, str]:
         """The gang start through the head: one call; every node's agent runs that node's launch
         script (the one the per-node path runs). The dead-man's switch and the hang watch move to the
@@ -232,6 +233,7 @@ class GangClient:
             grace=grace,
             orphan_timeout=orphan_timeout,
             hang_timeout=hang_timeout,
+            lost_after=lost_after,
             timeout=60 + len(launches) / 8,
         )
         errors = res.errors()
@@ -401,6 +403,7 @@ class GangClient:
         idle_down: float = 0,
         grace: float = 3.0,
         hang_timeout: float = 0.0,
+        lost_after: float = 0.0,
     ) -> dict[int, str]:
         """Start every rank at once. Returns rank → ``STARTED``/``EXISTS``/``CANCELLED``.
 
@@ -410,15 +413,15 @@ class GangClient:
         failed, root cause included. A launch that fails cancels every rank and raises
         :class:`LaunchError`. ``orphan_timeout``: the nodes kill the job when nothing polled it for
         that long (0: never). ``idle_down``: the nodes tear the cluster down once nothing ran on it
-        for that long (0: never). ``hang_timeout``: on a cluster with node agents the head finds hung
-        ranks (elsewhere the watchers do).
+        for that long (0: never). ``hang_timeout``, ``lost_after``: on a cluster with node agents the
+        head finds hung ranks and lost nodes by them (elsewhere the watchers do).
         """
         runtime.check_job_id(job_id)
         agent = await self.agent()
         if agent is not None:
             try:
                 return await self._agent_launch(
-                    agent, spec, job_id, stage, orphan_timeout, idle_down, grace, hang_timeout
+                    agent, spec, job_id, stage, orphan_timeout, idle_down, grace, hang_timeout, lost_after
                 )
             except AgentUnreachable as exc:  # the launch scripts are idempotent: ranks started say EXISTS
                 self._agent_down(exc)
