@@ -181,10 +181,11 @@ def _fails_with_airflow_away(stack: Stack, where: str, how: str) -> None:
     dag_id = {"kubernetes": "sky_agt_paused", "local": "sky_agt_paused_local", "ssh": "sky_agt_paused_ssh"}[
         where
     ]
+    name = f"agt-fail-{how.replace(' ', '-')}"  # one per case: a file left by the one before fails at once
     fail_file = {
-        "kubernetes": "/tmp/agt-fail",
-        "local": str(stack.base / "agt-fail"),
-        "ssh": str(stack.shared / "agt-fail"),
+        "kubernetes": f"/tmp/{name}",
+        "local": str(stack.base / name),
+        "ssh": str(stack.shared / name),
     }[where]
     margin = SSH_GONE_MARGIN if where == "ssh" else GONE_MARGIN
     # what the look below adds to it: an exec per pod on Kubernetes; on this machine rank 3's own look

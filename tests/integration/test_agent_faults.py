@@ -49,8 +49,8 @@ from airflow_provider_sky.watch.jobs import GangClient
 pytestmark = needs_sshd
 
 N = 3
-#: the agents' lost_after (``agent_args``' default: 10 s)
-LOST_AFTER = 10.0
+#: the gangs' lost_after (the operator's, which the head and the agents apply: 10 s by default)
+LOST_AFTER = 3.0
 #: past lost_after before a case gives up: the verdict is one housekeeping tick (1 s) and one message,
 #: each node's cancel then takes its grace; 5 s more for a machine shared with other suites
 MARGIN = 8.0
@@ -242,7 +242,7 @@ def hostile_clients_leave_the_head_serving(a: Agents, job: str) -> None:
 
 def a_lost_worker_agent_fails_the_gang_and_its_ranks_stop_once_it_answers(a: Agents, job: str) -> None:
     c = a.client()
-    c.launch(task_from_args(num_nodes=N, run=SLEEP), job, grace=1.0)
+    c.launch(task_from_args(num_nodes=N, run=SLEEP), job, grace=1.0, lost_after=LOST_AFTER)
     _wait(lambda: {s for s, _ in _states(c, job).values()} == {"running"}, 30, "every rank running")
     node = a.handle.nodes[N - 1].node_id
     with _stopped(a.pid(N - 1)):
@@ -265,7 +265,7 @@ def a_lost_worker_agent_fails_the_gang_and_its_ranks_stop_once_it_answers(a: Age
 
 def a_lost_head_agent_makes_every_worker_stop_its_ranks(a: Agents, job: str) -> None:
     c = a.client()
-    c.launch(task_from_args(num_nodes=N, run=SLEEP), job, grace=1.0)
+    c.launch(task_from_args(num_nodes=N, run=SLEEP), job, grace=1.0, lost_after=LOST_AFTER)
     _wait(lambda: {s for s, _ in _states(c, job).values()} == {"running"}, 30, "every rank running")
     with _stopped(a.pid(0)):
         # the head does not answer: the client reads the gang the per-node way meanwhile
@@ -354,7 +354,7 @@ def _partitioned(a: Agents, i: int) -> Iterator[None]:
 
 def a_partition_between_a_worker_and_the_head_stops_the_gang_on_both_sides(a: Agents, job: str) -> None:
     c = a.client()
-    c.launch(task_from_args(num_nodes=N, run=SLEEP), job, grace=1.0)
+    c.launch(task_from_args(num_nodes=N, run=SLEEP), job, grace=1.0, lost_after=LOST_AFTER)
     _wait(lambda: {s for s, _ in _states(c, job).values()} == {"running"}, 30, "every rank running")
     node = a.handle.nodes[N - 1].node_id
     with _partitioned(a, N - 1):
@@ -369,7 +369,7 @@ def a_partition_between_a_worker_and_the_head_stops_the_gang_on_both_sides(a: Ag
         assert time.monotonic() - t0 >= LOST_AFTER - 1.5
         for r in range(N - 1):
             assert f"node {node} (ranks {N - 1}) lost" in states[r][1], states
-        time.sleep(3)  # the cut-off worker heard nothing from the head as long: it stopped its rank too
+        time.sleep(LOST_AFTER)  # the cut-off worker heard nothing from the head as long: it stopped its rank
     states = _until(c, job, lambda st: st[N - 1][0] == "cancelled", 20, "the worker's own stop")
     assert "head node lost" in states[N - 1][1], states
 
