@@ -459,6 +459,8 @@ class ExitTracker(threading.Thread):
         self.limit = limit
         self.scanner = Scanner(job_id, fail_cmd)
         self.stop_flag = threading.Event()
+        #: every process tracked was seen, and each has ended
+        self.done = threading.Event()
         self.known: set[int] = set()
         self.sibling_ranks: set[int] = set()
         self.fail_seen = False
@@ -515,6 +517,8 @@ class ExitTracker(threading.Thread):
                     self._ep.unregister(fd)
                     os.close(fd)
                     self._gone(proc, at)
+                if self._complete() and not self._fds:
+                    self.done.set()
                 if time.monotonic() > deadline:
                     self.error = f"still tracking after {self.limit:g}s"
                     return
@@ -686,10 +690,25 @@ async def _to_end(client: Any, job_id: str, polls: list[Any]) -> None:
         polls.append(poll)
 
 
-def ours_failfast(client: Any, n: int, log: Log, after: int = FAIL_AFTER) -> dict[str, Any]:
+async def _unwatched(client: Any, job_id: str, tracker: Any, polls: list[Any]) -> None:
+    """Nothing polls (Airflow away: on the agent path the head alone stops the siblings) until the
+    tracker saw every process of the gang end; then one look at a time until every rank is terminal."""
+    while not tracker.done.is_set():
+        await asyncio.sleep(0.1)
+    while True:
+        poll = await client.apoll(job_id, max_log=0)
+        polls.append(poll)
+        if all(r.terminal for r in poll.status.ranks):
+            return
+        await asyncio.sleep(0.5)
+
+
+def ours_failfast(
+    client: Any, n: int, log: Log, after: int = FAIL_AFTER, watched: bool = True
+) -> dict[str, Any]:
     """Rank N-1 ``sleep 2; exit 1`` (``after`` seconds), the others ``sleep 10000``: launch, then
     ``watch.watch`` to the end (given up after :data:`WATCH_LIMIT`: an invalid sample saying what the
-    watch saw)."""
+    watch saw). ``watched`` False: nothing polls until the siblings are gone (Airflow away)."""
     from airflow_provider_sky.spec import task_from_args
     from airflow_provider_sky.watch.jobs import GangClient
 
@@ -714,7 +733,8 @@ def ours_failfast(client: Any, n: int, log: Log, after: int = FAIL_AFTER) -> dic
         words = client.launch(spec, job)
         launch_end = time.time()
         try:
-            asyncio.run(asyncio.wait_for(_to_end(client, job, polls), WATCH_LIMIT))
+            until = _to_end(client, job, polls) if watched else _unwatched(client, job, tracker, polls)
+            asyncio.run(asyncio.wait_for(until, WATCH_LIMIT))
         except asyncio.TimeoutError:
             ended = False
     finally:
@@ -1211,7 +1231,7 @@ def run_agent(plan: Any, log: Log, ns: tuple[int, ...] = ()) -> list[Row]:
             try:
                 for n in sizes:
                     got: dict[str, list[Any]] = {
-                        k: [] for k in ("prov", "start", "kstart", "ff", "ffr", "steady")
+                        k: [] for k in ("prov", "start", "kstart", "ff", "ffr", "ffq", "steady")
                     }
                     for i in range(reps):
                         name = f"bench-agt{n}-{i}"
@@ -1229,6 +1249,7 @@ def run_agent(plan: Any, log: Log, ns: tuple[int, ...] = ()) -> list[Row]:
                                 ("kstart", kubectl_start, (cl, pods, n, log)),
                                 ("ff", ours_failfast, (client, n, log)),
                                 ("ffr", ours_failfast, (client, n, log, _after_start(n))),
+                                ("ffq", ours_failfast, (client, n, log, _after_start(n), False)),
                                 ("steady", _steady_calls, (client, n, log)),
                             ):
                                 try:
@@ -1261,6 +1282,7 @@ def _agent_rows(n: int, got: dict[str, list[Any]], info: dict[str, Any]) -> list
     ]
     gone = col("ff", "gone")
     gone_running = col("ffr", "gone")
+    gone_alone = col("ffq", "gone")
     calls = col("steady", "total_per_s")
     return [
         Row(
@@ -1307,6 +1329,16 @@ def _agent_rows(n: int, got: dict[str, list[Any]], info: dict[str, Any]) -> list
             (bool(gone_running) and statistics.median(gone_running) < 0.5) if n >= 128 else None,
             note=f"rank N-1 fails {_after_start(n)} s after its start",
             extra={"samples": got["ffr"]},
+        ),
+        Row(
+            "6a fail-fast, every rank running, nothing polling (Airflow away): exit -> last sibling gone",
+            n,
+            gone_alone,
+            "s",
+            "< 1 s",
+            bool(gone_alone) and statistics.median(gone_alone) < 1.0,
+            note="no status call until the siblings are gone: the head's agent alone stops them",
+            extra={"samples": got["ffq"]},
         ),
         Row("6a stop N sleeps: cancel (one call) -> gone", n, col("start", "cancel_gone")),
         Row(
