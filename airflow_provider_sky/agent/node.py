@@ -869,7 +869,7 @@ class Head:
             and rec.get("code") != 0
             and bool(why)
             and not rec.get("orphaned")
-            and not RANK_FAILED.fullmatch(why)
+            and not why.startswith("@rank-failed")
         )
 
     def on_logs(self, node: str, logs: Any) -> None:
