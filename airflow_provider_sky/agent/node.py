@@ -90,6 +90,8 @@ JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,180}")
 NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,120}")
 
 TERMINAL = ("exited", "badexit", "lost")
+#: how a worker's reason for stopping its ranks ends when it lost the head
+HEAD_LOST = "(head node lost)"
 #: a hung rank's reason (and its siblings' cancel) starts so (``gang.classify`` reads it)
 HUNG_PREFIX = "hung: "
 #: seconds the head waits for the hung ranks' stack dumps before it cancels the gang
@@ -613,9 +615,7 @@ class NodeWork:
             if not nj.done and silent >= limit:
                 stopped = True
                 if nj.cancel is None:
-                    self.cancel(
-                        job, f"the head node's agent stopped answering for {limit:.0f}s (head node lost)"
-                    )
+                    self.cancel(job, f"the head node's agent stopped answering for {limit:.0f}s {HEAD_LOST}")
         return stopped
 
     def state(self) -> dict[str, list[dict[str, Any]]]:
@@ -847,7 +847,7 @@ class Head:
                     text = why
                 hj.cause = {"rank": r, "code": code, "oom": bool(rec.get("oom")), "node": node, "why": text}
                 self.decide(hj, "failed", text, why)
-            elif self._stopped_on_its_own(hj, rec):
+            elif self._lost_the_head(hj, rec):
                 # its node stopped it without the head's word (that node lost the head for lost_after):
                 # the rest of the gang stops too, all or nothing, for the reason that node gave
                 text = str(rec.get("why"))
@@ -858,18 +858,15 @@ class Head:
             hj.state = "succeeded" if ok else "failed"
 
     @staticmethod
-    def _stopped_on_its_own(hj: HeadJob, rec: dict[str, Any]) -> bool:
-        """A rank its node cancelled while the head had said nothing: not a sibling's fail-fast on that
-        machine (``@rank-failed``: the failing rank's own report decides), not the dead-man's switch."""
-        why = str(rec.get("why") or "")
+    def _lost_the_head(hj: HeadJob, rec: dict[str, Any]) -> bool:
+        """A rank its own agent stopped for a lost head while the head had decided nothing (the head was
+        stopped or cut off). Other cancels the head did not give (a teardown of some nodes, a per-node
+        cancel from the control plane) are theirs to finish, not a verdict on the whole gang."""
         return (
             hj.state == "running"
             and hj.cancel is None
             and rec.get("state") in TERMINAL
-            and rec.get("code") != 0
-            and bool(why)
-            and not rec.get("orphaned")
-            and not why.startswith("@rank-failed")
+            and str(rec.get("why") or "").endswith(HEAD_LOST)
         )
 
     def on_logs(self, node: str, logs: Any) -> None:
