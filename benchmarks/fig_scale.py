@@ -126,7 +126,7 @@ class LocalClusters:
 
         forget_finished_pids(self.state_dir)  # see common.forget_finished_pids: teardown kills reused pids
         backend = LocalBackend(self.state_dir)
-        names = sorted(p.stem for p in backend.records.glob("*.json"))
+        names = sorted(p.stem for p in backend.records_dir.glob("*.json"))
         for name in names:
             with contextlib.suppress(Exception):
                 backend.terminate(name, grace=0.5)
