@@ -109,40 +109,28 @@ def test_the_gangs_lost_after_is_what_the_head_and_the_workers_wait(sky_home: Pa
     """``lost_after=3`` on the gang (the operator's): a worker's agent stopped is lost after 3 s, not
     after the agents' own 10 s; then, the head's agent stopped, a worker stops the next gang's ranks
     after 3 s too."""
-    import os
-    import signal
-
-    from integration.test_agent_faults import Agents
+    from integration.test_agent_faults import Agents, _stopped
 
     b = LocalBackend(sky_home, node_agent=True)
     h = b.provision("la", task_from_args(num_nodes=3, run="true"))
     a = Agents("local", b, h)
     c = GangClient(b, h)
-    try:
-        c.launch(task_from_args(num_nodes=3, run="sleep 10000"), "w", grace=1.0, lost_after=3.0)
+
+    def lost(job: str, node: int, others: range) -> float:
+        """Seconds from node ``node``'s agent stopped to every rank of ``others`` ended."""
+        c.launch(task_from_args(num_nodes=3, run="sleep 10000"), job, grace=1.0, lost_after=3.0)
         time.sleep(1.0)
-        worker = a.pid(2)
-        os.kill(worker, signal.SIGSTOP)
-        try:
+        with _stopped(a.pid(node)):
             t0 = time.monotonic()
-            assert _ended(b, h.nodes, "w", range(2), 3.0 + MARGIN)
-            took = time.monotonic() - t0
-        finally:
-            os.kill(worker, signal.SIGCONT)
+            assert _ended(b, h.nodes, job, others, 3.0 + MARGIN)
+            return time.monotonic() - t0
+
+    try:
+        took = lost("w", 2, range(2))
         print(f"\nlost_after 3 s: a worker's agent stopped -> the others cancelled after {took:.1f} s")
         assert 2.0 <= took < 3.0 + MARGIN, took
         assert "node node-2 (ranks 2) lost" in c.peek("w").by_rank(0).reason
-
-        c.launch(task_from_args(num_nodes=3, run="sleep 10000"), "h", grace=1.0, lost_after=3.0)
-        time.sleep(1.0)
-        head = a.pid(0)
-        os.kill(head, signal.SIGSTOP)
-        try:
-            t0 = time.monotonic()
-            assert _ended(b, h.nodes, "h", range(1, 3), 3.0 + MARGIN)
-            took = time.monotonic() - t0
-        finally:
-            os.kill(head, signal.SIGCONT)
+        took = lost("h", 0, range(1, 3))
         assert 2.0 <= took < 3.0 + MARGIN, took
         why = Path(h.nodes[1].root, "jobs", "h", "1", "cancel").read_text()
         assert "stopped answering for 3s (head node lost)" in why, why

@@ -41,7 +41,6 @@ from airflow_provider_sky.backends.base import Backend, ClusterHandle
 from airflow_provider_sky.backends.local import LocalBackend
 from airflow_provider_sky.backends.nodeagents import endpoint
 from airflow_provider_sky.backends.registry import by_kind
-from airflow_provider_sky.backends.ssh import SSHBackend
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.spec import task_from_args
 from airflow_provider_sky.watch.jobs import GangClient
@@ -128,14 +127,7 @@ def host_agents(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Agen
         return
     if request.param == "ssh":
         c: SSHDCluster = request.getfixturevalue("sshd_hosts")
-        b = SSHBackend(
-            c.host_list(),
-            user="",
-            key_file=c.client_key_path,
-            known_hosts=c.known_hosts_path,
-            connect_timeout=5.0,
-            ready_timeout=5.0,
-        )
+        b = c.ssh_backend()
     else:
         m = request.getfixturevalue("moto")
         request.getfixturevalue("net")

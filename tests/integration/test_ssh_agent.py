@@ -33,15 +33,7 @@ LOST_MARGIN = 10.0 + FAILFAST_MARGIN
 
 
 def _backend(c: SSHDCluster, **kw: Any) -> SSHBackend:
-    args: dict[str, Any] = {
-        "user": "",
-        "key_file": c.client_key_path,
-        "known_hosts": c.known_hosts_path,
-        "connect_timeout": 5.0,
-        "ready_timeout": 5.0,
-    }
-    args.update(kw)
-    return SSHBackend(c.host_list(), **args)
+    return c.ssh_backend(**kw)
 
 
 def _procs(c: SSHDCluster, pattern: str) -> dict[int, list[int]]:

@@ -24,16 +24,7 @@ pytestmark = needs_sshd
 
 
 def _backend(c: SSHDCluster, **kw: Any) -> SSHBackend:
-    args: dict[str, Any] = {
-        "user": "",
-        "key_file": c.client_key_path,
-        "known_hosts": c.known_hosts_path,
-        "connect_timeout": 5.0,
-        "ready_timeout": 5.0,
-    }
-    args.update(kw)
-    hosts = args.pop("hosts", c.host_list())
-    return SSHBackend(hosts, **args)
+    return c.ssh_backend(**kw)
 
 
 def _user_procs(c: SSHDCluster, pattern: str) -> list[int]:

@@ -50,15 +50,7 @@ def gpu_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHDCluster]
 
 
 def _backend(c: SSHDCluster, **kw: Any) -> SSHBackend:
-    args: dict[str, Any] = {
-        "user": "",
-        "key_file": c.client_key_path,
-        "known_hosts": c.known_hosts_path,
-        "connect_timeout": 5.0,
-        "ready_timeout": 5.0,
-    }
-    args.update(kw)
-    return SSHBackend(args.pop("hosts", c.host_list()), **args)
+    return c.ssh_backend(**kw)
 
 
 def _wait(client: GangClient, job_id: str) -> Any:

@@ -35,11 +35,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import pytest
 
 from airflow_provider_sky.runners.ssh import HostUnreachable, SSHNodeConfig, wait_for_ssh
+
+if TYPE_CHECKING:
+    from airflow_provider_sky.backends.ssh import SSHBackend
 
 #: The sshd binary (sshd wants an absolute path). ``SKY_TEST_SSHD`` overrides it; a path that does not
 #: exist plays a machine without openssh-server (how the missing-tools summary is checked).
@@ -351,6 +354,21 @@ class SSHDCluster:
     def host_list(self) -> list[str]:
         """``user@host:port`` of every node, head first: the hosts of a ``sky_ssh`` connection."""
         return [f"{n.user}@{n.host}:{n.port}" for n in self.nodes]
+
+    def ssh_backend(self, hosts: list[str] | None = None, **overrides: Any) -> SSHBackend:
+        """An ``SSHBackend`` over these hosts (``hosts``: some of them) with the test client key, its
+        known_hosts and short timeouts; ``overrides`` are the backend's own arguments."""
+        from airflow_provider_sky.backends.ssh import SSHBackend
+
+        args: dict[str, Any] = {
+            "user": "",
+            "key_file": self.client_key_path,
+            "known_hosts": self.known_hosts_path,
+            "connect_timeout": 5.0,
+            "ready_timeout": 5.0,
+            **overrides,
+        }
+        return SSHBackend(self.host_list() if hosts is None else hosts, **args)
 
     def sky_ssh_connection(self, **extra_fields: Any) -> str:
         """A ``sky_ssh`` connection over every node, as JSON for an ``AIRFLOW_CONN_*`` variable."""
