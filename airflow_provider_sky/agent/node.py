@@ -363,19 +363,11 @@ class NodeWork:
         self.shipped: dict[tuple[str, int], int] = {}  # (job, rank) -> log bytes shipped to the head
         self._ship_first = 0  # where the next beat's shipping starts (ranks past SHIP_BEAT go first)
 
-    def add(
-        self,
-        job: str,
-        ranks: list[list[Any]],
-        flag: str,
-        grace: float,
-        cancel_script: str,
-        dump_script: str = "",
-        lost_after: float = 0.0,
-    ) -> NodeJob:
+    def add(self, job: str, *args: Any, **kwargs: Any) -> NodeJob:
+        """The job, made with :class:`NodeJob`'s arguments the first time (a known job stays as it is)."""
         nj = self.jobs.get(job)
         if nj is None:
-            nj = self.jobs[job] = NodeJob(job, ranks, flag, grace, cancel_script, dump_script, lost_after)
+            nj = self.jobs[job] = NodeJob(job, *args, **kwargs)
             done = [j for j, x in self.jobs.items() if x.done]
             for j in done[: max(0, len(self.jobs) - MAX_JOBS)]:
                 del self.jobs[j]  # the oldest finished: every hello carries the state of the rest
