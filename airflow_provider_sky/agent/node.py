@@ -1114,6 +1114,8 @@ class Head:
         # a node silent this long is lost (never below two heartbeats)
         lost_after = max(2 * self.beat, float(msg.get("lost_after") or self.lost_after))
         first = self.jobs.get(str(msg.get("attempt_of") or ""))
+        if msg.get("attempt_of") and first is None:  # the watcher starts it node by node instead
+            return {"ok": False, "error": f"no job {msg.get('attempt_of')} on this head"}
         if first is not None:
             # a later attempt of a gang (whole-gang retries): its first attempt's dead-man's switch,
             # hang watch and lost_after, which the watcher starting it does not know

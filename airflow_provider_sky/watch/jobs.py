@@ -263,7 +263,7 @@ class GangClient:
         ranks)``; the head then decides the attempt's fate as the first's (its dead-man's switch and hang
         watch too). Returns each node's output (or its error), or None: not this way (no agent, the head
         does not know ``job_id``, or it did not take the start): the caller runs it per node."""
-        if job_id in self._per_node_jobs or await self._agent_status(job_id, mark=False) is None:
+        if job_id in self._per_node_jobs:
             return None
         agent = await self.agent()
         if agent is None:
@@ -284,7 +284,7 @@ class GangClient:
         except AgentUnreachable as exc:  # nothing started: the per-node path
             self._agent_down(exc)
             return None
-        except AgentError as exc:  # e.g. another watcher started it through the head already
+        except AgentError as exc:  # the head does not know job_id, or another watcher started aid
             log.info("The head did not start %s (%s): the per-node path", aid, exc)
             return None
         self._per_node_jobs.discard(aid)  # a look before the start found no such job on the head
