@@ -62,10 +62,11 @@ MAX_OUTPUT = 256 * 1024
 CONTROL_IDLE = 600.0
 #: jobs the head remembers (the oldest finished ones are forgotten first)
 MAX_JOBS = 256
-#: seconds between an agent's SIGTERMs and its cancel script (the rest: ranks not started yet, escaped
-#: processes, the SIGKILL after the grace): nodes that share CPUs (pods on one machine) all signal their
-#: groups before any of them forks a shell that polls the grace
-SCRIPT_AFTER_SIGNAL = 0.25
+#: seconds between an agent's SIGTERMs and its cancel script (the rest: escaped processes, a rank that
+#: started since, the SIGKILL after the grace): nodes that share CPUs (128 pods on one machine) all
+#: signal their groups before any of them forks the script's shells (a fan-out there takes ~0.3 s; at
+#: 0.25 s the early agents' forks doubled the last sibling's time)
+SCRIPT_AFTER_SIGNAL = 1.0
 #: seconds between reads of the rank directories where the end of each running rank's command wakes the
 #: agent (a pidfd): the reads then only find ranks that started and wrappers lost without a record, and
 #: a node's agents (128 pods on one machine) stay off the CPU their ranks and fail-fast need
@@ -481,12 +482,15 @@ class NodeWork:
     async def _burst(self) -> None:
         """Read the ranks every BURST_EVERY s while a command that ended has no exit record yet (the
         wrapper writes it once the output is through), BURST_FOR s at most: a failure is reported
-        milliseconds after it, without reading every directory that often all the time."""
+        milliseconds after it, without reading every directory that often all the time. Ranks this
+        agent stopped are read at doubling intervals: the gang's fate is decided already, and 128 pods
+        reading their ranks 100 times a second took the CPU the cancel's last agents needed."""
         if self._bursting:
             return
         self._bursting = True
         try:
             until = time.monotonic() + BURST_FOR
+            every = BURST_EVERY
             while self._ended and time.monotonic() < until:
                 try:
                     self.tick()
@@ -495,7 +499,9 @@ class NodeWork:
                 self._ended = {(j, r) for j, r in self._ended if self._unrecorded(j, r)}
                 if not self._ended:
                     break
-                await asyncio.sleep(BURST_EVERY)
+                await asyncio.sleep(every)
+                stopped = all((self.jobs[j].cancel if j in self.jobs else None) for j, _ in self._ended)
+                every = min(every * 2, WAITED_SCAN) if stopped else BURST_EVERY
             self._ended.clear()
         finally:
             self._bursting = False
@@ -551,15 +557,21 @@ class NodeWork:
                 except OSError as exc:
                     log.warning("Could not write the cancel reason of job %s: %s", nj.job, exc)
         mode = "nowait"
-        # every running rank's reason, then one SIGTERM per group, from here (no fork between the head's
-        # word and the signal); the cancel script then does the rest as on the per-node path (ranks not
-        # started yet, escaped processes, the SIGKILL after the grace) and signals no group twice
+        # every unfinished rank's reason, then one SIGTERM per group, from here (no fork between the
+        # head's word and the signal); the cancel script then does the rest as on the per-node path
+        # (escaped processes, the SIGKILL after the grace) and signals no group twice
         groups = []
         for r in ranks:
             d = nj.dirs[r]
+            if os.path.exists(os.path.join(d, "exit")):
+                continue
             pg = _num(_read(os.path.join(d, "pgid"), 32))
-            if pg and pg > 1 and not os.path.exists(os.path.join(d, "exit")):
-                _write(os.path.join(d, "cancel"), reason + "\n")
+            _write(os.path.join(d, "cancel"), reason + "\n")
+            if not pg:
+                # not started: its wrapper reads the reason right after it writes its pgid, so one of
+                # the two signals the group (the cancel script's order, see the node runtime's WRAPPER)
+                pg = _num(_read(os.path.join(d, "pgid"), 32))
+            if pg and pg > 1:
                 groups.append(int(pg))
         for pg in groups:
             try:
