@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from airflow_provider_sky.errors import CommandTimeout
 from airflow_provider_sky.runners.base import CALLS, CommandRunner, RunnerError, RunResult
 
 #: attempts to open an exec stream (nothing has run until it is open)
@@ -171,7 +172,7 @@ class KubernetesRunner(CommandRunner):
                     raise RunnerError(self.host, "call abandoned")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise RunnerError(self.host, f"command timed out after {timeout:g}s")
+                    raise CommandTimeout(self.host, f"command timed out after {timeout:g}s")
                 ws.update(timeout=min(1.0, left) if left is not None else 1.0)
                 # timeout=0: the client's own default (None) blocks until the next frame, which a silent
                 # stream (a stopped kubelet, a dropped link) never sends: past our deadline and forever

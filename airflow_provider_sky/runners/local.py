@@ -20,6 +20,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from airflow_provider_sky.errors import CommandTimeout
 from airflow_provider_sky.runners.base import CALLS, CommandRunner, RunnerError, RunResult, walk_tree
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class LocalRunner(CommandRunner):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.communicate(timeout=REAP_TIMEOUT)
             if isinstance(exc, subprocess.TimeoutExpired):
-                raise RunnerError(self.host, f"timed out after {timeout}s") from exc
+                raise CommandTimeout(self.host, f"timed out after {timeout}s") from exc
             raise
         return RunResult(proc.returncode, out, err)
 
@@ -112,7 +113,7 @@ class LocalRunner(CommandRunner):
             out, err = await asyncio.wait_for(proc.communicate(script.encode()), timeout)
         except asyncio.TimeoutError as exc:
             await self._kill(proc)
-            raise RunnerError(self.host, f"timed out after {timeout}s") from exc
+            raise CommandTimeout(self.host, f"timed out after {timeout}s") from exc
         except asyncio.CancelledError:  # abandoned by the caller (a poll round's deadline)
             await self._kill(proc)
             raise

@@ -13,30 +13,32 @@ import pytest
 from airflow_provider_sky.backends.kubernetes import backend as k8s
 from airflow_provider_sky.backends.kubernetes.config import parse_kube_config
 from airflow_provider_sky.backends.kubernetes.pods import PodState
-from airflow_provider_sky.errors import RunnerError
+from airflow_provider_sky.errors import CommandTimeout, RunnerError
 from airflow_provider_sky.runners.base import RunResult
 
 
 class BrokenStreamRunnerFake:
     """Raises the runner's error for its first ``breaks`` calls, then answers as a pod with python3."""
 
-    def __init__(self, pod: str, breaks: int, error: str = "exec stream failed: socket is already closed"):
-        self.pod, self.breaks, self.error, self.calls = pod, breaks, error, 0
+    def __init__(self, pod: str, breaks: int, error: RunnerError | None = None) -> None:
+        self.pod, self.breaks, self.calls = pod, breaks, 0
+        self.error = error or RunnerError(pod, "exec stream failed: socket is already closed")
 
     def run_script(self, script: str, timeout: float | None = None, **_: Any) -> RunResult:
         self.calls += 1
         if self.calls <= self.breaks:
-            raise RunnerError(self.pod, self.error)
+            raise self.error
         return RunResult(0, b"/root\nAGENT\n", b"")
 
 
-def _backend(monkeypatch: pytest.MonkeyPatch, breaks: int, error: str = "") -> tuple[Any, dict[str, Any]]:
+def _backend(
+    monkeypatch: pytest.MonkeyPatch, breaks: int, error: RunnerError | None = None
+) -> tuple[Any, dict[str, Any]]:
     b = k8s.KubernetesBackend(parse_kube_config({}))
     runners: dict[str, BrokenStreamRunnerFake] = {}
 
     def runner(pod: str, ip: str) -> BrokenStreamRunnerFake:
-        kw = {"error": error} if error else {}
-        return runners.setdefault(pod, BrokenStreamRunnerFake(pod, breaks, **kw))
+        return runners.setdefault(pod, BrokenStreamRunnerFake(pod, breaks, error))
 
     monkeypatch.setattr(b, "_pod_runner", runner)
     monkeypatch.setattr(k8s.time, "sleep", lambda s: None)
@@ -63,7 +65,9 @@ def test_a_probe_that_keeps_failing_fails_naming_the_pod(monkeypatch: pytest.Mon
 
 
 def test_a_probe_that_timed_out_is_not_asked_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    b, runners = _backend(monkeypatch, breaks=1, error="command timed out after 60s")
-    with pytest.raises(RunnerError, match="timed out"):
+    b, runners = _backend(
+        monkeypatch, breaks=1, error=CommandTimeout("sky-c-0", "command timed out after 60s")
+    )
+    with pytest.raises(CommandTimeout, match="timed out"):
         b._handle_nodes("c", PODS[:1], None)
     assert runners["sky-c-0"].calls == 1

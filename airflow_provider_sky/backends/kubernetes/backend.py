@@ -51,6 +51,7 @@ from airflow_provider_sky.backends.kubernetes.manifest import (
     service_manifest,
 )
 from airflow_provider_sky.backends.kubernetes.pods import ROLES, UNSCHEDULABLE_GRACE, PodState, pod_state
+from airflow_provider_sky.errors import CommandTimeout
 from airflow_provider_sky.model.gang import rank_order
 from airflow_provider_sky.node.accelerators import close_names, known_name
 from airflow_provider_sky.runners.base import RunnerError
@@ -578,7 +579,9 @@ class KubernetesBackend(Backend):
                     res = runner.run_script(script, timeout=60)
                     break
                 except RunnerError as exc:
-                    if attempt == PROBE_TRIES or "timed out" in str(exc):
+                    if attempt == PROBE_TRIES or isinstance(
+                        exc, CommandTimeout
+                    ):  # a dropped stream: ask again
                         raise
                     log.info("pod %s: provisioning probe failed (%s); asking again", state.name, exc)
                     time.sleep(0.5 * attempt)
