@@ -1,7 +1,9 @@
 """A 4-rank gang for the test of fail-fast with Airflow paused (``tests/e2e/test_k8s_agent_airflow.py``):
 ``sky_agt_paused`` on the ``sky_agt`` connection (Kubernetes pods with python3: node agents),
-``sky_agt_paused_local`` on ``sky_agt_local`` (the local backend: one machine) and ``sky_agt_paused_ssh``
-on ``sky_agt_ssh`` (4 sshd hosts, each its own user: node agents, on by default over SSH). Rank 3 exits 1
+``sky_agt_paused_local`` on ``sky_agt_local`` (the local backend: one machine, its own cancel),
+``sky_agt_paused_local_agents`` on ``sky_agt_local_agents`` (the local backend with ``node_agent``) and
+``sky_agt_paused_ssh`` on ``sky_agt_ssh`` (4 sshd hosts, each its own user: node agents, on by default
+over SSH). Rank 3 exits 1
 once the file ``FAIL_FILE`` (``dag_run.conf["fail_file"]``, default ``/tmp/agt-fail`` on its node) exists,
 which the test creates while every Airflow process is stopped; the others sleep until cancelled.
 """
@@ -27,6 +29,7 @@ sleep 600
 for dag_id, conn_id in (
     ("sky_agt_paused", "sky_agt"),
     ("sky_agt_paused_local", "sky_agt_local"),
+    ("sky_agt_paused_local_agents", "sky_agt_local_agents"),
     ("sky_agt_paused_ssh", "sky_agt_ssh"),
 ):
     with DAG(

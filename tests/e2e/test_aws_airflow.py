@@ -1,5 +1,7 @@
 """EC2 under a real Airflow (api-server, scheduler with the LocalExecutor, dag-processor, triggerer):
-a run cancelled by a user still tears its instances down, checked through moto's API.
+a run cancelled by a user still tears its instances down, checked through moto's API; with the
+triggerer killed during a gang, a rank's failure still stops its sibling (the head instance's agent
+decides) and the run fails once a new triggerer is up.
 
 ``sky_default`` is a ``sky_aws`` connection to moto's server started here. Airflow's processes reach
 the instances' SSH through the shared fake network (``FakeNetwork.share`` + ``tests/fake_ec2_site``,
@@ -10,6 +12,8 @@ real sshd hosts the in-process tests use, kept in a file under an flock.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,14 +21,24 @@ from typing import Any
 
 import httpx
 import pytest
+from leaks import bridges
 from moto_ec2 import IMAGE, REGION, FakeNetwork, MotoEC2, iter_instances
+from siblings import matching
 from sshd import SSHDCluster, needs_sshd
 
+from airflow_provider_sky.backends.nodeagents import EXTRA_KEY
 from devstack.stack import AirflowStack, StackError
 
 pytestmark = [pytest.mark.airflow_services, needs_sshd]
 TESTS = Path(__file__).resolve().parents[1]
 DAG_ID = "sky_aws_cancel"
+FAIL_DAG_ID = "sky_aws_fail"
+#: rank 0 must be gone this soon after rank 1's fail file appears, the triggerer dead: rank 1's look
+#: at the file (every 0.2 s), its host's agent, one message through the head instance's agent, a
+#: signal, all on this machine's loopback hosts (the tight figures are benchmarks' fig_failfast_agent);
+#: without the agents nothing would stop it until a triggerer polls again, which here is never before
+#: this check
+GONE_WITHOUT_TRIGGERER = 5.0
 
 
 def _wait(what: str, check: Any, timeout: float, interval: float = 0.5) -> Any:
@@ -82,7 +96,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AirflowSta
             conn = {"conn_type": "sky_aws", "login": "testing", "password": "testing", "extra": extra}
             dags = base / "dags"
             dags.mkdir()
-            (dags / f"{DAG_ID}.py").symlink_to(TESTS / "dags" / f"{DAG_ID}.py")
+            (dags / f"{DAG_ID}.py").symlink_to(TESTS / "dags" / f"{DAG_ID}.py")  # and FAIL_DAG_ID
             env = {
                 "AIRFLOW_CONN_SKY_DEFAULT": json.dumps(conn),
                 "SKY_TEST_FAKE_EC2_NET": str(shared),
@@ -162,3 +176,68 @@ def test_a_run_marked_failed_by_a_user_terminates_every_instance(
     assert ec2.describe_security_groups(Filters=owner)["SecurityGroups"] == []
     assert ec2.describe_key_pairs(Filters=owner)["KeyPairs"] == []
     _assert_powered_off(net)
+
+
+def test_a_failure_stops_the_sibling_with_the_triggerer_killed_and_the_run_fails_once_it_is_back(
+    stack: tuple[AirflowStack, MotoEC2, FakeNetwork],
+) -> None:
+    """The triggerer (every rank's trigger, the shared poll) is killed (SIGKILL) while a 2-instance gang
+    runs on the node agents, then rank 1 exits 1: the head instance's agent stops rank 0 with no Airflow
+    process watching; a new triggerer picks the rank triggers up, the run fails with each rank's task
+    saying why, and the teardown terminates both instances."""
+    airflow, moto, net = stack
+    ec2 = moto.client()
+    shared = Path(tempfile.mkdtemp(prefix="sky-aws-fail-"))
+    shared.chmod(0o755)  # rank 1 runs as its host's user: it must see the file the test (root) creates
+    fail_file = shared / "fail"
+    try:
+        before = {i["InstanceId"] for i in iter_instances(ec2)}
+        run_id = airflow.trigger(FAIL_DAG_ID, {"fail_file": str(fail_file)})
+
+        def deferred() -> bool:
+            if airflow.dag_run(FAIL_DAG_ID, run_id)["state"] not in ("queued", "running"):
+                raise AssertionError(airflow.task_instances(FAIL_DAG_ID, run_id))
+            states = [
+                t["state"] for t in airflow.task_instances(FAIL_DAG_ID, run_id) if t["task_id"] == "g.rank"
+            ]
+            return len(states) == 2 and all(s == "deferred" for s in states)
+
+        _wait("both rank tasks to defer", deferred, 240, interval=1.0)
+        handle = airflow.xcom(FAIL_DAG_ID, run_id, "g.cluster")
+        assert EXTRA_KEY in handle["extra"], airflow.task_log(FAIL_DAG_ID, run_id, "g.cluster")
+        assert not bridges(Path(airflow.env["SKY_PROVIDER_HOME"]))  # the head took the gang
+        job_id = str(airflow.xcom(FAIL_DAG_ID, run_id, "g.job")[0]["job_id"])
+        marker = f"SKYPILOT_TASK_ID={job_id}"
+        assert len(matching(marker, ("sleep", "600"))) == 1
+        live = [i["InstanceId"] for i in iter_instances(ec2) if i["InstanceId"] not in before]
+        assert len(live) == 2
+
+        airflow.kill_service("triggerer")
+        try:
+            t0 = time.monotonic()
+            fail_file.touch()
+            gone_at = None
+            while time.monotonic() - t0 < 60:
+                if not matching(marker, ("sleep", "600")):
+                    gone_at = time.monotonic() - t0
+                    break
+                time.sleep(0.05)
+            print(f"\nEC2, triggerer killed: rank 1's fail file -> rank 0 gone {gone_at}s")
+            assert gone_at is not None and gone_at < GONE_WITHOUT_TRIGGERER, gone_at
+        finally:
+            airflow.start_service("triggerer")
+
+        assert airflow.wait_run(FAIL_DAG_ID, run_id, timeout=240) == "failed"
+        tis = {
+            (t["task_id"], t["map_index"]): t["state"] for t in airflow.task_instances(FAIL_DAG_ID, run_id)
+        }
+        assert tis[("g.rank", 0)] == tis[("g.rank", 1)] == "failed", tis
+        assert tis[("g.down", -1)] == "success", tis
+        ip1 = handle["nodes"][1]["ip"]
+        assert f"rank 1 ({ip1}) exited with code 1" in airflow.task_log(FAIL_DAG_ID, run_id, "g.rank", 1)
+        log0 = airflow.task_log(FAIL_DAG_ID, run_id, "g.rank", 0)
+        assert "cancelled" in log0 and "rank 1" in log0, log0
+        assert {i["State"]["Name"] for i in iter_instances(ec2, InstanceIds=live)} == {"terminated"}
+        _assert_powered_off(net)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

@@ -9,7 +9,8 @@ resumes, the run fails, each rank's task saying why. The same with only the trig
 during the gang: a new one started after the failure picks the rank triggers up. On Kubernetes the pods have python3, so their node
 agents decide on the head pod; on SSH each host (a loopback address of this machine, its own user and
 home) runs an agent and the head host's decides; on the local backend every node is on one machine,
-whose wrappers cancel their siblings themselves. ``SKY_TEST_AGENT_OFF=1`` runs the Kubernetes and SSH
+whose wrappers cancel their siblings themselves, or, with ``node_agent`` ("local agents"), each node's
+agent reports to the head node's as on the other backends. ``SKY_TEST_AGENT_OFF=1`` runs the Kubernetes and SSH
 cases on the per-node path (``node_agent: false``), where they must fail: the siblings on other nodes
 run on until a watcher polls.
 """
@@ -87,6 +88,9 @@ def stack(
         "SKY_PROVIDER_HOME": str(sky),
         "AIRFLOW_CONN_SKY_AGT": json.dumps({"conn_type": "sky_kubernetes", "extra": extras}),
         "AIRFLOW_CONN_SKY_AGT_LOCAL": json.dumps({"conn_type": "sky_local"}),
+        "AIRFLOW_CONN_SKY_AGT_LOCAL_AGENTS": json.dumps(
+            {"conn_type": "sky_local", "extra": {"node_agent": not agent_off}}
+        ),
     }
     shared = Path(tempfile.mkdtemp(prefix="sky-agt-"))
     shared.chmod(0o755)
@@ -166,7 +170,7 @@ def test_a_failure_stops_the_siblings_with_airflow_paused_and_the_run_fails_once
     _fails_with_airflow_away(stack, where, "paused")
 
 
-@pytest.mark.parametrize("where", ["kubernetes", pytest.param("ssh", marks=needs_sshd)])
+@pytest.mark.parametrize("where", ["kubernetes", "local agents", pytest.param("ssh", marks=needs_sshd)])
 def test_a_failure_stops_the_siblings_with_the_triggerer_killed_and_the_run_fails_once_it_is_back(
     stack: Stack, where: str
 ) -> None:
@@ -178,15 +182,15 @@ def test_a_failure_stops_the_siblings_with_the_triggerer_killed_and_the_run_fail
 
 def _fails_with_airflow_away(stack: Stack, where: str, how: str) -> None:
     airflow = stack.airflow
-    dag_id = {"kubernetes": "sky_agt_paused", "local": "sky_agt_paused_local", "ssh": "sky_agt_paused_ssh"}[
-        where
-    ]
-    name = f"agt-fail-{how.replace(' ', '-')}"  # one per case: a file left by the one before fails at once
-    fail_file = {
-        "kubernetes": f"/tmp/{name}",
-        "local": str(stack.base / name),
-        "ssh": str(stack.shared / name),
+    dag_id = {
+        "kubernetes": "sky_agt_paused",
+        "local": "sky_agt_paused_local",
+        "local agents": "sky_agt_paused_local_agents",
+        "ssh": "sky_agt_paused_ssh",
     }[where]
+    # one per case: a file left by the one before fails at once
+    name = f"agt-fail-{how.replace(' ', '-')}-{where.replace(' ', '-')}"
+    fail_file = f"/tmp/{name}" if where == "kubernetes" else str(stack.shared / name)
     margin = SSH_GONE_MARGIN if where == "ssh" else GONE_MARGIN
     # what the look below adds to it: an exec per pod on Kubernetes; on this machine rank 3's own look
     # at the fail file (every 0.2 s) and a /proc scan
@@ -210,7 +214,7 @@ def _fails_with_airflow_away(stack: Stack, where: str, how: str) -> None:
         handle = airflow.xcom(dag_id, run_id, "g.cluster")
         job_id = str(airflow.xcom(dag_id, run_id, "g.job")[0]["job_id"])
         sleeping: Callable[[], int]
-        if where in ("kubernetes", "ssh"):  # the agent path, unless SKY_TEST_AGENT_OFF turned it off
+        if where != "local":  # the agent path, unless SKY_TEST_AGENT_OFF turned it off
             assert agents.EXTRA_KEY == EXTRA_KEY
             if stack.agent_off:
                 assert EXTRA_KEY not in handle["extra"]

@@ -2,8 +2,10 @@
 
 Put on ``PYTHONPATH`` of a test stack's services together with ``SKY_TEST_FAKE_EC2_NET`` (the file
 ``FakeNetwork.share`` wrote); nothing else sets either. When ``airflow_provider_sky.backends.aws.backend``
-is first imported in such a process, its one address hook, ``AWSBackend.endpoint``, is replaced by the
-shared fake network's, exactly as the in-process tests' ``net`` fixture does. The product has no test
+is first imported in such a process, its two address hooks are replaced exactly as the in-process
+tests' ``net`` fixture (``tests/support/aws_fixtures.py``) does: ``AWSBackend.endpoint`` by the shared
+fake network's, and ``AWSBackend.agent_address`` (where the instances' agents reach their head) by the
+head's sshd host address. The product has no test
 hook of its own.
 """
 
@@ -37,6 +39,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
             network = FakeNetwork.joined(Path(os.environ["SKY_TEST_FAKE_EC2_NET"]))
             module.AWSBackend.endpoint = lambda self, inst: network.endpoint(self, inst)
+            module.AWSBackend.agent_address = lambda self, node: str(node.extra["host"])
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
