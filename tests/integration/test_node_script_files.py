@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -64,3 +67,48 @@ def test_a_launch_script_with_hostile_values_parses_and_quotes_them(tmp_path: Pa
         "job", [("/tmp/root", rl, runtime.Guard(orphan_timeout=5))], flag="/tmp/f"
     )
     _parses(text, tmp_path, "launch_many_script")
+
+
+def _watchdog() -> str:
+    """The wrapper's output watchdog, as it is in wrapper.sh: the subshell that USR1s the wrapper after
+    2 s unless the wrapper TERMs it first."""
+    text = load("wrapper.sh")
+    start = text.index("  (\n    exec 4<&-; s=''; stop=''")
+    end = text.index(") </dev/null >/dev/null 2>&1 &", start)
+    return text[start:end] + ") </dev/null >/dev/null 2>&1 &\n"
+
+
+@pytest.mark.parametrize("shell", [["dash"], ["busybox", "sh"], ["bash"]], ids=lambda s: s[0])
+def test_the_wrappers_watchdog_takes_its_sleep_with_it_when_stopped_at_once_under_load(
+    shell: list[str],
+) -> None:
+    """The wrapper TERMs its watchdog as soon as its rank's output is through, often right after starting
+    it: the watchdog's ``sleep 2`` must go with it, even when the TERM comes between the sleep's fork and
+    its exec (it then had the subshell's trap, which the exec drops: the sleep outlived the rank by 2 s, a
+    few times in a hundred with the CPU busy). 400 watchdogs stopped at once beside two busy loops."""
+    if shutil.which(shell[0]) is None:
+        pytest.fail(f"{shell[0]} is missing: make system-deps installs it")
+    tag = f"sky-watchdog-test-{uuid.uuid4().hex[:8]}"
+    # the watchdog's sleep, renamed per test run so that only ours are counted
+    body = _watchdog().replace("sleep 2 &", '"$SLEEP" 2 &')
+    script = f'{body}wd=$!\nkill "$wd" 2>/dev/null\nwait "$wd" 2>/dev/null\nexit 0\n'
+    bindir = Path(tempfile.mkdtemp(prefix="sky-wd-"))
+    sleeper = bindir / tag
+    sleeper.symlink_to(shutil.which("sleep") or "/bin/sleep")
+    hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(2)]
+    try:
+        for _ in range(400):
+            subprocess.run(
+                [*shell, "-c", script], env={"SLEEP": str(sleeper), "PATH": "/usr/bin:/bin"}, check=True
+            )
+        time.sleep(0.2)
+        left = subprocess.run(
+            ["pgrep", "-f", f"^{sleeper} 2$"], capture_output=True, text=True
+        ).stdout.split()
+        assert left == [], f"{len(left)} watchdog sleeps outlived their watchdog"
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+        subprocess.run(["pkill", "-KILL", "-f", f"^{sleeper} 2$"], check=False)
+        shutil.rmtree(bindir, ignore_errors=True)

@@ -121,12 +121,14 @@ if [ -n "$fpid" ] && [ ! -f "$d/filter.done" ]; then
   late=''
   trap 'late=1' USR1
   # (killed, it takes its sleep with it: nothing of the rank outlives it; a TERM that comes between the
-  # sleep's fork and `s=$!` only sets stop, and the sleep is killed once its pid is known)
+  # sleep's fork and `s=$!` only sets stop, and the sleep is killed once its pid is known). The sleep gets
+  # a KILL: a TERM that reaches it between its fork and its exec finds this subshell's trap, which the
+  # exec then drops, and the sleep outlived the rank by 2 s (dash, busybox and bash, under load)
   (
     exec 4<&-; s=''; stop=''
-    trap 'stop=1; [ -z "$s" ] || kill "$s" 2>/dev/null' TERM
+    trap 'stop=1; [ -z "$s" ] || kill -KILL "$s" 2>/dev/null' TERM
     sleep 2 & s=$!
-    [ -z "$stop" ] || { kill "$s" 2>/dev/null; exit 0; }
+    [ -z "$stop" ] || { kill -KILL "$s" 2>/dev/null; exit 0; }
     wait "$s" && [ -z "$stop" ] && kill -USR1 "$$" 2>/dev/null
     exit 0
   ) </dev/null >/dev/null 2>&1 &
