@@ -475,6 +475,11 @@ class NodeWork:
         self._ended.add((job, r))
         self._spawn(self._burst())
 
+    def _stopped(self, ended: tuple[str, int]) -> bool:
+        """Whether this agent stopped the job of an ended rank (a cancel), so its fate is decided."""
+        nj = self.jobs.get(ended[0])
+        return nj is not None and nj.cancel is not None
+
     def _unrecorded(self, job: str, r: int) -> bool:
         nj = self.jobs.get(job)
         return nj is not None and not nj.done and (nj.recs.get(r) or {}).get("state") not in TERMINAL
@@ -500,8 +505,7 @@ class NodeWork:
                 if not self._ended:
                     break
                 await asyncio.sleep(every)
-                stopped = all((self.jobs[j].cancel if j in self.jobs else None) for j, _ in self._ended)
-                every = min(every * 2, WAITED_SCAN) if stopped else BURST_EVERY
+                every = min(every * 2, WAITED_SCAN) if all(map(self._stopped, self._ended)) else BURST_EVERY
             self._ended.clear()
         finally:
             self._bursting = False

@@ -284,7 +284,7 @@ class GangClient:
         except AgentUnreachable as exc:  # nothing started: the per-node path
             self._agent_down(exc)
             return None
-        except AgentError as exc:  # the head does not know job_id, or another watcher started aid
+        except AgentError as exc:  # the head does not know job_id, or another watcher started it
             log.info("The head did not start %s (%s): the per-node path", aid, exc)
             return None
         self._per_node_jobs.discard(aid)  # a look before the start found no such job on the head

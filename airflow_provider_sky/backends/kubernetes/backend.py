@@ -578,10 +578,8 @@ class KubernetesBackend(Backend):
                 try:
                     res = runner.run_script(script, timeout=60)
                     break
-                except RunnerError as exc:
-                    if attempt == PROBE_TRIES or isinstance(
-                        exc, CommandTimeout
-                    ):  # a dropped stream: ask again
+                except RunnerError as exc:  # a dropped stream is asked again; a timeout is not
+                    if attempt == PROBE_TRIES or isinstance(exc, CommandTimeout):
                         raise
                     log.info("pod %s: provisioning probe failed (%s); asking again", state.name, exc)
                     time.sleep(0.5 * attempt)
