@@ -1,5 +1,7 @@
 """The unit tier: no process, no network, no root. A unit test that starts a process, forks, or opens or
-binds an internet socket fails here, naming what it did: it belongs in ``tests/integration``."""
+binds an internet socket fails here, naming what it did: it belongs in ``tests/integration``. So does one
+that asks for the Kubernetes test cluster (the ``k8s`` fixture): a session fixture is set up before the
+function-scoped guard, so the cluster would otherwise start, unseen, inside the tier meant to need nothing."""
 
 from __future__ import annotations
 
@@ -31,6 +33,19 @@ def _guard(method: Any, what: str) -> Any:
         return method(self, address)
 
     return guarded
+
+
+#: the fixture of the Kubernetes test cluster (tests/support/k8s_cluster.py), which every cluster fixture needs
+CLUSTER_FIXTURE = "k8s"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Refuse a unit test that needs the cluster before any of its fixtures is set up."""
+    if CLUSTER_FIXTURE in getattr(item, "fixturenames", ()):
+        raise NotAUnitTest(
+            f"{item.nodeid} asks for the Kubernetes test cluster (fixture {CLUSTER_FIXTURE!r})"
+        )
 
 
 @pytest.fixture(autouse=True)

@@ -1,32 +1,17 @@
-"""The RBAC docs/backends/kubernetes.md documents is exactly what the code calls, and a refusal is said in the API server's
-words. The page's Role is ``role_rules()`` (from ``NEEDED_PERMISSIONS``, which the Test button checks);
-a service account holding exactly that Role runs a gang (provision, a job, a replaced worker, teardown),
-and the calls it makes are exactly those permissions; one without it is refused at create, nothing is
-left, and the Test button names what is missing. Both reach the cluster through a kubeconfig given as
-content (the ``kube_config`` extra), with a service-account token."""
+"""The Role docs/backends/kubernetes.md documents is ``role_rules()`` (from ``NEEDED_PERMISSIONS``, which
+the Test button checks), nothing more or less. That this Role runs a gang and is all the code calls is tested
+on the cluster, in ``tests/integration/test_k8s_rbac.py``."""
 
 from __future__ import annotations
 
-import base64
-import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import pytest
 import yaml
-from k8s_cluster import Image, K8sCluster, wait_for
 
-from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend, role_rules
-from airflow_provider_sky.spec import task_from_args
+from airflow_provider_sky.backends.kubernetes.backend import role_rules
 
 K8S_DOCS = Path(__file__).resolve().parents[2] / "docs" / "backends" / "kubernetes.md"
-#: calls outside the namespace, which every authenticated identity may make (the Test button's)
-UNRESTRICTED = {("GET", "/version/"), ("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews")}
-_NAMESPACED = re.compile(
-    r"^/api/v1/namespaces/\{namespace\}/(?P<resource>[a-z]+)(/\{name\}(/(?P<sub>[a-z]+))?)?$"
-)
 
 
 def test_the_docs_role_is_the_permissions_the_code_needs() -> None:
@@ -38,83 +23,3 @@ def test_the_docs_role_is_the_permissions_the_code_needs() -> None:
     assert yaml.safe_load(block.group(1)) == {"rules": role_rules()}
     words = "; ".join(f"`{r['resources'][0]}`: {', '.join(r['verbs'])}" for r in role_rules())
     assert words in " ".join(section.split()), words
-
-
-def _token_kubeconfig(k8s: K8sCluster, account: str) -> dict[str, Any]:
-    """A kubeconfig (as content) that authenticates as ``account`` with its token."""
-    api = k8s.api()
-    try:
-        sa = wait_for(
-            lambda: (s := api.read_namespaced_service_account(account, k8s.namespace)).secrets and s,
-            60,
-            f"the token of service account {account}",
-        )
-        secret = api.read_namespaced_secret(sa.secrets[0].name, k8s.namespace)
-        token = base64.b64decode(secret.data["token"]).decode()
-    finally:
-        api.api_client.close()
-    admin = yaml.safe_load(Path(k8s.kubeconfig).read_text())
-    ctx = next(c for c in admin["contexts"] if c["name"] == (k8s.context or admin["current-context"]))
-    cluster = next(c for c in admin["clusters"] if c["name"] == ctx["context"]["cluster"])["cluster"]
-    if "certificate-authority" in cluster:
-        ca = Path(cluster.pop("certificate-authority")).read_bytes()
-        cluster["certificate-authority-data"] = base64.b64encode(ca).decode()
-    return {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "c", "cluster": cluster}],
-        "users": [{"name": account, "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": account}}],
-        "current-context": "sa",
-    }
-
-
-@pytest.fixture(scope="module")
-def accounts(k8s: K8sCluster) -> Iterator[dict[str, dict[str, Any]]]:
-    """``allowed`` has exactly the docs' Role in the test namespace; ``denied`` has nothing."""
-    from kubernetes import client
-
-    api = k8s.api()
-    rbac = client.RbacAuthorizationV1Api(api.api_client)
-    ns = k8s.namespace
-    for name in ("sky-allowed", "sky-denied"):
-        api.create_namespaced_service_account(ns, {"metadata": {"name": name}})
-    rbac.create_namespaced_role(ns, {"metadata": {"name": "sky-gangs"}, "rules": role_rules()})
-    rbac.create_namespaced_role_binding(
-        ns,
-        {
-            "metadata": {"name": "sky-gangs"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "sky-gangs"},
-            "subjects": [{"kind": "ServiceAccount", "name": "sky-allowed", "namespace": ns}],
-        },
-    )
-    yield {name: _token_kubeconfig(k8s, f"sky-{name}") for name in ("allowed", "denied")}
-    api.api_client.close()  # the namespace (deleted at the session's end) takes the accounts and roles
-
-
-def _backend(k8s: K8sCluster, image: Image, kubeconfig: dict[str, Any]) -> KubernetesBackend:
-    return KubernetesBackend.from_config(
-        {
-            "kube_config": json.dumps(kubeconfig),
-            "namespace": k8s.namespace,
-            "image": image.name,
-            "image_pull_policy": image.pull_policy,
-            "provision_timeout": 120,
-        }
-    )
-
-
-def test_a_role_that_may_not_list_nodes_still_has_a_gpu_typo_refused(
-    k8s: K8sCluster, k8s_image: Image, accounts: dict[str, dict[str, Any]]
-) -> None:
-    """Without leave to list nodes their labels cannot be read: a likely typo of a known GPU name is
-    still refused before any pod, and a name the catalog does not know (a custom label) is let through."""
-    from airflow_provider_sky.backends.base import choose_resources
-    from airflow_provider_sky.spec import SpecError
-
-    b = _backend(k8s, k8s_image, accounts["allowed"])
-    with pytest.raises(SpecError, match="A1000 is not a GPU name SkyPilot knows; did you mean A100"):
-        choose_resources(b, task_from_args(num_nodes=1, run="true", resources={"accelerators": "A1000:8"}))
-    custom = task_from_args(num_nodes=1, run="true", resources={"accelerators": "MyCustomGpu:1"})
-    assert choose_resources(b, custom).resources.accelerators is not None
-    b.close()

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import socket
 import subprocess
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
-from unit.conftest import NotAUnitTest
+from unit.conftest import NotAUnitTest, pytest_runtest_setup
 
 
 def test_a_process_is_refused_naming_its_command() -> None:
@@ -33,3 +35,13 @@ def test_an_internet_socket_is_refused_and_a_unix_one_is_not() -> None:
     a, b = socket.socketpair()
     a.close()
     b.close()
+
+
+def test_a_unit_test_that_asks_for_the_cluster_is_refused_before_its_fixtures() -> None:
+    """The cluster is a session fixture, set up before the function-scoped guard would see its processes."""
+    item = cast(
+        Any, SimpleNamespace(nodeid="tests/unit/test_x.py::test_y", fixturenames=["k8s_image", "k8s"])
+    )
+    with pytest.raises(NotAUnitTest, match=r"test_y asks for the Kubernetes test cluster \(fixture 'k8s'\)"):
+        pytest_runtest_setup(item)
+    pytest_runtest_setup(cast(Any, SimpleNamespace(nodeid="t", fixturenames=["tmp_path"])))
