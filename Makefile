@@ -112,53 +112,60 @@ typecheck: install
 
 ## The tests in three tiers (tests/unit, tests/integration, tests/e2e; see tests/conftest.py), fastest first.
 ## unit: no process, no network, no root, so it needs only `make install` (under a minute; a unit test that
-## starts a process fails, naming it). integration: real processes, sshd hosts, the Kubernetes test cluster,
-## moto. e2e: real Airflow stacks and the browser. PYTEST_ARGS picks tests (PYTEST_ARGS="-k name").
-## XDIST: pytest-xdist workers for unit and integration (their tests share nothing but the machine; a module
-## stays on one worker, so its module-wide fixtures start once). The modules on the Kubernetes test cluster
-## run after the rest, one test at a time (the cluster's own processes need the cores), and e2e runs one
-## Airflow stack at a time.
+## starts a process or asks for the Kubernetes cluster fails, naming it). integration: real processes, sshd
+## hosts, the Kubernetes test cluster, moto. e2e: real Airflow stacks and the browser. PYTEST_ARGS picks
+## tests (PYTEST_ARGS="-k name"). The workers (pytest-xdist; a module stays on one worker, so its
+## module-wide fixtures start once): XDIST for unit (CPU-bound: one per core); XDIST_INTEGRATION for the
+## integration tests off the cluster, which mostly wait (sshd logins, ranks' sleeps, moto; 450 cpu-s in
+## 21 min when run one at a time), so more workers than cores; XDIST_E2E for e2e (each worker one Airflow
+## stack at a time, its modules slowest first). The tests on the Kubernetes test cluster run one at a time
+## (a 64-pod gang's execs need the machine's cores).
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 ## the slowest tests and fixtures of the slower tiers, listed at their end (where the suite's time goes)
 DURATIONS ?= --durations=15 --durations-min=5
 XDIST ?= 2
+XDIST_INTEGRATION ?= 3
+XDIST_E2E ?= 2
 UNIT = $(PYTEST) tests/unit -n $(XDIST) $(PYTEST_ARGS)
-INTEGRATION = rc=0; \
-	$(PYTEST) tests/integration -m "not k8s" -n $(XDIST) --dist loadfile $(DURATIONS) $(PYTEST_ARGS) || rc=1; \
-	$(PYTEST) tests/integration -m k8s $(DURATIONS) $(PYTEST_ARGS) || rc=1; \
-	exit $$rc
-E2E = $(PYTEST) tests/e2e $(DURATIONS) $(PYTEST_ARGS)
+INTEGRATION_LOCAL = $(PYTEST) tests/integration -m "not k8s" -n $(XDIST_INTEGRATION) --dist loadfile $(DURATIONS) $(PYTEST_ARGS)
+INTEGRATION_K8S = $(PYTEST) tests/integration -m k8s $(DURATIONS) $(PYTEST_ARGS)
+E2E = $(PYTEST) tests/e2e -n $(XDIST_E2E) --dist loadfile $(DURATIONS) $(PYTEST_ARGS)
 
 unit: install
 	$(UNIT)
 
 integration: install system-deps k8s
-	@$(INTEGRATION)
+	@rc=0; ( $(INTEGRATION_LOCAL) ) || rc=1; ( $(INTEGRATION_K8S) ) || rc=1; exit $$rc
 
 e2e: install system-deps
 	$(E2E)
 
 ## Install (Python and, where it can, system tools), lint (ruff, import-linter, the docs), type-check (mypy),
 ## then every tier, each reported even when one before it failed: unit first, alone (a broken build shows
-## within a minute), then the e2e tier beside the integration tier. Most of an e2e test's time is Airflow's
-## own latency and waits (a scheduler loop, a heartbeat, a timeout), so the two share the 2 cores well
-## (docs/development.md has the figures). The e2e output goes to $(TEST_LOGS)/e2e.log and is printed
-## when both tiers have ended; each tier's time is printed with it.
+## within a minute), then three lanes at once: the integration tests off the cluster, those on the
+## Kubernetes test cluster, and e2e. Most of an integration or e2e test's time is waiting (a login, a
+## scheduler loop, a heartbeat, a timeout), so the lanes share the 2 cores well (docs/development.md has
+## the figures). The output of the cluster and e2e lanes goes to $(TEST_LOGS)/k8s.log and e2e.log and is
+## printed when every lane has ended; each lane's time is printed with it.
 TEST_LOGS ?= .test-logs
 test: system-deps k8s lint typecheck
 	@rc=0; t0=$$(date +%s); \
 	( $(UNIT) ) || rc=1; \
 	echo "test: unit tier: $$(( $$(date +%s) - t0 )) s"; \
-	mkdir -p $(TEST_LOGS); rm -f $(TEST_LOGS)/e2e.rc; \
-	echo "test: the e2e tier runs beside the integration tier; its output: $(TEST_LOGS)/e2e.log (printed at the end)"; \
+	mkdir -p $(TEST_LOGS); rm -f $(TEST_LOGS)/k8s.rc $(TEST_LOGS)/e2e.rc; \
+	echo "test: the integration tests on the Kubernetes cluster and the e2e tier run beside the rest of" \
+	  "the integration tier; their output: $(TEST_LOGS)/k8s.log and $(TEST_LOGS)/e2e.log (printed at the end)"; \
 	t1=$$(date +%s); \
 	( ( $(E2E) ) > $(TEST_LOGS)/e2e.log 2>&1; echo "$$? $$(( $$(date +%s) - t1 ))" > $(TEST_LOGS)/e2e.rc ) & e2e=$$!; \
-	( $(INTEGRATION) ) || rc=1; \
-	echo "test: integration tier: $$(( $$(date +%s) - t1 )) s"; \
-	wait $$e2e; \
-	echo "test: e2e tier ($(TEST_LOGS)/e2e.log):"; cat $(TEST_LOGS)/e2e.log; \
-	read -r e2e_rc e2e_s < $(TEST_LOGS)/e2e.rc || e2e_rc=1; \
-	echo "test: e2e tier: $${e2e_s:-?} s"; [ "$$e2e_rc" = 0 ] || rc=1; \
+	( ( $(INTEGRATION_K8S) ) > $(TEST_LOGS)/k8s.log 2>&1; echo "$$? $$(( $$(date +%s) - t1 ))" > $(TEST_LOGS)/k8s.rc ) & k8s=$$!; \
+	( $(INTEGRATION_LOCAL) ) || rc=1; \
+	echo "test: integration tier off the cluster: $$(( $$(date +%s) - t1 )) s"; \
+	wait $$k8s $$e2e; \
+	for lane in k8s e2e; do \
+	  echo "test: $$lane lane ($(TEST_LOGS)/$$lane.log):"; cat $(TEST_LOGS)/$$lane.log; \
+	  read -r lane_rc lane_s < $(TEST_LOGS)/$$lane.rc || lane_rc=1; \
+	  echo "test: $$lane lane: $${lane_s:-?} s"; [ "$$lane_rc" = 0 ] || rc=1; \
+	done; \
 	echo "test: every tier: $$(( $$(date +%s) - t0 )) s of pytest, $$( [ $$rc = 0 ] && echo passed || echo FAILED)"; \
 	exit $$rc
 
