@@ -116,20 +116,20 @@ typecheck: install
 ## hosts, the Kubernetes test cluster, moto. e2e: real Airflow stacks and the browser. PYTEST_ARGS picks
 ## tests (PYTEST_ARGS="-k name"). The workers (pytest-xdist; a module stays on one worker, so its
 ## module-wide fixtures start once): XDIST for unit (CPU-bound: one per core); XDIST_INTEGRATION for the
-## integration tests off the cluster, which mostly wait (sshd logins, ranks' sleeps, moto; 450 cpu-s in
-## 21 min when run one at a time), so more workers than cores; XDIST_E2E for e2e (each worker one Airflow
-## stack at a time, its modules slowest first). The tests on the Kubernetes test cluster run one at a time
+## integration tests off the cluster, which mostly wait (sshd logins, ranks' sleeps, moto: 450 cpu-s in
+## 21 min when run one at a time) but share the cores with the other lanes; XDIST_E2E for e2e (each
+## worker one Airflow stack at a time, the modules in tests/e2e/conftest.py's order). The tests on the Kubernetes test cluster run one at a time
 ## (a 64-pod gang's execs need the machine's cores).
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 ## the slowest tests and fixtures of the slower tiers, listed at their end (where the suite's time goes)
 DURATIONS ?= --durations=15 --durations-min=5
 XDIST ?= 2
-XDIST_INTEGRATION ?= 3
+XDIST_INTEGRATION ?= 2
 XDIST_E2E ?= 2
 UNIT = $(PYTEST) tests/unit -n $(XDIST) $(PYTEST_ARGS)
 INTEGRATION_LOCAL = $(PYTEST) tests/integration -m "not k8s" -n $(XDIST_INTEGRATION) --dist loadfile $(DURATIONS) $(PYTEST_ARGS)
 INTEGRATION_K8S = $(PYTEST) tests/integration -m k8s $(DURATIONS) $(PYTEST_ARGS)
-E2E = $(PYTEST) tests/e2e -n $(XDIST_E2E) --dist loadfile $(DURATIONS) $(PYTEST_ARGS)
+E2E = $(PYTEST) tests/e2e -n $(XDIST_E2E) --dist loadfile --no-loadscope-reorder $(DURATIONS) $(PYTEST_ARGS)
 
 unit: install
 	$(UNIT)

@@ -1,9 +1,9 @@
 """The e2e tier: its modules run slowest first, and a failed test keeps the logs of every Airflow stack
 still running.
 
-``make test`` runs the tier on two xdist workers, a module on one worker (its stack starts once): with
-the slowest modules first, the two workers end within a minute of each other instead of one waiting for
-the other's last long module. A failure under a real scheduler and triggerer is often a race seen once;
+``make test`` runs the tier on two xdist workers, a module on one worker (its stack starts once), each
+worker taking the next module when it is nearly done with one: with the slowest modules first, the two
+workers end within a minute of each other instead of one waiting for the other's last long module. A failure under a real scheduler and triggerer is often a race seen once;
 its stack's logs (the services', the tasks', the triggers' and the bridges') are copied out of the test's
 tmp dir, which pytest rotates away, and the report names where they are, with the end of the
 triggerer's log.
@@ -21,12 +21,15 @@ from devstack.stack import AirflowStack
 
 HERE = Path(__file__).resolve().parent
 
-#: the e2e modules, slowest first (each alone on a busy machine: 280, 250, 240, 170, 125, 115, 60 and 55 s;
-#: docs/development.md). A module not named here runs after them.
+#: the e2e modules, slowest first (alone on a busy machine: 280, 240, 250, 170, 125, 115, 60 and 55 s; see
+#: docs/development.md), but ``real`` after ``reliability``: ``celery`` and ``real`` each start their
+#: stacks with every DAG triggered at once, and both at once load 2 cores 15 times over. A module not
+#: named here runs after them. ``make test`` passes ``--no-loadscope-reorder``, else xdist would order
+#: the modules by their number of tests.
 SLOWEST_FIRST = (
     "test_airflow_celery.py",
-    "test_airflow_real.py",
     "test_reliability_airflow.py",
+    "test_airflow_real.py",
     "test_airflow_pipeline.py",
     "test_k8s_agent_airflow.py",
     "test_aws_airflow.py",

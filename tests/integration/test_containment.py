@@ -304,8 +304,12 @@ def test_a_rank_failing_during_the_gang_start_stops_it(sky_home: Path) -> None:
     ran = {rank: (Path(client.node_of(rank).home) / "ran").exists() for rank in range(8)}
     assert ran[1] and not any(ran[rank] for rank in range(4, 8)), ran
     assert _wait_for(lambda: all(r.terminal for r in client.peek("job").ranks), 5)
-    ends = [r.end for r in client.peek("job").ranks if r.rank in (0, 2, 3)]
-    assert fail_end is not None and max(e for e in ends if e) - fail_end < 1.0
+    stopped = [r for r in client.peek("job").ranks if r.rank in (0, 2, 3)]
+    # stopped by the SIGTERM (143), not by the SIGKILL after the 1 s grace (137), and at once: ~0.1 s on
+    # an idle machine (the goal, "about a second", is figure 1's); 2 s holds at a load average of 30 on
+    # 2 cores, where the 1-s bound was once missed by 10 ms
+    assert [r.exit_code for r in stopped] == [143] * 3, stopped
+    assert fail_end is not None and max(r.end or 0 for r in stopped) - fail_end < 2.0, stopped
     b.terminate("c")
     assert not _alive(_marked(str(sky_home)))
 
