@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
-from k8s_cluster import connection_extras
+from k8s_cluster import cluster_cpus, connection_extras
 from leaks import job_processes
 
 from devstack.stack import AirflowStack
@@ -73,8 +73,9 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
     (dags / "sky_pipeline.py").symlink_to(REPO / "dags_examples" / "sky_pipeline.py")
     (dags / "sky_test_pipeline_fail.py").symlink_to(REPO / "tests" / "dags" / "sky_test_pipeline_fail.py")
     (dags / "sky_test_pipeline_line.py").symlink_to(REPO / "tests" / "dags" / "sky_test_pipeline_line.py")
+    cpus = cluster_cpus() if request.param == "kubernetes" else contextlib.nullcontext()
     try:
-        with AirflowStack(base / "airflow", dags, env) as stack:
+        with cpus, AirflowStack(base / "airflow", dags, env) as stack:  # sky_pipeline: a CPU per pod
             # the consumers first: a DAG scheduled on an asset must be unpaused to be run by its events
             stack.unpause("sky_pipeline_publish")
             stack.unpause("sky_test_pipeline_fail_consumer")

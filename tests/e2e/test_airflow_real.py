@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from k8s_cluster import Image, K8sCluster, connection_extras
+from k8s_cluster import Image, K8sCluster, cluster_cpus, connection_extras
 from leaks import job_processes, processes_under
 from sshd import SSHDCluster, needs_sshd
 
@@ -221,6 +221,7 @@ def real(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReques
             env["AIRFLOW_CONN_SKY_DEFAULT"] = hosts.sky_ssh_connection()
         elif request.param == "kubernetes":
             kube = request.getfixturevalue("k8s")
+            cleanup.enter_context(cluster_cpus())  # sky_yaml asks for a CPU per pod
             env["AIRFLOW_CONN_SKY_DEFAULT"] = _kubernetes_connection(
                 kube, request.getfixturevalue("k8s_image")
             )

@@ -32,6 +32,7 @@ import secrets
 import shlex
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -426,6 +427,22 @@ def pytest_collection_modifyitems(
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
+#: the file lock of the test cluster's CPUs (:func:`cluster_cpus`), shared by every pytest process here
+CPUS_LOCK = Path(tempfile.gettempdir()) / "sky-test-k8s-cpus.lock"
+
+
+@contextlib.contextmanager
+def cluster_cpus() -> Iterator[None]:
+    """Hold the test cluster's CPUs while gangs that request them run: one holder at a time, across
+    processes. The local cluster's two nodes are this machine's 2 cores each (4 CPUs), and examples ask
+    for a CPU per node (``cpus: 1+``: ``sky_yaml`` 2, ``sky_pipeline`` 3, ``sky_taskflow`` 4). ``make
+    test`` runs the ``k8s`` integration tests beside the e2e tier: two such runs at once left a pod
+    unschedulable ("0/2 nodes are available: 2 Insufficient cpu"), which fails its provisioning."""
+    with open(CPUS_LOCK, "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def wait_for(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.5) -> T:
     """Poll ``pred`` until it returns something truthy (returned); TimeoutError naming ``what``."""
     deadline = time.monotonic() + timeout
