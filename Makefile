@@ -118,8 +118,8 @@ typecheck: install
 ## module-wide fixtures start once): XDIST for unit (CPU-bound: one per core); XDIST_INTEGRATION for the
 ## integration tests off the cluster, which mostly wait (sshd logins, ranks' sleeps, moto: 450 cpu-s in
 ## 21 min when run one at a time) but share the cores with the other lanes; XDIST_E2E for e2e (each
-## worker one Airflow stack at a time, the modules in tests/e2e/conftest.py's order). The tests on the Kubernetes test cluster run one at a time
-## (a 64-pod gang's execs need the machine's cores).
+## worker one Airflow stack at a time, the modules in tests/e2e/conftest.py's order). The tests on the
+## Kubernetes test cluster run one at a time (a 64-pod gang's execs need the machine's cores).
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 ## the slowest tests and fixtures of the slower tiers, listed at their end (where the suite's time goes)
 DURATIONS ?= --durations=15 --durations-min=5
@@ -148,6 +148,9 @@ e2e: install system-deps
 ## the figures). The output of the cluster and e2e lanes goes to $(TEST_LOGS)/k8s.log and e2e.log and is
 ## printed when every lane has ended; each lane's time is printed with it.
 TEST_LOGS ?= .test-logs
+## $(call LANE,name,command): the command in the background, its output in $(TEST_LOGS)/name.log and
+## "exit-code seconds" in name.rc once it ends (t1: the lanes' start)
+LANE = ( ( $(2) ) > $(TEST_LOGS)/$(1).log 2>&1; echo "$$? $$(( $$(date +%s) - t1 ))" > $(TEST_LOGS)/$(1).rc ) &
 test: system-deps k8s lint typecheck
 	@rc=0; t0=$$(date +%s); \
 	( $(UNIT) ) || rc=1; \
@@ -156,8 +159,8 @@ test: system-deps k8s lint typecheck
 	echo "test: the integration tests on the Kubernetes cluster and the e2e tier run beside the rest of" \
 	  "the integration tier; their output: $(TEST_LOGS)/k8s.log and $(TEST_LOGS)/e2e.log (printed at the end)"; \
 	t1=$$(date +%s); \
-	( ( $(E2E) ) > $(TEST_LOGS)/e2e.log 2>&1; echo "$$? $$(( $$(date +%s) - t1 ))" > $(TEST_LOGS)/e2e.rc ) & e2e=$$!; \
-	( ( $(INTEGRATION_K8S) ) > $(TEST_LOGS)/k8s.log 2>&1; echo "$$? $$(( $$(date +%s) - t1 ))" > $(TEST_LOGS)/k8s.rc ) & k8s=$$!; \
+	$(call LANE,e2e,$(E2E)) e2e=$$!; \
+	$(call LANE,k8s,$(INTEGRATION_K8S)) k8s=$$!; \
 	( $(INTEGRATION_LOCAL) ) || rc=1; \
 	echo "test: integration tier off the cluster: $$(( $$(date +%s) - t1 )) s"; \
 	wait $$k8s $$e2e; \

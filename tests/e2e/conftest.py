@@ -3,10 +3,11 @@ still running.
 
 ``make test`` runs the tier on two xdist workers, a module on one worker (its stack starts once), each
 worker taking the next module when it is nearly done with one: with the slowest modules first, the two
-workers end within a minute of each other instead of one waiting for the other's last long module. A failure under a real scheduler and triggerer is often a race seen once;
-its stack's logs (the services', the tasks', the triggers' and the bridges') are copied out of the test's
-tmp dir, which pytest rotates away, and the report names where they are, with the end of the
-triggerer's log.
+workers end within a minute of each other instead of one waiting for the other's last long module.
+
+A failure under a real scheduler and triggerer is often a race seen once; its stack's logs (the
+services', the tasks', the triggers' and the bridges') are copied out of the test's tmp dir, which pytest
+rotates away, and the report names where they are, with the end of the triggerer's log.
 """
 
 from __future__ import annotations

@@ -327,35 +327,43 @@ def test_the_test_button(extras: dict[str, Any], monkeypatch: pytest.MonkeyPatch
     assert not ok and "kube_config_path '/nonexistent/kubeconfig'" in message, message
 
 
+@pytest.fixture
+def held_cpus() -> Iterator[None]:
+    """The test cluster's CPUs, held for a test whose examples ask for a CPU per pod (sky_yaml,
+    sky_taskflow): see ``cluster_cpus``."""
+    with cluster_cpus():
+        yield
+
+
 def test_every_example_dag_on_kubernetes(
-    extras: dict[str, Any], airflow_db: Path, monkeypatch: pytest.MonkeyPatch
+    extras: dict[str, Any], held_cpus: None, airflow_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The example DAGs unchanged, with ``sky_default`` pointing at the cluster: success, fail-fast (the seed
     scenario), a segfault, a failed setup (the seed's failed_worker_setup), a YAML task with a workdir."""
     from integration.test_dag_test import _run, _states
 
-    with cluster_cpus():  # sky_yaml and sky_taskflow ask for a CPU per pod
-        monkeypatch.setenv(
-            "AIRFLOW_CONN_SKY_DEFAULT", json.dumps({"conn_type": "sky_kubernetes", "extra": extras})
-        )
-        b = KubernetesBackend.from_config(extras)
-        dr, tis = _run("sky_hello")
-        assert str(dr.state) == "success" and set(_states(tis, "rank").values()) == {"success"}
-        dr, tis = _run("sky_fail_fast")
-        assert str(dr.state) == "failed" and tis[("down", -1)].state == "success"
-        dr, _ = _run("sky_segfault")
-        assert str(dr.state) == "failed"
-        dr, tis = _run("sky_failed_setup")
-        assert str(dr.state) == "failed" and tis[("cluster", -1)].state == "failed"
-        dr, tis = _run("sky_yaml")
-        assert str(dr.state) == "success"
-        dr, tis = _run("sky_test_at_once", "tests/dags")
-        assert str(dr.state) == "failed"
-        assert _pods(b) == []  # every cluster was torn down
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SKY_DEFAULT", json.dumps({"conn_type": "sky_kubernetes", "extra": extras})
+    )
+    b = KubernetesBackend.from_config(extras)
+    dr, tis = _run("sky_hello")
+    assert str(dr.state) == "success" and set(_states(tis, "rank").values()) == {"success"}
+    dr, tis = _run("sky_fail_fast")
+    assert str(dr.state) == "failed" and tis[("down", -1)].state == "success"
+    dr, _ = _run("sky_segfault")
+    assert str(dr.state) == "failed"
+    dr, tis = _run("sky_failed_setup")
+    assert str(dr.state) == "failed" and tis[("cluster", -1)].state == "failed"
+    dr, tis = _run("sky_yaml")
+    assert str(dr.state) == "success"
+    dr, tis = _run("sky_test_at_once", "tests/dags")
+    assert str(dr.state) == "failed"
+    assert _pods(b) == []  # every cluster was torn down
 
 
 def test_the_retry_hang_and_taskflow_examples_on_kubernetes(
     extras: dict[str, Any],
+    held_cpus: None,
     airflow_db: Path,
     monkeypatch: pytest.MonkeyPatch,
     capfd: pytest.CaptureFixture[str],
@@ -365,27 +373,26 @@ def test_the_retry_hang_and_taskflow_examples_on_kubernetes(
     found, their stacks dumped from the pod's /proc, the run failed naming them; the TaskFlow gang succeeds."""
     from integration.test_dag_test import _load, _out, _run
 
-    with cluster_cpus():  # sky_yaml and sky_taskflow ask for a CPU per pod
-        monkeypatch.setenv(
-            "AIRFLOW_CONN_SKY_DEFAULT", json.dumps({"conn_type": "sky_kubernetes", "extra": extras})
-        )
-        b = KubernetesBackend.from_config(extras)
-        dr, tis = _run("sky_retry")
-        out = _out(capfd)
-        assert str(dr.state) == "success", out[-5000:]
-        assert out.count("processes of attempt 1 still alive: 0") >= 4, out[-5000:]
-        assert "==== attempt 2/3: rank 2 exited 1, retryable by retry_on_exit_codes ====" in out
-        dr, tis = _run("sky_hang")
-        out = _out(capfd)
-        assert str(dr.state) == "failed" and tis[("down", -1)].state == "success"
-        assert "hung: no output for 10 s (ranks 1, 3)" in out, out[-5000:]
-        assert "==== end of the stack dump of rank 1 ====" in out, out[-5000:]
-        dr = _load("sky_taskflow").dag.test()  # its first task, `steps`, is outside the gang's group
-        out = _out(capfd)
-        assert str(dr.state) == "success", out[-5000:]
-        ranks = [ti for ti in dr.get_task_instances() if ti.task_id == "train.rank"]
-        assert len(ranks) == 4 and {str(ti.state) for ti in ranks} == {"success"}
-        assert _pods(b) == []  # every cluster was torn down
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SKY_DEFAULT", json.dumps({"conn_type": "sky_kubernetes", "extra": extras})
+    )
+    b = KubernetesBackend.from_config(extras)
+    dr, tis = _run("sky_retry")
+    out = _out(capfd)
+    assert str(dr.state) == "success", out[-5000:]
+    assert out.count("processes of attempt 1 still alive: 0") >= 4, out[-5000:]
+    assert "==== attempt 2/3: rank 2 exited 1, retryable by retry_on_exit_codes ====" in out
+    dr, tis = _run("sky_hang")
+    out = _out(capfd)
+    assert str(dr.state) == "failed" and tis[("down", -1)].state == "success"
+    assert "hung: no output for 10 s (ranks 1, 3)" in out, out[-5000:]
+    assert "==== end of the stack dump of rank 1 ====" in out, out[-5000:]
+    dr = _load("sky_taskflow").dag.test()  # its first task, `steps`, is outside the gang's group
+    out = _out(capfd)
+    assert str(dr.state) == "success", out[-5000:]
+    ranks = [ti for ti in dr.get_task_instances() if ti.task_id == "train.rank"]
+    assert len(ranks) == 4 and {str(ti.state) for ti in ranks} == {"success"}
+    assert _pods(b) == []  # every cluster was torn down
 
 
 def test_the_seed_yamls_verbatim_on_kubernetes(
