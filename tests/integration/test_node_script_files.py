@@ -3,7 +3,10 @@ text that travels to a node parses under dash and under busybox sh, the shells n
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -112,3 +115,69 @@ def test_the_wrappers_watchdog_takes_its_sleep_with_it_when_stopped_at_once_unde
             h.wait()
         subprocess.run(["pkill", "-KILL", "-f", f"^{sleeper} 2$"], check=False)
         shutil.rmtree(bindir, ignore_errors=True)
+
+
+def _with_pid(target: int, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
+    """A new session and group leader whose pid is ``target`` (asked of the kernel through
+    ``ns_last_pid``, root only; another fork on the machine may take the number first: asked again)."""
+    for _ in range(100):
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(target - 1))
+        proc = subprocess.Popen(argv, env=env, start_new_session=True)
+        if proc.pid == target:
+            return proc
+        proc.kill()
+        proc.wait()
+    return None
+
+
+@pytest.mark.parametrize("shell", [["dash"], ["busybox", "sh"]], ids=lambda s: s[0])
+def test_the_sigkill_after_the_grace_spares_a_group_whose_number_was_reused(shell: list[str]) -> None:
+    """A fail-fast's delayed SIGKILL (``killer.sh``) goes to the job's groups that outlived the grace. A
+    group that ended meanwhile has a free number, which a busy machine gives out again within minutes
+    (32768 pids at 200 a second): the stranger holding it now is not killed, and the rank that ignored
+    the SIGTERM is."""
+    mark = f"/tmp/sky-reuse-test-{uuid.uuid4().hex[:8]}/jobs/job/0/"
+    ours = {**os.environ, "SKY_PROVIDER_MARK": mark}
+    plain = {k: v for k, v in os.environ.items() if k != "SKY_PROVIDER_MARK"}
+    ended = subprocess.Popen(["sleep", "60"], env=ours, start_new_session=True)
+    ended.kill()
+    ended.wait()  # its group is gone: the number is free
+    stranger = _with_pid(ended.pid, ["sleep", "60"], plain)
+    assert stranger is not None, f"pid {ended.pid} could not be had again"
+    stubborn = subprocess.Popen(
+        ["sh", "-c", "trap '' TERM; sleep 60 & wait"], env=ours, start_new_session=True
+    )
+    try:
+        time.sleep(0.2)  # the stubborn rank's sleep has started
+        subprocess.run(
+            [*shell, "-c", node_scripts.KILLER, "sh", "2", f"{ended.pid} {stubborn.pid}"],
+            env={**plain, "SKY_KILL_MARKS": mark},
+            timeout=30,
+            check=True,
+        )
+        assert stubborn.wait(10) == -signal.SIGKILL
+        assert stranger.poll() is None, "the SIGKILL after the grace reached a group that is not the job's"
+    finally:
+        for proc in (stranger, stubborn):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.parametrize("shell", [["dash"], ["busybox", "sh"]], ids=lambda s: s[0])
+def test_marked_finds_a_process_whose_mark_is_not_its_first_variable(shell: list[str]) -> None:
+    """``marked`` reads every process's NUL-separated environ: busybox's grep (the one of a busybox
+    image) stopped at the first NUL, so it found a process only when the mark was its first variable."""
+    mark = f"/tmp/sky-marked-test-{uuid.uuid4().hex[:8]}/jobs/job/0/"
+    proc = subprocess.Popen(
+        ["sleep", "60"], env={"A": "1", "SKY_PROVIDER_MARK": mark, "Z": "2"}, start_new_session=True
+    )
+    try:
+        script = f'{node_scripts.MARKED_FUNCS}\nmarked "$1"\n'
+        out = subprocess.run(
+            [*shell, "-c", script, "sh", mark], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.split()
+        assert out == [str(proc.pid)], out
+    finally:
+        proc.kill()
+        proc.wait()

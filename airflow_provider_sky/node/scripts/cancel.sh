@@ -89,8 +89,9 @@ limit=$(awk "BEGIN{print int($grace * 10)}")
 i=0
 while alive "$@" && [ "$i" -lt "$limit" ]; do tick; i=$((i + 1)); done
 if alive "$@"; then
-  for pg in $groups; do
-    kill -KILL "-$pg" 2>/dev/null || kill -KILL "$pg" 2>/dev/null
+  # only the groups that still belong to the job: one that ended during the grace may have its number reused
+  for pg in $(owngroups "$groups" "$@"); do
+    kill -KILL "-$pg" 2>/dev/null
     command -v pkill >/dev/null 2>&1 && pkill -KILL -s "$pg" 2>/dev/null
     echo "K $pg"
   done

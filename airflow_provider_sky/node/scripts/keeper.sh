@@ -38,7 +38,7 @@ while :; do
         case "$pg" in ''|*[!0-9]*) pg='';; esac
         [ -n "$pg" ] && kill -TERM "-$pg" 2>/dev/null
         killmarked TERM "$d/"
-        (sleep 3; [ -n "$pg" ] && kill -KILL "-$pg" 2>/dev/null; killmarked KILL "$d/") </dev/null >/dev/null 2>&1 &
+        (sleep 3; for g in $(owngroups "$pg" "$d/"); do kill -KILL "-$g" 2>/dev/null; done; killmarked KILL "$d/") </dev/null >/dev/null 2>&1 &
       fi
     done
   done

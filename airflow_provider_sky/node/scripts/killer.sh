@@ -16,7 +16,9 @@ while [ "$i" -lt "$ticks" ]; do
   [ -z "$up" ] && [ -z "$(marked "$@")" ] && exit 0
   sleep 0.1 2>/dev/null || sleep 1; i=$((i + 1))
 done
-for pg in $gs; do kill -KILL "-$pg" 2>/dev/null || kill -KILL "$pg" 2>/dev/null; done
+# only the groups that still belong to the job (a number freed during the grace may be given to
+# another by now), then the marked processes, whatever their group
+for pg in $(owngroups "$gs" "$@"); do kill -KILL "-$pg" 2>/dev/null; done
 i=0
 while [ "$i" -lt 20 ] && [ -n "$(marked "$@")" ]; do
   killmarked KILL "$@"; sleep 0.1 2>/dev/null || sleep 1; i=$((i + 1))
