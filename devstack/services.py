@@ -49,7 +49,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from devstack.stack import StackError, free_port, group_members
+from devstack.stack import StackError, free_port, group_members, signal_group
 
 #: the unprivileged user the servers run as when the caller is root
 SERVICE_USER = "nobody"
@@ -165,14 +165,12 @@ class _Server:
         """The shutdown signal, SIGKILL after ``grace``; then the data directory goes."""
         proc, self.proc = self.proc, None
         if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, self._stop_signal)
+            signal_group(proc, self._stop_signal)
             deadline = time.monotonic() + grace
             while group_members(proc.pid) and time.monotonic() < deadline:
                 proc.poll()
                 time.sleep(0.1)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            signal_group(proc, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
         if self.dir is not None:

@@ -152,6 +152,17 @@ def group_members(pgid: int) -> list[int]:
     return found
 
 
+def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """Signal the process group ``proc`` leads, if the number is still its: while ``proc`` is not
+    reaped its pid stays taken; once reaped, only members left keep the number taken (and no process
+    has that pid then). A number freed is given out again within minutes on a busy machine, and a
+    signal to it would reach another test's processes."""
+    if proc.poll() is not None and (Path(f"/proc/{proc.pid}").exists() or not group_members(proc.pid)):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
 def processes_under(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
     """Live (non-zombie) processes whose cwd is inside ``path`` or whose command line names it."""
     root = str(Path(path).resolve())
@@ -529,8 +540,7 @@ class AirflowStack:
             self._client = None
         procs, self.procs = self.procs, {}
         for proc in procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
+            signal_group(proc, signal.SIGTERM)
         self._reap(procs.values(), self.stop_grace)
         atexit.unregister(self.stop)
         with contextlib.suppress(ValueError):
@@ -568,8 +578,7 @@ class AirflowStack:
             time.sleep(0.1)
         for p in procs:
             if group_members(p.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
+                signal_group(p, signal.SIGKILL)
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
@@ -585,8 +594,7 @@ class AirflowStack:
         """Stop the triggerer (SIGTERM, its triggers are released) and start a new one; wait for it."""
         old = self.procs.pop("triggerer", None)
         if old is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(old.pid, signal.SIGTERM)
+            signal_group(old, signal.SIGTERM)
             self._reap([old], self.stop_grace)
         started = time.time()
         self._spawn("triggerer")
@@ -610,8 +618,7 @@ class AirflowStack:
         names = [s for s in self.services if s.startswith("triggerer")]
         old = [self.procs.pop(s) for s in names if s in self.procs]
         for proc in old:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
+            signal_group(proc, signal.SIGTERM)
         self._reap(old, self.stop_grace)
         self.env.update(env or {})
         self.extra_env.update(env or {})
@@ -639,8 +646,7 @@ class AirflowStack:
     def kill_service(self, service: str, sig: int = signal.SIGKILL) -> None:
         """Kill one service's whole process group (a crash when SIGKILL); the stack goes on without it."""
         proc = self.procs.pop(service)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
+        signal_group(proc, sig)
         self._reap([proc], self.stop_grace)
 
     def start_service(self, service: str) -> None:
@@ -651,7 +657,7 @@ class AirflowStack:
 
     def signal_service(self, service: str, sig: int) -> None:
         """Send a signal to one service's process group and keep it (SIGSTOP / SIGCONT: a stall)."""
-        os.killpg(self.procs[service].pid, sig)
+        signal_group(self.procs[service], sig)
 
     def triggerer_jobs(self) -> dict[int, str]:
         """Triggerer job id -> the service running it (``triggerer``, ``triggerer-2``...): the newest open

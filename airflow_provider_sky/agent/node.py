@@ -267,6 +267,36 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _rank_group(d: str, pg: int) -> tuple[int, bool] | None:
+    """What to signal for the process group a rank's ``pgid`` file names (the node runtime's
+    ``rankgroup``): ``(pg, True)`` the group, ``(pg, False)`` its first process alone (it has not run
+    setsid yet), None when the group is gone or the number is another's now (a rank that ended without
+    an exit record, as a crashed wrapper leaves it: a busy machine gives numbers out again within
+    minutes). The first process is the rank's while it is a child of the rank's wrapper (``pid``), or
+    carries the rank's mark (its wrapper was killed)."""
+    try:
+        with open(f"/proc/{pg}/stat", "rb") as f:
+            fields = f.read().rsplit(b") ", 1)[-1].split()
+    except FileNotFoundError:
+        try:  # the first process is gone: members left keep the number taken
+            os.killpg(pg, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return pg, True
+    except OSError:
+        return pg, True  # no /proc to tell by: the group, as named
+    ppid, group = int(fields[1]), int(fields[2])
+    wrapper = _num(_read(os.path.join(d, "pid"), 32))
+    if not wrapper or ppid == int(wrapper):  # no wrapper pid yet: it is written right after the pgid
+        return pg, group == pg
+    environ = _read(f"/proc/{pg}/environ", 1 << 20) or ""
+    if f"\0SKY_PROVIDER_MARK={d}/\0" in f"\0{environ}":
+        return pg, group == pg
+    return None
+
+
 def _size(path: str) -> int:
     try:
         return os.stat(path).st_size
@@ -565,7 +595,7 @@ class NodeWork:
         # every unfinished rank's reason, then one SIGTERM per group, from here (no fork between the
         # head's word and the signal); the cancel script then does the rest as on the per-node path
         # (escaped processes, the SIGKILL after the grace) and signals no group twice
-        groups = []
+        targets: list[tuple[int, bool]] = []
         for r in ranks:
             d = nj.dirs[r]
             if os.path.exists(os.path.join(d, "exit")):
@@ -576,26 +606,25 @@ class NodeWork:
                 # not started: its wrapper reads the reason right after it writes its pgid, so one of
                 # the two signals the group (the cancel script's order, see the node runtime's WRAPPER)
                 pg = _num(_read(os.path.join(d, "pgid"), 32))
-            if pg and pg > 1:
-                groups.append(int(pg))
-        for pg in groups:
+            # only a group that is still the rank's (an ended one's number may be another's by now)
+            target = _rank_group(d, int(pg)) if pg and pg > 1 else None
+            if target is not None:
+                targets.append(target)
+        for pg, whole in targets:
             try:
-                os.killpg(pg, signal.SIGTERM)
-            except ProcessLookupError:  # the group is gone; its first process may not have run setsid yet
-                try:
-                    os.kill(pg, signal.SIGTERM)
-                except OSError:
-                    pass
+                (os.killpg if whole else os.kill)(pg, signal.SIGTERM)
+            except ProcessLookupError:  # ended meanwhile
+                pass
             except OSError as exc:
                 log.warning("Could not signal group %s: %s", pg, exc)
         grace = nj.grace
-        if groups and grace > SCRIPT_AFTER_SIGNAL:  # the grace counts from the SIGTERMs
+        if targets and grace > SCRIPT_AFTER_SIGNAL:  # the grace counts from the SIGTERMs
             await asyncio.sleep(SCRIPT_AFTER_SIGNAL)
             grace -= SCRIPT_AFTER_SIGNAL
         args = [f"{grace:.3f}", mode, reason]
         for r in ranks:
             args += [nj.roots[r], nj.job, str(r)]
-        env = dict(os.environ, SKY_SIGNALLED="".join(f" -{pg}" for pg in groups))
+        env = dict(os.environ, SKY_SIGNALLED="".join(f" -{pg}" for pg, _ in targets))
         rc, out = await _sh(nj.cancel_script, args, timeout=30 + nj.grace, env=env)
         if rc != 0:
             log.warning("The cancel of job %s ranks %s ended with %s: %s", nj.job, ranks, rc, out[-500:])

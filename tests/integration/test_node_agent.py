@@ -210,6 +210,36 @@ def test_cancel_from_the_control_plane_is_one_call(cluster_of: Any) -> None:
     assert agent_view(status) == per_node_view(c, "job", ranks)
 
 
+def test_an_agents_cancel_spares_a_group_that_took_a_ranks_number(cluster_of: Any) -> None:
+    """A rank whose group ended without an exit record (its wrapper died with it) leaves a number that a
+    busy machine gives to another process group within minutes: the agent's SIGTERM goes to groups that
+    are still their rank's. Rank 1 here names a stranger's group; the stranger lives, the ranks end."""
+    c = cluster_of(2)
+    ranks = {"n0": [0], "n1": [1]}
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+
+    async def go() -> None:
+        client = c.client()
+        try:
+            await client.start("job", c.plan("job", ranks, SLEEP), grace=1.0)
+            d = Path(c.rank_dir("n1", "job", 1))
+            assert _wait_for(lambda: (d / "pid").exists(), 10)
+            (d / "pgid").write_text(f"{stranger.pid}\n")
+            await client.cancel("job", "a user asked")
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(go())
+        assert _wait_for(lambda: over(c, "job", ranks), 10), records(c, "job", ranks)
+        time.sleep(1.5)  # past the grace: the cancel's SIGKILL too
+        assert stranger.poll() is None, "the agent's cancel signalled a process group that is not the job's"
+        assert all(rec["why"] == "a user asked" for rec in records(c, "job", ranks).values())
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
 def test_a_lost_worker_agent_fails_the_gang_after_lost_after(cluster_of: Any) -> None:
     """n2's agent is killed (its node, for the head): after ``lost_after`` the gang fails with the node
     named, and the ranks of every other node are stopped."""

@@ -154,6 +154,29 @@ def test_a_group_number_of_an_ended_rank_is_not_signalled(sky_home: Path) -> Non
     b.terminate("c")
 
 
+def test_a_running_rank_listed_with_a_group_not_its_own_does_not_signal_that_group(sky_home: Path) -> None:
+    """A rank whose group ended without an exit record (its wrapper died with it) still has its line in
+    ``.pgids``, and the number may be another process group's by now: the failing rank signals a listed
+    group only while its first process is a child of that rank's wrapper."""
+    run = 'if [ "$SKYPILOT_NODE_RANK" = 0 ]; then sleep 2; exit 3; fi\nsleep 10000'
+    b, client, spec = local_gang(sky_home, 3, run)
+    client.launch(spec, "job", grace=1.0)
+    pgids = Path(gang_flag(client.node_of(0).root, "job")).parent / ".pgids"
+    assert _wait_for(lambda: pgids.exists() and len(pgids.read_text().splitlines()) == 3, 10)
+    other = subprocess.Popen(["sleep", "10000"], start_new_session=True)  # the number, given out again
+    try:
+        with pgids.open("a") as f:
+            f.write(f"1 {other.pid}\n")
+        assert _wait_for(lambda: _over(client, 3), 15), client.peek("job").ranks
+        assert [r.state for r in client.peek("job").ranks] == [FAILED, CANCELLED, CANCELLED]
+        time.sleep(1.5)  # past the grace: the cancel's SIGKILL too
+        assert other.poll() is None, "a process group that is not the job's was signalled"
+    finally:
+        other.kill()
+        other.wait()
+    b.terminate("c")
+
+
 def test_the_ranks_clock_is_the_wall_clock(sky_home: Path) -> None:
     """The wrappers read /proc/uptime from a base their launcher took with ``date`` (no fork per
     timestamp): a rank's start and end still read as the wall clock, to the hundredth."""
@@ -186,6 +209,8 @@ def test_a_sibling_whose_group_is_not_there_yet_is_signalled_by_pid(sky_home: Pa
     try:
         listed = pgids.read_text().splitlines()
         pgids.write_text("".join(f"1 {lone.pid}\n" if ln.startswith("1 ") else ln + "\n" for ln in listed))
+        # its parent (this process) as rank 1's wrapper, as a wrapper's child before setsid has it
+        (Path(client.node_of(1).root) / "jobs" / "job" / "1" / "pid").write_text(f"{os.getpid()}\n")
         assert _wait_for(lambda: lone.poll() is not None, 5), "the process of a group not made yet lived on"
         assert lone.returncode == -15
     finally:

@@ -181,3 +181,86 @@ def test_marked_finds_a_process_whose_mark_is_not_its_first_variable(shell: list
     finally:
         proc.kill()
         proc.wait()
+
+
+def _plain_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "SKY_PROVIDER_MARK"}
+
+
+def _pids(d: Path) -> tuple[int, int]:
+    """The (wrapper, group) pids a rank directory names, once both are written."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return int((d / "pid").read_text()), int((d / "pgid").read_text())
+        except (OSError, ValueError):
+            assert time.monotonic() < deadline, f"{d} has no pid and pgid"
+            time.sleep(0.02)
+
+
+def _rank(root: Path, rank: int, *, kill_wrapper: bool = False) -> tuple[subprocess.Popen[bytes], int]:
+    """A running rank as the wrapper leaves it: its command leads a group of its own (setsid), marked, a
+    child of the wrapper, whose pid is in ``pid`` and the group's in ``pgid``; the wrapper and the
+    group's number. ``kill_wrapper``: the wrapper is then SIGKILLed (the command lives on, re-parented)."""
+    d = root / "jobs" / "job" / str(rank)
+    d.mkdir(parents=True)
+    script = 'SKY_PROVIDER_MARK="$1/" setsid sleep 60 & echo $! > "$1/pgid"; echo $$ > "$1/pid"; wait'
+    wrapper = subprocess.Popen(["sh", "-c", script, "sh", str(d)], env=_plain_env())
+    _, group = _pids(d)
+    if kill_wrapper:
+        wrapper.kill()
+        wrapper.wait()
+    return wrapper, group
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    """Whether process ``pid`` ended (reaped, or a zombie) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("mode", ["wait", "nowait"])
+@pytest.mark.parametrize("shell", [["dash"], ["busybox", "sh"]], ids=lambda s: s[0])
+def test_a_cancel_spares_a_group_that_took_the_number_of_a_rank_ended_without_a_record(
+    shell: list[str], mode: str, tmp_path: Path
+) -> None:
+    """A rank whose wrapper died with it leaves a ``pgid`` and no exit record; a cancel (a teardown, a
+    fail-fast, a user's mark-failed) minutes later read that number and sent its SIGTERM to whatever
+    process group holds it by then, another job's rank or an Airflow process. The rank running beside
+    it, and one whose wrapper was killed while its command lives on, still get theirs."""
+    root = tmp_path / "node"
+    stale = root / "jobs" / "job" / "0"
+    stale.mkdir(parents=True)
+    ended = subprocess.Popen(["sleep", "0"], env=_plain_env())
+    ended.wait()
+    stranger = subprocess.Popen(["sleep", "60"], env=_plain_env(), start_new_session=True)
+    (stale / "pid").write_text(f"{ended.pid}\n")  # its wrapper: gone
+    (stale / "pgid").write_text(f"{stranger.pid}\n")  # its group's number: another's now
+    wrapper, running = _rank(root, 1)
+    _, orphan = _rank(root, 2, kill_wrapper=True)
+    try:
+        args = runtime.cancel_args(
+            1.0, [(str(root), "job", r) for r in range(3)], wait=mode == "wait", reason="bye"
+        )
+        subprocess.run(
+            [*shell, "-c", node_scripts.CANCEL_SCRIPT, "sh", *args], env=_plain_env(), timeout=30, check=True
+        )
+        assert _gone(running) and _gone(orphan), "a rank of the job outlived its cancel"
+        time.sleep(1.5)  # past the grace: the delayed SIGKILL of a cancel that does not wait too
+        assert stranger.poll() is None, "the cancel signalled a process group that is not the job's"
+        for r in range(3):
+            assert (root / "jobs" / "job" / str(r) / "cancel").read_text() == "bye\n"
+    finally:
+        for pg in (stranger.pid, running, orphan):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pg, signal.SIGKILL)
+        stranger.wait()
+        wrapper.wait(10)

@@ -30,21 +30,19 @@ while [ $# -ge 3 ]; do
       case "$pg" in ''|*[!0-9]*) continue;; esac;;
     *) [ "$mode" = first ] || printf '%s\n' "$reason" > "$d/cancel";;
   esac
+  echo "C $d"
+  # only a group that is still the rank (see rankgroup): a number read from a rank that ended without
+  # an exit record may be another process group now
+  rankgroup "$d" "$pg"
+  [ -n "$_t" ] || continue
   groups="$groups $pg"
   # signalled already by the failing rank (SKY_SIGNALLED: " -PGID ..."): a group gets one SIGTERM
-  case "${SKY_SIGNALLED:-} " in *" -$pg "*) ;; *) term="$term $pg";; esac
-  echo "C $d"
+  case "${SKY_SIGNALLED:-} " in *" -$pg "*) ;; *) term="$term $_t";; esac
 done
 # every reason first, then every group in one kill: many ranks signalled one by one would wake and
-# take the CPU this loop needs before the last one is signalled (a group gone already: its pid, as is)
-if [ -n "$term" ]; then
-  neg=''
-  for pg in $term; do neg="$neg -$pg"; done
-  # shellcheck disable=SC2086 # one kill for every group: the list splits on purpose
-  if ! kill -TERM $neg 2>/dev/null; then
-    for pg in $term; do kill -0 "-$pg" 2>/dev/null || kill -TERM "$pg" 2>/dev/null; done
-  fi
-fi
+# take the CPU this loop needs before the last one is signalled
+# shellcheck disable=SC2086 # one kill for every group: the list splits on purpose
+[ -z "$term" ] || kill -TERM $term 2>/dev/null || :
 oldifs=$IFS; IFS=$nl; set -f
 # shellcheck disable=SC2086 # split on purpose: IFS is a newline, globbing is off
 set -- $marks; set +f; IFS=$oldifs

@@ -36,7 +36,8 @@ while :; do
         printf 'orphaned: nothing polled this job for %ss (Airflow lost it); the node killed its processes\n' "$to" > "$d/orphaned"
         pg=''; [ -f "$d/pgid" ] && read -r pg < "$d/pgid"
         case "$pg" in ''|*[!0-9]*) pg='';; esac
-        [ -n "$pg" ] && kill -TERM "-$pg" 2>/dev/null
+        _t=''; [ -z "$pg" ] || rankgroup "$d" "$pg"
+        [ -n "$_t" ] && kill -TERM "$_t" 2>/dev/null
         killmarked TERM "$d/"
         (sleep 3; for g in $(owngroups "$pg" "$d/"); do kill -KILL "-$g" 2>/dev/null; done; killmarked KILL "$d/") </dev/null >/dev/null 2>&1 &
       fi

@@ -178,12 +178,21 @@ if [ "$rc" != 0 ] && [ -n "$gf" ] && [ -z "$cr" ] && [ ! -f "$d/cancel" ]; then
     nl='
 '
     # every sibling group in .pgids whose rank has not ended (an ended rank's group number may be
-    # another's by now) gets its signal at once, before a file per rank is read
+    # another's by now) gets its signal at once, before a file per rank is read; a group whose first
+    # process is no longer a child of its rank's wrapper is left to the cancel script (rankgroup)
     early=$(awk -v me="$me" -v job="$job" '
       NR == FNR { r = $1; sub(/^[^ ]* /, ""); root[r] = $0; next }
       $1 != me && ($1 in root) && $2 ~ /^[0-9]+$/ && !(("-" $2) in seen) {
-        f = root[$1] "/jobs/" job "/" $1 "/exit"
+        rd = root[$1] "/jobs/" job "/" $1
+        f = rd "/exit"
         if ((getline x < f) >= 0) { close(f); next }
+        w = ""; f = rd "/pid"
+        if ((getline w < f) > 0) close(f)
+        f = "/proc/" $2 "/stat"
+        if (w ~ /^[0-9]+$/ && (getline s < f) > 0) {
+          close(f); sub(/.*\) /, "", s); split(s, a, " ")
+          if (a[2] != w) next
+        }
         seen["-" $2] = 1; printf " -%s", $2
       }' "$j/.ranks" "$j/.pgids" 2>/dev/null) || early=''
     # the reason first (whole: written aside, renamed), then the signals: see CANCEL_SCRIPT's `first`
