@@ -1,6 +1,6 @@
 """``make bench``: the provider's figures on this machine, against the local backend and real sshd hosts.
 
-    python -m benchmarks.run [--quick] [--only 1,2,3,4,5,6,7,8,9] [--out PATH]
+    python -m benchmarks.run [--quick] [--only 1,2,3,4,5,6,7,8,9,10] [--out PATH]
 
 Prints a table (figure | N | median | min | max | runs | goal | met) and writes
 ``benchmarks/results/latest.json`` (the figures, the machine's core count, versions of python, airflow,
@@ -464,6 +464,19 @@ class Bench:
         )
         self.rows += fig_mask.run(self.plan.quick, self.base, say)
 
+    # -- figure 10
+
+    def fig10(self) -> None:
+        from benchmarks import fig_output
+
+        say("\n== figure 10: the watcher's memory, a local rank printing 200 MB ==")
+        self.notes.append(
+            "fig 10: one local rank prints 200 MB (one line, 100-byte lines, binary); a rank trigger subscribed "
+            "as the triggerer does it watches it in a child process: the child's VmHWM minus its RSS before "
+            "the launch."
+        )
+        self.rows += fig_output.run(self.plan.quick, self.base, say)
+
     # -- figure 6
 
     def fig6(self) -> None:
@@ -527,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--only",
-        default="1,2,3,4,5,6,7,8,9",
+        default="1,2,3,4,5,6,7,8,9,10",
         help="figures to run, e.g. 1,2 (default: all); 1c = only figure 1's 'rank fails at once' case",
     )
     ap.add_argument("--ns", default="", help="override the gang sizes of figures 1-3, e.g. 64 or 4,16")
@@ -561,10 +574,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     only = {x.strip() for x in args.only.split(",") if x.strip()}
-    if not only <= {"1", "1c", "2", "3", "4", "5", "6", "7", "8", "9"}:
-        ap.error("--only takes figure numbers 1-9 (and 1c)")
+    if not only <= {"1", "1c", "2", "3", "4", "5", "6", "7", "8", "9", "10"}:
+        ap.error("--only takes figure numbers 1-10 (and 1c)")
     figures = sorted({1 if x == "1c" else int(x) for x in only})
-    if os.geteuid() != 0 and not set(figures) <= {5, 9}:  # figures 5 and 9 use the local backend only
+    if os.geteuid() != 0 and not set(figures) <= {5, 9, 10}:  # figures 5, 9 and 10: the local backend only
         say("needs root: the sshd test hosts create users and start sshd (tests/support/sshd.py)")
         return 2
     plan = Plan.make(args.quick)
