@@ -539,18 +539,6 @@ class AirflowStack:
             self._client.close()
             self._client = None
         procs, self.procs = self.procs, {}
-        if os.environ.get("SKY_CPU_REPORT"):  # TEMP measurement
-            tck = os.sysconf("SC_CLK_TCK")
-            with open(os.environ["SKY_CPU_REPORT"], "a") as rep:
-                for name, proc in procs.items():
-                    tot = 0.0
-                    for pid in group_members(proc.pid):
-                        try:
-                            st = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                            tot += sum(int(x) for x in st[11:15]) / tck
-                        except OSError:
-                            pass
-                    rep.write(f"{self.home} {name} {tot:.1f}\n")
         for proc in procs.values():
             signal_group(proc, signal.SIGTERM)
         self._reap(procs.values(), self.stop_grace)
