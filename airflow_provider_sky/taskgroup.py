@@ -143,6 +143,7 @@ def sky_gang(
             result_file=spec_fields.get("result_file"),
             result_ranks=result_ranks,
             result_max_bytes=result_max_bytes,
+            rank_task_id=ranks.task_id,
             **({"outlets": outlets} if outlets else {}),
             **watch,
         )

@@ -29,6 +29,8 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
         ``"all"`` a list, one per rank; at most ``result_max_bytes`` bytes. ``do_xcom_push=False``: none.
     :param outlets: assets this task updates once every rank succeeded, with the run id, the nodes, the
         duration and a small result in each event's ``extra``; a failed gang emits none.
+    :param rank_task_id: the mapped task watching each rank (``sky_gang`` passes its own): a user's
+        mark-failed or mark-success of one of them while no triggerer runs its trigger still stops the gang.
     """
 
     template_fields: Sequence[str] = ("cluster", "ranks", "job_id")
@@ -54,6 +56,7 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
         result_file: str | None = None,
         result_ranks: int | str = 0,
         result_max_bytes: int = DEFAULT_MAX_BYTES,
+        rank_task_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("retries", 0)
@@ -69,6 +72,7 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
         self.result_file = result_file
         self.result_ranks = result_ranks
         self.result_max_bytes = result_max_bytes
+        self.rank_task_id = rank_task_id
         self.start_from_trigger = start_from_trigger
         if start_trigger_args is not None:
             self.start_trigger_args = start_trigger_args
@@ -88,6 +92,7 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
         result_file: str | None = None,
         result_ranks: int | str = 0,
         result_max_bytes: int = DEFAULT_MAX_BYTES,
+        rank_task_id: str | None = None,
         **kwargs: Any,
     ) -> SkyGangSensor:
         """A gang sensor that starts and ends in the triggerer (no worker, no resume hold): the run
@@ -104,6 +109,7 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
             lost_after=lost_after,
             hang_timeout=hang_timeout,
             **_result_kwargs(kwargs, result_file, result_ranks, result_max_bytes),
+            **({"rank_task_id": rank_task_id} if rank_task_id else {}),
         )
         job_id = "{{ ti.xcom_pull(task_ids=" + repr(job_task_id) + ", key='sky_job_id', map_indexes=-1) }}"
         return cls(
@@ -115,6 +121,7 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
             result_file=result_file,
             result_ranks=result_ranks,
             result_max_bytes=result_max_bytes,
+            rank_task_id=rank_task_id,
             **watch,
             **kwargs,
         )
@@ -136,6 +143,7 @@ class SkyGangSensor(GangWatchMixin, BaseSensorOperator):
                 self.result_ranks,
                 self.result_max_bytes,
             ),
+            rank_task_id=self.rank_task_id,
         )
 
     def execute(self, context: Context) -> None:

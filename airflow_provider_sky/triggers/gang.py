@@ -29,6 +29,7 @@ from airflow_provider_sky.model.gang import (
 )
 from airflow_provider_sky.model.logtext import LineClock, LineSplitter, iso_time
 from airflow_provider_sky.runners.base import RunnerError
+from airflow_provider_sky.triggers import task_states
 from airflow_provider_sky.triggers.log_room import log_room
 from airflow_provider_sky.triggers.outcome import (
     attempt_boundary,
@@ -595,13 +596,20 @@ class SkyGangTrigger(_SkyGangWatchTrigger):
     """Fires on the gang's first failure (after siblings were cancelled) or when every rank succeeded."""
 
     def __init__(
-        self, *, result: dict[str, Any] | None = None, resume_on_success: bool = False, **kwargs: Any
+        self,
+        *,
+        result: dict[str, Any] | None = None,
+        resume_on_success: bool = False,
+        rank_task_id: str | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         #: how to read the gang's result once every rank succeeded (``result.result_config``), None: no result
         self.result = dict(result) if result else None
         #: a success resumes the task on a worker (it has outlets: only a worker can emit asset events)
         self.resume_on_success = bool(resume_on_success)
+        #: the mapped task watching each rank: its states are looked at (see ``triggers.task_states``)
+        self.rank_task_id = rank_task_id
 
     def _task_label(self, ti: Any) -> str:
         return f"gang sensor task {ti.task_id}" if ti is not None else "the gang sensor task"
@@ -612,12 +620,45 @@ class SkyGangTrigger(_SkyGangWatchTrigger):
             kwargs["result"] = self.result
         if self.resume_on_success:
             kwargs["resume_on_success"] = True
+        if self.rank_task_id:
+            kwargs["rank_task_id"] = self.rank_task_id
         return f"{type(self).__module__}.{type(self).__qualname__}", kwargs
+
+    async def _look_at_rank_tasks(self, status: GangStatus, suspects: dict[int, str]) -> dict[int, str]:
+        """Cancel the gang if a user marked a rank task failed or success while no triggerer ran its
+        trigger (nothing else tells the gang then). Acts on what two looks ``LOOK_EVERY`` apart both
+        show, while nobody cancels the gang: a rank task that ended with its rank has its state written
+        a moment after the poll that showed the end, and a rank task whose trigger a triggerer ran has
+        its ``on_kill`` cancel the gang within that time, saying so. Returns what this look found (the
+        next one's suspects)."""
+        ti = self.task_instance
+        running = [r.rank for r in status.ranks if not r.terminal]
+        if ti is None or not self.rank_task_id or not running or status.cancel_requested:
+            return {}
+        acted = await task_states.acted_on(ti, self.rank_task_id, running)
+        if not acted:
+            return {}
+        confirmed = {r: st for r, st in acted.items() if suspects.get(r) == st}
+        if not confirmed:
+            return acted
+        reason = task_states.acted_reason(ti, self.rank_task_id, confirmed)
+        self.log.info("Cancelling every rank of job %s: %s", self.job_id, reason)
+        client = await SkyHook(self.sky_conn_id).aclient(self.cluster)
+        try:
+            await stop_gang(client, self.job_id, self.watch.retry.attempts, self.grace, reason)
+        finally:
+            client.close()
+        return {}
 
     async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
         failed_before = False
         extra: dict[str, Any] = {}  # the result, once every rank succeeded
+        look_at = 0.0  # the rank tasks' states: at the first poll, then every LOOK_EVERY s
+        suspects: dict[int, str] = {}
         async for poll, _client in shared_stream:
+            if time.monotonic() >= look_at and not poll.status.done:
+                look_at = time.monotonic() + task_states.LOOK_EVERY
+                suspects = await self._look_at_rank_tasks(poll.status, suspects)
             if not poll.final and poll.max_attempts > 1:
                 continue  # the gang may still be retried: only its final outcome counts
             status: GangStatus = poll.status

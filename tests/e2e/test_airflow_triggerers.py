@@ -7,12 +7,16 @@ sensor's) cannot sit on one: both triggerers watch it. Each triggerer's triggers
 (Airflow's shared streams): the node sees at most one status call per interval from each triggerer, never
 one per trigger. Polls are counted where they land: every status call writes its time into the rank's
 ``polled`` file on the node (the dead-man's switch reads it), which the test samples every 10 ms.
+
+The same stack with both triggerers stopped: a rank task marked failed then still stops the gang, once a
+triggerer runs the gang sensor's trigger again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +24,7 @@ from pathlib import Path
 import pytest
 from leaks import job_processes
 
+from airflow_provider_sky.triggers.task_states import LOOK_EVERY
 from devstack.stack import AirflowStack
 from e2e.test_airflow_celery import MOVE, TRIGGERERS, _wait_all_deferred
 from e2e.test_airflow_real import REPO, RUN_TIMEOUT, RealAirflow, _kill, _processes_of_job
@@ -143,4 +148,49 @@ def test_a_gang_on_two_triggerers_is_polled_once_per_interval_by_each(
     assert sent <= len(TRIGGERERS), f"{sent} fail-fast cancels for one failure (at most one per triggerer)"
     assert cancelled < 3.0, f"siblings still ran {cancelled:.1f} s after rank 2 failed"
     assert not _processes_of_job(job_id, "sleep 10000")
+    real.assert_cleaned_up(MOVE, run_id)
+
+
+def test_a_rank_marked_failed_while_no_triggerer_runs_stops_the_gang_once_one_does(
+    real: RealAirflow, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user marks rank 1's task failed while every triggerer is down (a restart of all of them): its
+    trigger, run by none, never gets the cancel, and Airflow drops it. The ranks run on (nothing tells
+    them); the gang trigger, once a triggerer runs it again, finds the rank task failed with its rank
+    still running and stops the gang, saying why."""
+    stack = real.stack
+    run_id = stack.trigger(MOVE, conf={"go": str(real.sky.parent / "never-told")})
+    keys = [("gang.rank", i) for i in range(4)] + [("gang.gang", -1)]
+    _wait_all_deferred(stack, run_id, keys)
+    job_id = stack.xcom(MOVE, run_id, "gang.job")[0]["job_id"]
+    assert len(_processes_of_job(job_id, "sleep 10000")) == 3  # ranks 0, 1 and 3 (2 waits for its file)
+
+    for service in TRIGGERERS:
+        stack.kill_service(service, signal.SIGTERM)  # every triggerer stops; their triggers are released
+    stack.mark_failed(MOVE, run_id, "gang.rank", 1)
+    time.sleep(2 * LOOK_EVERY)
+    assert len(_processes_of_job(job_id, "sleep 10000")) == 3, "something else stopped the gang"
+
+    stack.restart_triggerers()
+    up = time.monotonic()
+    while _processes_of_job(job_id, "sleep 10000") and time.monotonic() - up < RUN_TIMEOUT:
+        time.sleep(0.1)
+    gone = time.monotonic() - up
+    assert not _processes_of_job(job_id, "sleep 10000"), (
+        "the gang ran on after the rank task was marked failed"
+    )
+    assert stack.wait_run(MOVE, run_id, timeout=RUN_TIMEOUT) == "failed"
+    with capsys.disabled():
+        print(
+            f"\nrank task marked failed with no triggerer: ranks gone {gone:.1f} s after the triggerers were up"
+        )
+    why = "was marked failed or marked success by a user while no triggerer ran its trigger"
+    for rank in (0, 2, 3):
+        outcome = stack.xcom(MOVE, run_id, "gang.rank", "sky_rank", rank)
+        assert outcome["state"] == "cancelled" and why in outcome["reason"], outcome
+        assert "rank task gang.rank [rank 1] (failed)" in outcome["reason"], outcome
+    tis = real.tis(MOVE, run_id)
+    assert tis[("gang.rank", 1)]["state"] == "failed"
+    assert tis[("gang.gang", -1)]["state"] == "failed"
+    assert tis[("gang.down", -1)]["state"] == "success"
     real.assert_cleaned_up(MOVE, run_id)

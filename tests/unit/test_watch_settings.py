@@ -113,3 +113,26 @@ def test_the_other_timing_arguments_are_checked_in_the_same_call() -> None:
     """``orphan_timeout`` is checked before ``hang_timeout``, as each entry point always did."""
     with pytest.raises(SpecError, match="^orphan_timeout"):
         WatchSettings.build(None, 0.5, 3.0, 10.0, "x", orphan_timeout=-1)
+
+
+def test_sky_gangs_sensor_trigger_knows_the_rank_task_in_both_ways_it_starts() -> None:
+    """The gang sensor's trigger looks at the rank tasks' states (a rank task marked failed while no
+    triggerer ran its trigger): ``sky_gang`` names its rank task in the trigger it starts in the
+    triggerer and in the one its sensor defers to, and the name survives the trigger's serialization."""
+    import pendulum
+    from airflow.sdk import DAG
+
+    from airflow_provider_sky.taskgroup import sky_gang
+
+    with DAG("d", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC")):
+        group = sky_gang("train", num_nodes=2, run="true")
+    sensor = group.sensor
+    assert sensor.start_trigger_args is not None
+    assert sensor.start_trigger_args.trigger_kwargs["rank_task_id"] == "train.rank"
+    sensor.job_id = "j"
+    kwargs = sensor._trigger(deferring=False).serialize()[1]
+    assert kwargs["rank_task_id"] == "train.rank"
+    assert SkyGangTrigger(**kwargs).serialize()[1] == kwargs
+    # a sensor on its own (no rank tasks) looks at nothing, and serializes as before
+    alone = SkyGangSensor(task_id="s", cluster=HANDLE, job_id="j")
+    assert "rank_task_id" not in alone._trigger(deferring=False).serialize()[1]
