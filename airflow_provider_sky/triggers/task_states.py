@@ -46,10 +46,10 @@ async def acted_on(ti: Any, rank_task_id: str, running: Iterable[int]) -> dict[i
 
 
 def acted_reason(ti: Any, rank_task_id: str, acted: dict[int, str]) -> str:
-    """The cancel reason every rank shows: which rank task a user acted on, and that no triggerer ran it."""
+    """The cancel reason every rank shows: which rank task a user acted on, and that its trigger did not act."""
     ranks = sorted(acted)
     which = ", ".join(f"[rank {r}] ({acted[r]})" for r in ranks)
     return (
         f"rank task {rank_task_id} {which} of DAG {ti.dag_id}, run {ti.run_id}, was marked failed or "
-        "marked success by a user while no triggerer ran its trigger"
+        "marked success by a user, and its own trigger did not stop the gang"
     )
