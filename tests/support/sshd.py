@@ -155,10 +155,14 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
-def _kill(pids: list[int]) -> None:
+def _signal(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
+
+
+def _kill(pids: list[int]) -> None:
+    _signal(pids, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
@@ -556,8 +560,16 @@ class SSHDCluster:
     def _kill_node(self, node: SSHDNode) -> None:
         extra: list[int] = []
         if node.proc is not None:
-            # per-connection sshd processes run as root: find them through the listener before it dies
-            extra = _descendants(node.proc.pid)
+            # per-connection sshd processes run as root: find them through the listener before it dies,
+            # each stopped as found (SIGSTOP) until none is new: one forked after the look would start a
+            # session of the node's user once the user's processes were killed (a flood of connections)
+            frozen = {node.proc.pid}
+            fresh = [node.proc.pid]
+            while fresh:
+                _signal(fresh, signal.SIGSTOP)
+                fresh = [pid for pid in _descendants(node.proc.pid) if pid not in frozen]
+                frozen.update(fresh)
+            extra = sorted(frozen - {node.proc.pid})
             _kill([node.proc.pid])
             node.proc.wait()
             node.proc = None
