@@ -134,7 +134,12 @@ def test_a_failure_on_host_3_stops_the_siblings_on_every_host_with_nothing_polli
     run = f'if [ "$SKYPILOT_NODE_RANK" = "{N - 1}" ]; then sleep 2; exit 1; fi; sleep 10000'
     c = GangClient(b, h)
     c.launch(task_from_args(num_nodes=N, run=run), "ff")
-    assert len(_procs(hosts, "sleep 10000")) == N - 1  # the siblings run, each on its own host
+    # the siblings run, each on its own host (the launch returns once the agents started the wrappers:
+    # a loaded host execs its `sleep` a moment later)
+    deadline = time.monotonic() + 10
+    while len(_procs(hosts, "sleep 10000")) < N - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_procs(hosts, "sleep 10000")) == N - 1
     t0 = time.monotonic()
     left = _wait_gone(hosts, "sleep 10000", 2 + FAILFAST_MARGIN + 5)
     assert left == {}, left

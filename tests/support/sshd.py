@@ -134,13 +134,23 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def _exiting(pid: int) -> bool:
+    """Whether the process is on its way out (``PF_EXITING`` in its flags): past its exit, before it is a
+    zombie; its command line already reads empty. On a loaded machine it can stay so for a while."""
+    try:
+        flags = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[6])
+    except (OSError, IndexError, ValueError):
+        return True  # gone
+    return bool(flags & 0x4)
+
+
 def user_processes(user: str) -> list[int]:
-    """Running (non-zombie) pids owned by ``user``: what ``pgrep -u`` shows, minus reaped-pending zombies."""
+    """Running pids owned by ``user``: what ``pgrep -u`` shows, minus zombies and processes exiting."""
     try:
         uid = pwd.getpwnam(user).pw_uid
     except KeyError:
         return []
-    return [p.pid for p in _processes() if p.uid == uid and p.state != "Z"]
+    return [p.pid for p in _processes() if p.uid == uid and p.state != "Z" and not _exiting(p.pid)]
 
 
 def _descendants(root: int) -> list[int]:
