@@ -577,8 +577,7 @@ class AirflowStack:
                 break
             time.sleep(0.1)
         for p in procs:
-            if group_members(p.pid):
-                signal_group(p, signal.SIGKILL)
+            signal_group(p, signal.SIGKILL)  # only what is left of a group that is still its
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
