@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_sky.backends.base import BackendError
-from airflow_provider_sky.backends.registry import by_kind
+from airflow_provider_sky.backends.registry import by_kind, conn_types
 from airflow_provider_sky.spec import BackendCapabilities, SpecError, load_task_yaml, parse_task
 from airflow_provider_sky.spec.capabilities import check_backend
 from airflow_provider_sky.spec.yamlfile import load_job_group_yaml, load_pipeline_yaml
@@ -149,6 +149,7 @@ def measure(corpus: Path) -> dict[str, Any]:
         line.rstrip("\n").split("\t") for line in (corpus / "index.tsv").read_text().splitlines()[1:] if line
     ]
     caps = capabilities()
+    kinds = conn_types()  # as a launch does: a refusal names the backend that runs the cloud, if any
     files: list[dict[str, Any]] = []
     for origin, kind, name, *_ in rows:
         if kind not in KINDS:
@@ -186,7 +187,7 @@ def measure(corpus: Path) -> dict[str, Any]:
                 runs[backend] = ""
                 for spec in specs:
                     try:
-                        check_backend(spec, c)
+                        check_backend(spec, c, kinds)
                     except SpecError as exc:
                         runs[backend] = f"{exc.field}: {exc.message}"[:200]
                         break
