@@ -269,7 +269,7 @@ def _alive(pid: int) -> bool:
 
 def _rank_group(d: str, pg: int) -> tuple[int, bool] | None:
     """What to signal for the process group a rank's ``pgid`` file names (the node runtime's
-    ``rankgroup``): ``(pg, True)`` the group, ``(pg, False)`` its first process alone (it has not run
+    ``rankgroups``): ``(pg, True)`` the group, ``(pg, False)`` its first process alone (it has not run
     setsid yet), None when the group is gone or the number is another's now (a rank that ended without
     an exit record, as a crashed wrapper leaves it: a busy machine gives numbers out again within
     minutes). The first process is the rank's while it is a child of the rank's wrapper (``pid``), or

@@ -1,6 +1,8 @@
 # shellcheck shell=sh
 # shellcheck source=marked.sh
 . "$SKY_SCRIPTS/marked.sh"
+# shellcheck source=rankgroups.sh
+. "$SKY_SCRIPTS/rankgroups.sh"
 
 grace=$1; mode=$2; reason=$3; shift 3
 # "after:JOBDIR" (a watcher's fail-fast): nothing to do once a rank of this machine claimed the machine's
@@ -10,7 +12,7 @@ case "$mode" in
   after:*) [ ! -d "${mode#after:}/.cancelling" ] || exit 0; mode=nowait;;
 esac
 tick() { sleep 0.1 2>/dev/null || sleep 1; }
-groups=''; term=''
+groups=''; term=''; read_groups=''
 nl='
 '
 marks=${extra_mark:-}
@@ -31,13 +33,15 @@ while [ $# -ge 3 ]; do
     *) [ "$mode" = first ] || printf '%s\n' "$reason" > "$d/cancel";;
   esac
   echo "C $d"
-  # only a group that is still the rank (see rankgroup): a number read from a rank that ended without
-  # an exit record may be another process group now
-  rankgroup "$d" "$pg"
-  [ -n "$_t" ] || continue
+  read_groups="$read_groups$nl$pg $d"
+done
+# only the groups that are still their ranks' (see rankgroups): a number read from a rank that ended
+# without an exit record may be another process group now
+for t in $(rankgroups "$read_groups"); do
+  pg=${t#-}
   groups="$groups $pg"
   # signalled already by the failing rank (SKY_SIGNALLED: " -PGID ..."): a group gets one SIGTERM
-  case "${SKY_SIGNALLED:-} " in *" -$pg "*) ;; *) term="$term $_t";; esac
+  case "${SKY_SIGNALLED:-} " in *" -$pg "*) ;; *) term="$term $t";; esac
 done
 # every reason first, then every group in one kill: many ranks signalled one by one would wake and
 # take the CPU this loop needs before the last one is signalled

@@ -1,6 +1,8 @@
 # shellcheck shell=sh
 # shellcheck source=marked.sh
 . "$SKY_SCRIPTS/marked.sh"
+# shellcheck source=rankgroups.sh
+. "$SKY_SCRIPTS/rankgroups.sh"
 # shellcheck source=unmount.sh
 . "$SKY_SCRIPTS/unmount.sh"
 
@@ -36,8 +38,7 @@ while :; do
         printf 'orphaned: nothing polled this job for %ss (Airflow lost it); the node killed its processes\n' "$to" > "$d/orphaned"
         pg=''; [ -f "$d/pgid" ] && read -r pg < "$d/pgid"
         case "$pg" in ''|*[!0-9]*) pg='';; esac
-        _t=''; [ -z "$pg" ] || rankgroup "$d" "$pg"
-        [ -n "$_t" ] && kill -TERM "$_t" 2>/dev/null
+        [ -z "$pg" ] || for t in $(rankgroups "$pg $d"); do kill -TERM "$t" 2>/dev/null; done
         killmarked TERM "$d/"
         (sleep 3; for g in $(owngroups "$pg" "$d/"); do kill -KILL "-$g" 2>/dev/null; done; killmarked KILL "$d/") </dev/null >/dev/null 2>&1 &
       fi

@@ -34,27 +34,3 @@ owngroups() {
   done
   return 0
 }
-# The signal target of the process group named in a rank pgid file ($2; $1 the rank directory), in
-# _t, from builtins: "-PG" while the group is the rank, "PG" while its first process has not run setsid
-# yet, empty when the group is gone or its number is another now (a group that ended without an exit
-# record, as a crashed wrapper leaves it: a busy machine gives the number out again within minutes).
-# The first process is the rank while it is a child of the rank wrapper (the pid file), or carries
-# the rank mark (its wrapper was killed: a grep, so only then). No /proc: the group, as named.
-rankgroup() {
-  _t="-$2"
-  [ -r /proc/self/stat ] || return 0
-  if { read -r _l < "/proc/$2/stat"; } 2>/dev/null; then
-    # "pid (comm) state ppid pgrp ...": ppid and pgrp are the second and third fields after the last ") "
-    _l=${_l##*) }; _l=${_l#* }; _pp=${_l%% *}; _l=${_l#* }
-    [ "${_l%% *}" = "$2" ] || _t=$2
-    _w=""; [ ! -f "$1/pid" ] || { read -r _w < "$1/pid"; } 2>/dev/null || _w=""
-    # no wrapper pid yet: the wrapper writes it right after the pgid, so the group is a new one
-    case "$_w" in ""|*[!0-9]*) return 0;; esac
-    [ "$_pp" != "$_w" ] || return 0
-    grep -q -z -F "SKY_PROVIDER_MARK=$1/" "/proc/$2/environ" 2>/dev/null || _t=""
-  else
-    # the first process is gone: members left keep the number taken; none left, nothing to signal
-    kill -0 "-$2" 2>/dev/null || _t=""
-  fi
-  return 0
-}

@@ -179,7 +179,7 @@ if [ "$rc" != 0 ] && [ -n "$gf" ] && [ -z "$cr" ] && [ ! -f "$d/cancel" ]; then
 '
     # every sibling group in .pgids whose rank has not ended (an ended rank's group number may be
     # another's by now) gets its signal at once, before a file per rank is read; a group whose first
-    # process is no longer a child of its rank's wrapper is left to the cancel script (rankgroup)
+    # process is no longer a child of its rank's wrapper is left to the cancel script (rankgroups)
     early=$(awk -v me="$me" -v job="$job" '
       NR == FNR { r = $1; sub(/^[^ ]* /, ""); root[r] = $0; next }
       $1 != me && ($1 in root) && $2 ~ /^[0-9]+$/ && !(("-" $2) in seen) {
