@@ -21,7 +21,7 @@ import pytest
 from envdump import DUMP, parse
 from gangs import wait_done
 from gpus import local_gpus
-from sshd import SSHDCluster, needs_sshd, user_processes
+from sshd import SSHDCluster, described, needs_sshd, user_processes
 
 from airflow_provider_sky.backends.base import Backend, ClusterHandle, choose_resources
 from airflow_provider_sky.backends.local import LocalBackend
@@ -164,7 +164,8 @@ def mixed_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHDCluste
             deadline = time.time() + 10
             while time.time() < deadline and user_processes(node.user):
                 time.sleep(0.1)
-            assert user_processes(node.user) == []
+            left = user_processes(node.user)
+            assert left == [], f"processes of {node.user} left behind: {described(left)}"
 
 
 @needs_sshd

@@ -50,6 +50,15 @@ def _procs(c: SSHDCluster, pattern: str) -> dict[int, list[int]]:
     return out
 
 
+def _wait_running(c: SSHDCluster, pattern: str, hosts: int, timeout: float = 10) -> dict[int, list[int]]:
+    """Per host, the pids matching ``pattern`` once ``hosts`` hosts run one (or at ``timeout``): a launch
+    returns once the agents started the wrappers, and a loaded host execs the command a moment later."""
+    deadline = time.monotonic() + timeout
+    while len(running := _procs(c, pattern)) < hosts and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return running
+
+
 def _wait_gone(c: SSHDCluster, pattern: str, timeout: float) -> dict[int, list[int]]:
     deadline = time.monotonic() + timeout
     while (left := _procs(c, pattern)) and time.monotonic() < deadline:
@@ -134,12 +143,8 @@ def test_a_failure_on_host_3_stops_the_siblings_on_every_host_with_nothing_polli
     run = f'if [ "$SKYPILOT_NODE_RANK" = "{N - 1}" ]; then sleep 2; exit 1; fi; sleep 10000'
     c = GangClient(b, h)
     c.launch(task_from_args(num_nodes=N, run=run), "ff")
-    # the siblings run, each on its own host (the launch returns once the agents started the wrappers:
-    # a loaded host execs its `sleep` a moment later)
-    deadline = time.monotonic() + 10
-    while len(_procs(hosts, "sleep 10000")) < N - 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(_procs(hosts, "sleep 10000")) == N - 1
+    # the siblings run, each on its own host
+    assert len(_wait_running(hosts, "sleep 10000", N - 1)) == N - 1
     t0 = time.monotonic()
     left = _wait_gone(hosts, "sleep 10000", 2 + FAILFAST_MARGIN + 5)
     assert left == {}, left
@@ -163,7 +168,7 @@ def test_a_lost_head_agent_makes_the_workers_stop_their_ranks(
     b, h = cluster
     c = GangClient(b, h)
     c.launch(task_from_args(num_nodes=N, run="sleep 10000"), "lh")
-    running = _procs(hosts, "sleep 10000")
+    running = _wait_running(hosts, "sleep 10000", N)
     assert sorted(running) == list(range(N))
     (head_agent,) = _procs(hosts, "agent.py --node node-0 ")[0]
     os.kill(head_agent, signal.SIGKILL)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from envdump import DUMP, parse
 from gpus import A100_80, H100, MI300X
-from sshd import SSHDCluster, needs_sshd, user_processes
+from sshd import SSHDCluster, described, needs_sshd, user_processes
 
 from airflow_provider_sky.backends.base import BackendError, choose_resources
 from airflow_provider_sky.backends.headrecord import RECORDS_DIR
@@ -46,7 +46,8 @@ def gpu_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHDCluster]
             deadline = time.time() + 10
             while time.time() < deadline and user_processes(n.user):
                 time.sleep(0.1)
-            assert user_processes(n.user) == []
+            left_procs = user_processes(n.user)
+            assert left_procs == [], f"processes of {n.user} left behind: {described(left_procs)}"
 
 
 def _backend(c: SSHDCluster, **kw: Any) -> SSHBackend:

@@ -134,6 +134,22 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def described(pids: list[int]) -> str:
+    """Each pid with its state, parent (and the parent's command) and command line: what a leak check
+    prints, so that a process left behind says what it was."""
+    out = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            out.append(f"{pid}: gone")
+            continue
+        out.append(
+            f"{pid} (state {stat[0]}, parent {stat[1]}: {cmdline(int(stat[1]))[:80]!r}): {cmdline(pid)[:200]!r}"
+        )
+    return "; ".join(out)
+
+
 def _exiting(pid: int) -> bool:
     """Whether the process is on its way out (``PF_EXITING`` in its flags): past its exit, before it is a
     zombie; its command line already reads empty. On a loaded machine it can stay so for a while."""
