@@ -34,11 +34,14 @@ def run(plan: Any, say: Callable[..., None], ns: tuple[int, ...] = NS) -> list[R
     reps = 1 if plan.quick else 3
     rows: list[Row] = []
     moto = MotoEC2().start()
-    real_endpoint = AWSBackend.endpoint
+    real_endpoint, real_agent_address = AWSBackend.endpoint, AWSBackend.agent_address
     try:
         with SSHDCluster(max(ns), tempfile.mkdtemp(prefix="sky-bench-aws-")) as hosts:
             net = FakeNetwork(hosts, moto)
             AWSBackend.endpoint = lambda self, inst: net.endpoint(self, inst)  # type: ignore[method-assign]
+            # the instances' node agents reach their head where the fake network puts it (its sshd host's
+            # address), as in the tests; else they never join and provision waits AGENT_JOIN_WAIT (60 s)
+            AWSBackend.agent_address = lambda self, node: str(node.extra["host"])  # type: ignore[method-assign]
             config = {
                 "login": "testing",
                 "password": "testing",
@@ -76,5 +79,6 @@ def run(plan: Any, say: Callable[..., None], ns: tuple[int, ...] = NS) -> list[R
                 ]
     finally:
         AWSBackend.endpoint = real_endpoint  # type: ignore[method-assign]
+        AWSBackend.agent_address = real_agent_address  # type: ignore[method-assign]
         moto.stop()
     return rows
