@@ -39,9 +39,7 @@ def run(plan: Any, say: Callable[..., None], ns: tuple[int, ...] = NS) -> list[R
         with SSHDCluster(max(ns), tempfile.mkdtemp(prefix="sky-bench-aws-")) as hosts:
             net = FakeNetwork(hosts, moto)
             AWSBackend.endpoint = lambda self, inst: net.endpoint(self, inst)  # type: ignore[method-assign]
-            # the instances' node agents reach their head where the fake network puts it (its sshd host's
-            # address), as in the tests; else they never join and provision waits AGENT_JOIN_WAIT (60 s)
-            AWSBackend.agent_address = lambda self, node: str(node.extra["host"])  # type: ignore[method-assign]
+            AWSBackend.agent_address = FakeNetwork.agent_address  # type: ignore[method-assign]
             config = {
                 "login": "testing",
                 "password": "testing",

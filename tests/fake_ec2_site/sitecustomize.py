@@ -39,7 +39,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
             network = FakeNetwork.joined(Path(os.environ["SKY_TEST_FAKE_EC2_NET"]))
             module.AWSBackend.endpoint = lambda self, inst: network.endpoint(self, inst)
-            module.AWSBackend.agent_address = lambda self, node: str(node.extra["host"])
+            module.AWSBackend.agent_address = FakeNetwork.agent_address
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import pytest
 from envdump import DUMP, parse
 from gangs import wait_done
 from gpus import local_gpus
-from sshd import SSHDCluster, described, needs_sshd, user_processes
+from sshd import SSHDCluster, described, needs_sshd, settled_user_processes
 
 from airflow_provider_sky.backends.base import Backend, ClusterHandle, choose_resources
 from airflow_provider_sky.backends.local import LocalBackend
@@ -161,10 +160,7 @@ def mixed_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHDCluste
         yield c
         ssh.close_all()
         for node in c.nodes:
-            deadline = time.time() + 10
-            while time.time() < deadline and user_processes(node.user):
-                time.sleep(0.1)
-            left = user_processes(node.user)
+            left = settled_user_processes(node.user)
             assert left == [], f"processes of {node.user} left behind: {described(left)}"
 
 

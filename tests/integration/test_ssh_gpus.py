@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 from envdump import DUMP, parse
 from gpus import A100_80, H100, MI300X
-from sshd import SSHDCluster, described, needs_sshd, user_processes
+from sshd import SSHDCluster, described, needs_sshd, settled_user_processes
 
 from airflow_provider_sky.backends.base import BackendError, choose_resources
 from airflow_provider_sky.backends.headrecord import RECORDS_DIR
@@ -43,10 +42,7 @@ def gpu_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHDCluster]
             left = [p.name for p in Path(n.home, ".sky_airflow").glob("*") if p != records]
             left += [p.name for p in records.glob("*.json")]
             assert left == [], f"{n.user}: clusters left: {left}"
-            deadline = time.time() + 10
-            while time.time() < deadline and user_processes(n.user):
-                time.sleep(0.1)
-            left_procs = user_processes(n.user)
+            left_procs = settled_user_processes(n.user)
             assert left_procs == [], f"processes of {n.user} left behind: {described(left_procs)}"
 
 

@@ -34,7 +34,7 @@ def net(moto: MotoEC2, hosts: SSHDCluster, monkeypatch: pytest.MonkeyPatch) -> I
     network = FakeNetwork(hosts, moto)
     monkeypatch.setattr(AWSBackend, "endpoint", lambda self, inst: network.endpoint(self, inst))
     # the instances' agents reach their head where the fake network puts it (its sshd host's address)
-    monkeypatch.setattr(AWSBackend, "agent_address", lambda self, node: str(node.extra["host"]))
+    monkeypatch.setattr(AWSBackend, "agent_address", FakeNetwork.agent_address)
     yield network
     network.stop()
     ssh.close_all()

@@ -305,6 +305,12 @@ class FakeNetwork:
                 tmp.write_text(json.dumps(doc))
                 tmp.replace(self.state)
 
+    @staticmethod
+    def agent_address(backend: Any, node: Any) -> str:
+        """``AWSBackend.agent_address`` on this network: the instances' node agents reach their head at the
+        head's sshd host (else they never join, and a provision waits the agents' join wait)."""
+        return str(node.extra["host"])
+
     def endpoint(self, backend: Any, instance: Mapping[str, Any]) -> tuple[str, int, str]:
         iid = str(instance["InstanceId"])
         if iid in self.dead:

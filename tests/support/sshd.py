@@ -134,13 +134,18 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name: state, ppid, pgrp, ... (OSError once gone)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def described(pids: list[int]) -> str:
     """Each pid with its state, parent (and the parent's command) and command line: what a leak check
     prints, so that a process left behind says what it was."""
     out = []
     for pid in pids:
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            stat = _stat(pid)
         except OSError:
             out.append(f"{pid}: gone")
             continue
@@ -154,7 +159,7 @@ def _exiting(pid: int) -> bool:
     """Whether the process is on its way out (``PF_EXITING`` in its flags): past its exit, before it is a
     zombie; its command line already reads empty. On a loaded machine it can stay so for a while."""
     try:
-        flags = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[6])
+        flags = int(_stat(pid)[6])
     except (OSError, IndexError, ValueError):
         return True  # gone
     return bool(flags & 0x4)
@@ -167,6 +172,15 @@ def user_processes(user: str) -> list[int]:
     except KeyError:
         return []
     return [p.pid for p in _processes() if p.uid == uid and p.state != "Z" and not _exiting(p.pid)]
+
+
+def settled_user_processes(user: str, timeout: float = 10.0) -> list[int]:
+    """``user``'s processes once it has none (their sessions end after the connections close), or what
+    is still there after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while (left := user_processes(user)) and time.time() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def _descendants(root: int) -> list[int]:
