@@ -9,11 +9,13 @@ The services use their own ``SKY_PROVIDER_HOME`` (not the per-test one of ``conf
 the leak checks here look there: after each run nothing may run under its cluster's directory and
 the directory must be gone (the teardown ran); at the end nothing may run under the whole home.
 
-The module runs three times (the ``real`` fixture is parametrized): once on the embedded local
-backend, once with ``sky_default`` pointing at 4 real sshd hosts (``AIRFLOW_CONN_SKY_DEFAULT``, a
-``sky_ssh`` connection over an :class:`SSHDCluster`, in every service's environment), and last with
-``sky_default`` a ``sky_kubernetes`` connection to the test cluster (``tests/support/k8s_cluster.py``, started
-only for that run). The DAG files are the same; on SSH the cleanup check looks at the hosts: no
+The module runs twice (the ``real`` fixture is parametrized): with ``sky_default`` pointing at 4 real
+sshd hosts (``AIRFLOW_CONN_SKY_DEFAULT``, a ``sky_ssh`` connection over an :class:`SSHDCluster`, in every
+service's environment), and with ``sky_default`` a ``sky_kubernetes`` connection to the test cluster
+(``tests/support/k8s_cluster.py``). On the embedded local backend the same tests run once, on the
+distributed stack of ``test_airflow_celery`` (PostgreSQL, Celery, two triggerers), which imports them: a
+third SQLite stack running them locally again would add no path of the product's (the local backend
+under SQLite and the LocalExecutor is what the reliability, pipeline, UI and triggerer modules run). The DAG files are the same; on SSH the cleanup check looks at the hosts: no
 process of a host's user but SSH sessions, and no cluster directory or record left in any host's
 home; on Kubernetes no pod labelled with the cluster may be left (the teardown deletes them and the
 pods' processes end with them). Every run also gets the seed document's YAMLs verbatim
@@ -201,9 +203,8 @@ def _kill(procs: list[tuple[int, str]]) -> None:
 @pytest.fixture(
     scope="module",
     params=[
-        "local",
         pytest.param("ssh", marks=needs_sshd),
-        "kubernetes",  # last: the test cluster starts only now (about 45 s)
+        "kubernetes",  # last: the test cluster starts only now when no other test has started it
     ],
 )
 def real(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[RealAirflow]:
