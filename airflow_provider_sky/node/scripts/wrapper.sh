@@ -117,8 +117,12 @@ fi
 if [ -n "$fpid" ] && [ ! -f "$d/filter.done" ]; then
   # the filter's last read takes a millisecond or two, and the rank's end waits on it: `wait` for its
   # shell, which returns as it ends; a process the rank left behind may hold the pipe open, so a
-  # watchdog ends the wait after 2 s (USR1) and the filter goes on alone
+  # watchdog ends the wait (USR1) and the filter goes on alone: after 2 s while a process of the rank's
+  # group is left, else after 10 s (nothing of the group holds the pipe, so the filter is only slow, e.g.
+  # still starting on a loaded machine, and the exit must not come before the last line is in the log;
+  # the bound is for a process that left the group with setsid and kept the pipe)
   late=''
+  wt=2; kill -0 "-$child" 2>/dev/null || wt=10
   trap 'late=1' USR1
   # (killed, it takes its sleep with it: nothing of the rank outlives it; a TERM that comes between the
   # sleep's fork and `s=$!` only sets stop, and the sleep is killed once its pid is known). The sleep gets
@@ -127,7 +131,7 @@ if [ -n "$fpid" ] && [ ! -f "$d/filter.done" ]; then
   (
     exec 4<&-; s=''; stop=''
     trap 'stop=1; [ -z "$s" ] || kill -KILL "$s" 2>/dev/null' TERM
-    sleep 2 & s=$!
+    sleep "$wt" & s=$!
     [ -z "$stop" ] || { kill -KILL "$s" 2>/dev/null; exit 0; }
     wait "$s" && [ -z "$stop" ] && kill -USR1 "$$" 2>/dev/null
     exit 0
