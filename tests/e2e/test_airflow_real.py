@@ -15,10 +15,10 @@ service's environment), and with ``sky_default`` a ``sky_kubernetes`` connection
 (``tests/support/k8s_cluster.py``). On the embedded local backend the same tests run once, on the
 distributed stack of ``test_airflow_celery`` (PostgreSQL, Celery, two triggerers), which imports them: a
 third SQLite stack running them locally again would add no path of the product's (the local backend
-under SQLite and the LocalExecutor is what the reliability, pipeline, UI and triggerer modules run). The DAG files are the same; on SSH the cleanup check looks at the hosts: no
-process of a host's user but SSH sessions, and no cluster directory or record left in any host's
-home; on Kubernetes no pod labelled with the cluster may be left (the teardown deletes them and the
-pods' processes end with them). Every run also gets the seed document's YAMLs verbatim
+under SQLite and the LocalExecutor is what the reliability, pipeline, UI and triggerer modules run).
+The DAG files are the same; on SSH the cleanup check looks at the hosts: no process of a host's user
+but SSH sessions, and no cluster directory or record left in any host's home; on Kubernetes no pod
+labelled with the cluster may be left (the teardown deletes them and the pods' processes end with them). Every run also gets the seed document's YAMLs verbatim
 (``tests/dags/sky_seed_yamls.py`` over ``tests/seeds/*.yaml``): the DAG folder is a directory of
 symlinks to ``dags_examples``'s entries and that file.
 """

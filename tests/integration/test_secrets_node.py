@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from gangs import local_gang, wait_done
+from k8s_cluster import wait_for
 from sshd import SSHDCluster, needs_sshd
 
 from airflow_provider_sky.backends.local import LocalBackend
@@ -113,10 +114,7 @@ def test_a_filter_slower_than_the_command_still_has_the_last_line_in_the_log_whe
     run = f'while [ ! -e {go} ]; do sleep 0.05; done; echo "rank $SKYPILOT_NODE_RANK has the $TOK"'
     b, client, _ = _run(sky_home, run, secrets={"TOK": "token-value-45"})
     rank_dir = Path(client.node_of(0).root) / "jobs" / "job" / "0"
-    deadline = time.time() + 10
-    while not (filters := _filters(rank_dir)) and time.time() < deadline:
-        time.sleep(0.05)
-    assert filters, "no filter reads the rank's output"
+    filters = wait_for(lambda: _filters(rank_dir), 10, "a filter reading the rank's output", 0.05)
     for pid in filters:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -129,9 +127,7 @@ def test_a_filter_slower_than_the_command_still_has_the_last_line_in_the_log_whe
     finally:
         for pid in filters:
             os.kill(pid, signal.SIGCONT)
-    deadline = time.time() + 20
-    while not (rank_dir / "exit").exists() and time.time() < deadline:
-        time.sleep(0.01)
+    wait_for((rank_dir / "exit").exists, 20, "the rank's exit", 0.01)
     log = _log(client)  # read as soon as the exit is there, as a watcher does
     assert log == b"rank 0 has the ***\n", log
     assert wait_done(client).status.succeeded
