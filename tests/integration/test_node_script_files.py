@@ -93,7 +93,7 @@ def test_the_wrappers_watchdog_takes_its_sleep_with_it_when_stopped_at_once_unde
         pytest.fail(f"{shell[0]} is missing: make system-deps installs it")
     tag = f"sky-watchdog-test-{uuid.uuid4().hex[:8]}"
     # the watchdog's sleep, renamed per test run so that only ours are counted
-    body = "wt=2\n" + _watchdog().replace('sleep "$wt" &', '"$SLEEP" "$wt" &')
+    body = "wt=2\n" + _watchdog().replace("sleep 2 &", '"$SLEEP" 2 &')
     script = f'{body}wd=$!\nkill "$wd" 2>/dev/null\nwait "$wd" 2>/dev/null\nexit 0\n'
     bindir = Path(tempfile.mkdtemp(prefix="sky-wd-"))
     sleeper = bindir / tag

@@ -131,9 +131,16 @@ if [ -n "$fpid" ] && [ ! -f "$d/filter.done" ]; then
   (
     exec 4<&-; s=''; stop=''
     trap 'stop=1; [ -z "$s" ] || kill -KILL "$s" 2>/dev/null' TERM
-    sleep "$wt" & s=$!
-    [ -z "$stop" ] || { kill -KILL "$s" 2>/dev/null; exit 0; }
-    wait "$s" && [ -z "$stop" ] && kill -USR1 "$$" 2>/dev/null
+    # in sleeps of 2 s, each after a look that the wrapper is still there: a watchdog killed with its
+    # wrapper (a cancel's SIGKILL) leaves a sleep of at most 2 s behind
+    n=0
+    while :; do
+      sleep 2 & s=$!
+      [ -z "$stop" ] || { kill -KILL "$s" 2>/dev/null; exit 0; }
+      wait "$s" && [ -z "$stop" ] && kill -0 "$$" 2>/dev/null || exit 0
+      n=$((n + 2)); [ "$n" -lt "$wt" ] || break
+    done
+    kill -USR1 "$$" 2>/dev/null
     exit 0
   ) </dev/null >/dev/null 2>&1 &
   wd=$!
