@@ -74,7 +74,7 @@ def test_a_launch_script_with_hostile_values_parses_and_quotes_them(tmp_path: Pa
 
 def _watchdog() -> str:
     """The wrapper's output watchdog, as it is in wrapper.sh: the subshell that USR1s the wrapper after
-    ``$wt`` seconds (2 while a process of the rank's group is left) unless the wrapper TERMs it first."""
+    2 s unless the wrapper TERMs it first."""
     text = load("wrapper.sh")
     start = text.index("  (\n    exec 4<&-; s=''; stop=''")
     end = text.index(") </dev/null >/dev/null 2>&1 &", start)
@@ -93,7 +93,7 @@ def test_the_wrappers_watchdog_takes_its_sleep_with_it_when_stopped_at_once_unde
         pytest.fail(f"{shell[0]} is missing: make system-deps installs it")
     tag = f"sky-watchdog-test-{uuid.uuid4().hex[:8]}"
     # the watchdog's sleep, renamed per test run so that only ours are counted
-    body = "wt=2\n" + _watchdog().replace("sleep 2 &", '"$SLEEP" 2 &')
+    body = _watchdog().replace("sleep 2 &", '"$SLEEP" 2 &')
     script = f'{body}wd=$!\nkill "$wd" 2>/dev/null\nwait "$wd" 2>/dev/null\nexit 0\n'
     bindir = Path(tempfile.mkdtemp(prefix="sky-wd-"))
     sleeper = bindir / tag
