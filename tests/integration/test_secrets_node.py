@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from gangs import local_gang, wait_done
+from k8s_cluster import wait_for
 from sshd import SSHDCluster, needs_sshd
 
 from airflow_provider_sky.backends.local import LocalBackend
@@ -80,8 +82,8 @@ def test_no_secret_stays_on_disk_while_or_after_the_rank_runs(sky_home: Path) ->
 
 def test_a_rank_whose_leftover_holds_its_output_ends_and_the_leftover_stays_masked(sky_home: Path) -> None:
     """The command exits while a process it left holds the mask filter's pipe open: the rank still ends
-    (the wrapper waits for the filter at most ~2 s, here long before the leftover ends), and what the
-    leftover prints later still goes through the mask."""
+    (the wrapper waits for the filter at most ~2 s while a process of its group is left, here long before
+    the leftover ends), and what the leftover prints later still goes through the mask."""
     secret = "leftover-secret-value-44"
     run = 'echo "first $TOK"; (sleep 6; echo "late $TOK"; sleep 14) & exit 3'
     b, client, _ = _run(sky_home, run, secrets={"TOK": secret})
@@ -96,6 +98,39 @@ def test_a_rank_whose_leftover_holds_its_output_ends_and_the_leftover_stays_mask
         time.sleep(0.2)
     assert _log(client) == b"first ***\nlate ***\n"
     assert not _on_disk(sky_home, secret.encode())
+    b.terminate("c")
+
+
+def test_a_filter_slower_than_the_command_still_has_the_last_line_in_the_log_when_the_exit_is_written(
+    sky_home: Path,
+) -> None:
+    """A rank that prints one line and ends while its filter is not yet running (a Python filter still
+    starting on a loaded machine: seen once in a CI run with three integration workers) left no process
+    that holds its output: the wrapper waits for the filter, so the line is in the log when the exit is,
+    the contract a reader of the exit relies on. Here the filter is stopped (SIGSTOP) while the command
+    prints and ends, and let go 4 s later: past the 2 s that a rank with a leftover process gets, within
+    the 10 s bound of one without."""
+    go = sky_home.parent / "go"
+    run = f'while [ ! -e {go} ]; do sleep 0.05; done; echo "rank $SKYPILOT_NODE_RANK has the $TOK"'
+    b, client, _ = _run(sky_home, run, secrets={"TOK": "token-value-45"})
+    rank_dir = Path(client.node_of(0).root) / "jobs" / "job" / "0"
+    filters = wait_for(lambda: _filters(rank_dir), 10, "a filter reading the rank's output", 0.05)
+    for pid in filters:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        go.touch()
+        time.sleep(4.0)
+        # the command has ended; its output waits in the pipe: the exit is not written before it is through
+        assert not (rank_dir / "exit").exists(), (
+            "the exit was written while the rank's last line was not in the log"
+        )
+    finally:
+        for pid in filters:
+            os.kill(pid, signal.SIGCONT)
+    wait_for((rank_dir / "exit").exists, 20, "the rank's exit", 0.01)
+    log = _log(client)  # read as soon as the exit is there, as a watcher does
+    assert log == b"rank 0 has the ***\n", log
+    assert wait_done(client).status.succeeded
     b.terminate("c")
 
 

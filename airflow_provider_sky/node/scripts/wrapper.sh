@@ -117,8 +117,12 @@ fi
 if [ -n "$fpid" ] && [ ! -f "$d/filter.done" ]; then
   # the filter's last read takes a millisecond or two, and the rank's end waits on it: `wait` for its
   # shell, which returns as it ends; a process the rank left behind may hold the pipe open, so a
-  # watchdog ends the wait after 2 s (USR1) and the filter goes on alone
+  # watchdog ends the wait (USR1) and the filter goes on alone: after 2 s while a process of the rank's
+  # group is left, else after 10 s (nothing of the group holds the pipe, so the filter is only slow, e.g.
+  # still starting on a loaded machine, and the exit must not come before the last line is in the log;
+  # the bound is for a process that left the group with setsid and kept the pipe)
   late=''
+  wt=2; kill -0 "-$child" 2>/dev/null || wt=10
   trap 'late=1' USR1
   # (killed, it takes its sleep with it: nothing of the rank outlives it; a TERM that comes between the
   # sleep's fork and `s=$!` only sets stop, and the sleep is killed once its pid is known). The sleep gets
@@ -127,9 +131,16 @@ if [ -n "$fpid" ] && [ ! -f "$d/filter.done" ]; then
   (
     exec 4<&-; s=''; stop=''
     trap 'stop=1; [ -z "$s" ] || kill -KILL "$s" 2>/dev/null' TERM
-    sleep 2 & s=$!
-    [ -z "$stop" ] || { kill -KILL "$s" 2>/dev/null; exit 0; }
-    wait "$s" && [ -z "$stop" ] && kill -USR1 "$$" 2>/dev/null
+    # in sleeps of 2 s, each after a look that the wrapper is still there: a watchdog killed with its
+    # wrapper (a cancel's SIGKILL) leaves a sleep of at most 2 s behind
+    n=0
+    while :; do
+      sleep 2 & s=$!
+      [ -z "$stop" ] || { kill -KILL "$s" 2>/dev/null; exit 0; }
+      wait "$s" && [ -z "$stop" ] && kill -0 "$$" 2>/dev/null || exit 0
+      n=$((n + 2)); [ "$n" -lt "$wt" ] || break
+    done
+    kill -USR1 "$$" 2>/dev/null
     exit 0
   ) </dev/null >/dev/null 2>&1 &
   wd=$!
