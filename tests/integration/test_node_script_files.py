@@ -74,7 +74,7 @@ def test_a_launch_script_with_hostile_values_parses_and_quotes_them(tmp_path: Pa
 
 def _watchdog() -> str:
     """The wrapper's output watchdog, as it is in wrapper.sh: the subshell that USR1s the wrapper after
-    2 s unless the wrapper TERMs it first."""
+    ``$wt`` seconds (2 while a process of the rank's group is left) unless the wrapper TERMs it first."""
     text = load("wrapper.sh")
     start = text.index("  (\n    exec 4<&-; s=''; stop=''")
     end = text.index(") </dev/null >/dev/null 2>&1 &", start)
@@ -93,7 +93,7 @@ def test_the_wrappers_watchdog_takes_its_sleep_with_it_when_stopped_at_once_unde
         pytest.fail(f"{shell[0]} is missing: make system-deps installs it")
     tag = f"sky-watchdog-test-{uuid.uuid4().hex[:8]}"
     # the watchdog's sleep, renamed per test run so that only ours are counted
-    body = _watchdog().replace("sleep 2 &", '"$SLEEP" 2 &')
+    body = "wt=2\n" + _watchdog().replace("sleep 2 &", '"$SLEEP" 2 &')
     script = f'{body}wd=$!\nkill "$wd" 2>/dev/null\nwait "$wd" 2>/dev/null\nexit 0\n'
     bindir = Path(tempfile.mkdtemp(prefix="sky-wd-"))
     sleeper = bindir / tag
@@ -177,7 +177,14 @@ def test_marked_finds_a_process_whose_mark_is_not_its_first_variable(shell: list
         out = subprocess.run(
             [*shell, "-c", script, "sh", mark], capture_output=True, text=True, timeout=30, check=True
         ).stdout.split()
-        assert out == [str(proc.pid)], out
+        if out != [str(proc.pid)]:  # what the process looked like then: alive, and its mark readable?
+            try:
+                env = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+            except OSError as e:
+                env = [repr(e).encode()]
+            raise AssertionError(
+                f"marked found {out}, not {proc.pid} (exit code {proc.poll()}, environ {env})"
+            )
     finally:
         proc.kill()
         proc.wait()
