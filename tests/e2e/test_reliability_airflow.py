@@ -98,13 +98,20 @@ def _addr(text: str) -> tuple[str, int]:
     return socket.inet_ntoa(bytes.fromhex(ip)[::-1]), int(port, 16)
 
 
-def _tcp_established() -> dict[int, tuple[tuple[str, int], tuple[str, int]]]:
-    """Socket inode → (local, remote) of every established IPv4 TCP connection."""
+#: /proc/net/tcp's state numbers
+_NAMES = (
+    "ESTABLISHED SYN_SENT SYN_RECV FIN_WAIT1 FIN_WAIT2 TIME_WAIT CLOSE CLOSE_WAIT LAST_ACK LISTEN CLOSING"
+)
+TCP_STATES = {f"{i:02X}": name for i, name in enumerate(_NAMES.split(), 1)}
+
+
+def _tcp(states: tuple[str, ...] = ("01",)) -> dict[int, tuple[tuple[str, int], tuple[str, int], str]]:
+    """Socket inode → (local, remote, state) of the IPv4 TCP connections in ``states``."""
     out = {}
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         f = line.split()
-        if len(f) > 9 and f[3] == "01":
-            out[int(f[9])] = (_addr(f[1]), _addr(f[2]))
+        if len(f) > 9 and f[3] in states:
+            out[int(f[9])] = (_addr(f[1]), _addr(f[2]), TCP_STATES.get(f[3], f[3]))
     return out
 
 
@@ -123,16 +130,43 @@ def _socket_owners() -> dict[int, list[int]]:
     return owners
 
 
-def ssh_clients(node: SSHDNode) -> dict[int, str]:
-    """Processes on this machine holding an SSH connection to the node: pid → command line."""
-    conns = _tcp_established()
+def ssh_clients(node: SSHDNode) -> dict[int, list[int]]:
+    """Processes on this machine holding an SSH connection to the node: pid → the connections' local
+    ports (one process may hold several)."""
     owners = _socket_owners()
-    out = {}
-    for inode, (_local, remote) in conns.items():
+    out: dict[int, list[int]] = {}
+    for inode, (local, remote, _state) in _tcp().items():
         if remote == (node.host, node.port):
             for pid in owners.get(inode, []):
-                out[pid] = _cmdline(pid)
+                out.setdefault(pid, []).append(local[1])
     return out
+
+
+def _sessions_report(node: SSHDNode, sessions: list[int]) -> str:
+    """Each of the node's SSH session processes with its connection's state, the client process at the
+    other end and what sshd logged for that client port: says which end kept a session open."""
+    conns = _tcp(tuple(TCP_STATES))
+    owners = _socket_owners()
+    lines = node.log_path.read_text(errors="replace").splitlines() if node.log_path.exists() else []
+    out = []
+    for pid in sessions:
+        ports = [
+            (remote[1], state)
+            for inode, (local, remote, state) in conns.items()
+            if local == (node.host, node.port) and pid in owners.get(inode, [])
+        ]
+        desc = []
+        for port, state in ports:
+            peers = [
+                f"{p} {_cmdline(p)[:60]!r}"
+                for inode, (local, remote, _s) in conns.items()
+                if local[1] == port and remote == (node.host, node.port)
+                for p in owners.get(inode, [])
+            ]
+            logged = [ln for ln in lines if f"port {port}" in ln][-3:]
+            desc.append(f"client port {port} {state}, held by {peers or 'no process'}; sshd: {logged}")
+        out.append(f"    session {pid} {_cmdline(pid)!r}: {'; '.join(desc) or 'no TCP socket'}")
+    return "\n".join(out)
 
 
 def wait_for(what: str, check: Callable[[], T], timeout: float, interval: float = 0.2) -> T:
@@ -310,7 +344,7 @@ def rel(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
             with stack:
                 rel = Rel(stack, hosts, sky, report)
                 yield rel
-                sessions = {n.user: len(ssh_clients(n)) for n in hosts.nodes}
+                sessions = {n.user: sum(map(len, ssh_clients(n).values())) for n in hosts.nodes}
                 rel.figure(
                     "SSH connections the idle triggerer still holds at the end (per host)", str(sessions)
                 )
@@ -373,13 +407,19 @@ def _leaks(rel: Rel, case: Case, ti_ids: set[str]) -> list[str]:
     for n in rel.hosts.nodes:
         sessions = [p for p in user_processes(n.user) if _cmdline(p).startswith("sshd:")]
         clients = ssh_clients(n)
-        foreign = {p: c for p, c in clients.items() if p not in triggerer_group}
+        foreign = {p: _cmdline(p) for p in clients if p not in triggerer_group}
         if foreign:
             problems.append(f"SSH connections to {n.host} held by non-triggerer processes: {foreign}")
-        if len(sessions) > len(clients):
-            problems.append(f"{n.user}: {len(sessions)} SSH sessions but {len(clients)} live clients")
-        if len(clients) > 1:
-            problems.append(f"the triggerer holds {len(clients)} connections to {n.host} (pool: 1 per host)")
+        connections = sum(len(ports) for ports in clients.values())
+        if len(sessions) > connections:
+            problems.append(
+                f"{n.user}: {len(sessions)} SSH sessions but {connections} live client connections\n"
+                + _sessions_report(n, sessions)
+            )
+        if connections > 1:
+            problems.append(
+                f"the triggerer holds {connections} connections to {n.host} (pool: 1 per host): {clients}"
+            )
     for dag_id, run_id in case.runs:
         name = _cluster_name(dag_id, run_id)
         for i, n in enumerate(rel.hosts.nodes):
