@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sshd import SSHDCluster, needs_sshd, user_processes
+from sshd import SSHDCluster, described, needs_sshd, settled_user_processes, user_processes
 
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.runners.base import CALLS, RunnerError
@@ -48,12 +48,19 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., SSHDCluster]]:
     CALLS.reset()
     yield make
     ssh.close_all()
+    try:
+        # looked at before the clusters stop: a stopped cluster's block (its users) is free for another
+        # test's cluster at once, whose processes would be counted here
+        for cluster in clusters:
+            for node in cluster.nodes:  # the connections closed: their sessions end, nothing else runs
+                left = settled_user_processes(node.user)
+                assert not left, f"processes of {node.user} left behind: {described(left)}"
+    finally:
+        for cluster in clusters:
+            cluster.stop()
     for cluster in clusters:
-        cluster.stop()
-    for cluster in clusters:
-        assert cluster.leftover_processes() == {}
+        assert "sshd" not in cluster.leftover_processes()
         for node in cluster.nodes:
-            assert user_processes(node.user) == [], f"processes of {node.user} left behind"
             assert not _listening(node.host, node.port), f"sshd still listening on {node.host}:{node.port}"
 
 
@@ -579,3 +586,24 @@ def test_a_relay_flooded_with_silent_clients_leaves_the_hosts_sessions_to_other_
         relay.close()
         server.close()
         runner.close()
+
+
+def test_a_call_made_after_close_gives_its_connection_back(
+    make_cluster: Callable[..., SSHDCluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread a runner's owner leaves running (an abandoned call, a relay's client waiting for a
+    session) may call the runner after ``close()``: the call runs, and the pooled connection is then
+    closed once idle like any other, not held open for the life of the process (a triggerer's)."""
+    monkeypatch.setattr(pool, "IDLE_TTL", 0.5)
+    cluster = make_cluster(1)
+    user = cluster.nodes[0].user
+    runner = SSHRunner(cluster.node_config(0))
+    assert runner.run_script("echo a").text == "a\n"
+    runner.close()
+    assert runner.run_script("echo b").text == "b\n"  # the late call
+    assert [row.refs for row in ssh.pool_info()] == [0]
+    # the idle sweep (every IDLE_TTL / 4 once the last reference goes) closes it: the session ends
+    deadline = time.monotonic() + 20
+    while ssh.pool_info() or user_processes(user):
+        assert time.monotonic() < deadline, (ssh.pool_info(), described(user_processes(user)))
+        time.sleep(0.1)

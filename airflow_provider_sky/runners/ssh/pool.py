@@ -123,11 +123,14 @@ def _sweeper() -> None:
         time.sleep(IDLE_TTL / 4)
         with _POOL_LOCK:
             dead = _sweep_idle_locked(time.monotonic())
-            if not _POOL:
+            last = not _POOL
+            if last:
                 _SWEEPER = None
-                return
+        # closed also when they were the last: dropped from the pool, nothing else would close them
         for e in dead:
             e.close()
+        if last:
+            return
 
 
 def release_entry(entry: PoolEntry) -> None:

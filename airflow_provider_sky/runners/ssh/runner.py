@@ -134,6 +134,9 @@ class SSHRunner(CommandRunner):
         self._pkey: paramiko.PKey | None = None
         self._entry: PoolEntry | None = None
         self._verified: paramiko.Transport | None = None
+        #: close() ran: a call still made (a thread the runner's owner left, e.g. an abandoned call or a
+        #: relay's waiting client) takes a reference to the pooled connection and gives it back as it ends
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"SSHRunner({self.config.user}@{self.config.address})"
@@ -181,35 +184,47 @@ class SSHRunner(CommandRunner):
 
         ``abandon``: a call given up on while it waits for a free session slot leaves the queue.
         """
-        entry, t = self._transport()
-        with _slot(entry.sessions, self.host, abandon):
-            try:
-                chan = open_fn(t)
-            except paramiko.ChannelException as e:
-                raise RunnerError(
-                    self.host,
-                    f"{self.config.address} refused a new session ({e.text}); if sshd's MaxSessions is "
-                    "below max_sessions, lower max_sessions",
-                ) from None
-            except (paramiko.SSHException, EOFError, OSError) as e:
-                log.info("ssh session to %s failed (%s); reconnecting once", self.config.address, e)
-                entry.invalidate(t)
-                entry, t = self._transport()
+        with self._call():
+            entry, t = self._transport()
+            with _slot(entry.sessions, self.host, abandon):
                 try:
                     chan = open_fn(t)
-                except (paramiko.SSHException, EOFError, OSError) as e2:
-                    entry.invalidate(t)
+                except paramiko.ChannelException as e:
                     raise RunnerError(
-                        self.host, f"cannot open an SSH session on {self.config.address}: {e2}"
-                    ) from e2
-            try:
-                yield chan
-            finally:
-                chan.close()
+                        self.host,
+                        f"{self.config.address} refused a new session ({e.text}); if sshd's MaxSessions is "
+                        "below max_sessions, lower max_sessions",
+                    ) from None
+                except (paramiko.SSHException, EOFError, OSError) as e:
+                    log.info("ssh session to %s failed (%s); reconnecting once", self.config.address, e)
+                    entry.invalidate(t)
+                    entry, t = self._transport()
+                    try:
+                        chan = open_fn(t)
+                    except (paramiko.SSHException, EOFError, OSError) as e2:
+                        entry.invalidate(t)
+                        raise RunnerError(
+                            self.host, f"cannot open an SSH session on {self.config.address}: {e2}"
+                        ) from e2
+                try:
+                    yield chan
+                finally:
+                    chan.close()
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        """A call; on a runner closed before or meanwhile, the reference it took is given back at its
+        end: nothing else would, and the pool would keep the connection open for the process's life."""
+        try:
+            yield
+        finally:
+            if self._closed:
+                self.close()
 
     def close(self) -> None:
         """Drop this runner's reference to the shared connection (closed once idle for IDLE_TTL)."""
         with self._lock:
+            self._closed = True
             entry, self._entry = self._entry, None
             self._verified = None
         if entry is not None:
@@ -331,13 +346,14 @@ class SSHRunner(CommandRunner):
     def connect(self) -> None:
         """Open (or reuse) the pooled connection: handshake, host-key check, authentication; nothing is
         run. Raises what a call would (``HostKeyMismatch``, ``AuthFailed``, ``HostUnreachable``)."""
-        self._transport()
+        with self._call():
+            self._transport()
 
     async def aconnect(self) -> None:
         """Establish (or reuse) the pooled transport; errors are left for the call that follows."""
         loop = asyncio.get_running_loop()
         with contextlib.suppress(Exception):
-            await loop.run_in_executor(executor(), self._transport)
+            await loop.run_in_executor(executor(), self.connect)
 
     async def arun_script(
         self, script: str, args: list[str] | None = None, timeout: float | None = None
