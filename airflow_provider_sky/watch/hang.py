@@ -55,6 +55,8 @@ class HangWatch:
     before: dict[int, float] = field(default_factory=dict)
     last_at: float | None = None
     fired: bool = False
+    #: at the verdict, each running rank's (sure silence, its uncertainty) in seconds: logged by fire()
+    silences: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     def hung(self, poll: Poll) -> list[int]:
         """The ranks silent for ``timeout`` seconds at this poll (none once the gang is cancelled).
@@ -68,6 +70,7 @@ class HangWatch:
         if poll.head_hangs:  # the cluster's head agent times the silences and gives the verdict
             return []
         sure, maybe = [], []
+        silences: dict[int, tuple[float, float]] = {}
         prev, self.last_at = self.last_at, poll.at
         for r in poll.status.ranks:
             if r.terminal or r.rank in poll.unreachable:
@@ -76,13 +79,17 @@ class HangWatch:
             if self.seen.get(r.rank) != sign:
                 self.seen[r.rank], self.since[r.rank] = sign, poll.at
                 self.before[r.rank] = poll.at if prev is None else prev
+                silences[r.rank] = (0.0, poll.at - self.before[r.rank])
                 continue
             silent = poll.at - self.since[r.rank]
             doubt = min(self.since[r.rank] - self.before.get(r.rank, self.since[r.rank]), self.timeout / 2)
+            silences[r.rank] = (silent, doubt)
             if silent >= self.timeout:
                 sure.append(r.rank)
             elif silent + doubt >= self.timeout:
                 maybe.append(r.rank)
+        if sure:
+            self.silences = silences
         return sorted(sure + maybe) if sure else []
 
     async def fire(self, client: GangClient, job_id: str, poll: Poll, ranks: list[int], grace: float) -> None:
@@ -90,6 +97,11 @@ class HangWatch:
         self.fired = True
         reason = hang_reason(self.timeout, ranks)
         log.warning("Job %s: %s; dumping their stacks, then cancelling the gang", job_id, reason)
+        log.info(
+            "Job %s: silent (+ up to) at the verdict: %s",
+            job_id,
+            ", ".join(f"rank {r} {s:.1f}s (+{d:.1f}s)" for r, (s, d) in sorted(self.silences.items())),
+        )
         await dump_stacks(client, job_id, ranks, reason)
         # the whole gang (a rank that ended is left as it is): on a cluster with node agents that is one
         # call, and the head's verdict is this reason before it sees a hung rank's SIGTERM exit
