@@ -53,6 +53,8 @@ class HangWatch:
     since: dict[int, float] = field(default_factory=dict)
     #: the poll before that one: the sign changed after it (its silence is less than ``now - before``)
     before: dict[int, float] = field(default_factory=dict)
+    #: the last poll that read the rank (its node answered)
+    looked: dict[int, float] = field(default_factory=dict)
     last_at: float | None = None
     fired: bool = False
     #: at the verdict, each running rank's (sure silence, its uncertainty) in seconds: logged by fire()
@@ -64,7 +66,9 @@ class HangWatch:
         A rank is found hung once it is surely silent that long (``now - since``). When one is, the
         verdict also names every rank that may have been silent as long: its last sign came between two
         polls, so two ranks that stopped together can be seen a poll apart (a loaded watcher, ranks that
-        print their last line a moment apart); that uncertainty counts up to half the timeout."""
+        print their last line a moment apart); that uncertainty counts up to half the timeout. A rank
+        whose node did not answer this poll is judged from the last poll that read it, the time since
+        then added to its uncertainty: it can be named beside a surely hung one, never on its own."""
         if self.fired or not self.timeout or poll.status.cancel_requested or poll.status.failed:
             return []
         if poll.head_hangs:  # the cluster's head agent times the silences and gives the verdict
@@ -73,8 +77,17 @@ class HangWatch:
         silences: dict[int, tuple[float, float]] = {}
         prev, self.last_at = self.last_at, poll.at
         for r in poll.status.ranks:
-            if r.terminal or r.rank in poll.unreachable:
-                continue  # an unreachable node is lost_after's to judge, not ours
+            if r.terminal:
+                continue
+            if r.rank in poll.unreachable:  # lost_after's to judge; a verdict may still name it
+                if r.rank in self.looked:
+                    silent = self.looked[r.rank] - self.since[r.rank]
+                    doubt = self.since[r.rank] - self.before[r.rank] + poll.at - self.looked[r.rank]
+                    silences[r.rank] = (silent, min(doubt, self.timeout / 2))
+                    if silent + silences[r.rank][1] >= self.timeout:
+                        maybe.append(r.rank)
+                continue
+            self.looked[r.rank] = poll.at
             sign = (r.log_size, r.progress)
             if self.seen.get(r.rank) != sign:
                 self.seen[r.rank], self.since[r.rank] = sign, poll.at

@@ -117,6 +117,27 @@ def test_a_rank_that_fell_silent_two_polls_later_is_not_named_yet() -> None:
     assert silent.hung(_poll(10.0, {1: 0, 3: 0})) == [1, 3]
 
 
+def test_a_rank_whose_node_missed_the_verdicts_poll_is_named_with_the_others() -> None:
+    """Ranks 1 and 3 silent from the start; at the poll that finds rank 3 hung, rank 1's node does not
+    answer (a loaded machine: a CI run named rank 3 alone). Rank 1 is judged from the poll before: it may
+    have been silent as long, so it is named too; a rank last seen printing 4 s before that poll is
+    not."""
+    hw = HangWatch(10.0)
+    assert hw.hung(_poll(0.0, {1: 0, 3: 0})) == []
+    assert hw.hung(_poll(9.0, {1: 0, 3: 0})) == []
+    p = _poll(10.0, {1: 0, 3: 0})
+    p.unreachable[1] = "timed out"
+    assert hw.hung(p) == [1, 3]
+    assert hw.silences == {1: (9.0, 1.0), 3: (10.0, 0.0)}  # what the verdict's log line says
+    spoke = HangWatch(10.0)
+    assert spoke.hung(_poll(0.0, {1: 0, 3: 0})) == []
+    assert spoke.hung(_poll(5.0, {1: 5, 3: 0})) == []  # rank 1's last line, in (0.0, 5.0]
+    assert spoke.hung(_poll(9.0, {1: 5, 3: 0})) == []
+    p = _poll(10.0, {1: 5, 3: 0})
+    p.unreachable[1] = "timed out"
+    assert spoke.hung(p) == [3]
+
+
 def test_a_stalled_watcher_names_no_rank_that_spoke_late() -> None:
     """A gap of 9 s between two polls (a paused triggerer) leaves the time of a change that uncertain:
     at most half the timeout of it counts, so a rank that may have printed 6 s ago is not named."""
