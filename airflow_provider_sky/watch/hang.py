@@ -79,25 +79,22 @@ class HangWatch:
         for r in poll.status.ranks:
             if r.terminal:
                 continue
-            if r.rank in poll.unreachable:  # lost_after's to judge; a verdict may still name it
-                if r.rank in self.looked:
-                    silent = self.looked[r.rank] - self.since[r.rank]
-                    doubt = self.since[r.rank] - self.before[r.rank] + poll.at - self.looked[r.rank]
-                    silences[r.rank] = (silent, min(doubt, self.timeout / 2))
-                    if silent + silences[r.rank][1] >= self.timeout:
-                        maybe.append(r.rank)
+            answered = r.rank not in poll.unreachable  # else lost_after's to judge; a verdict may name it
+            if answered:
+                self.looked[r.rank] = poll.at
+                sign = (r.log_size, r.progress)
+                if self.seen.get(r.rank) != sign:
+                    self.seen[r.rank], self.since[r.rank] = sign, poll.at
+                    self.before[r.rank] = poll.at if prev is None else prev
+            elif r.rank not in self.looked:
                 continue
-            self.looked[r.rank] = poll.at
-            sign = (r.log_size, r.progress)
-            if self.seen.get(r.rank) != sign:
-                self.seen[r.rank], self.since[r.rank] = sign, poll.at
-                self.before[r.rank] = poll.at if prev is None else prev
-                silences[r.rank] = (0.0, poll.at - self.before[r.rank])
-                continue
-            silent = poll.at - self.since[r.rank]
-            doubt = min(self.since[r.rank] - self.before.get(r.rank, self.since[r.rank]), self.timeout / 2)
+            # surely silent up to the last poll that read it; maybe since the poll before its last sign,
+            # and since that last read
+            looked, since = self.looked[r.rank], self.since[r.rank]
+            silent = looked - since
+            doubt = min(since - self.before[r.rank] + poll.at - looked, self.timeout / 2)
             silences[r.rank] = (silent, doubt)
-            if silent >= self.timeout:
+            if answered and silent >= self.timeout:
                 sure.append(r.rank)
             elif silent + doubt >= self.timeout:
                 maybe.append(r.rank)

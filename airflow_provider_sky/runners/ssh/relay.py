@@ -90,11 +90,10 @@ class Relay:
             )
             conn.close()
             return
-        if self._closed.is_set():  # waited for a slot past close(): the runner is its owner's no more
-            self._slots.release()
-            conn.close()
-            return
         try:
+            if self._closed.is_set():  # waited for a slot past close(): the runner is its owner's no more
+                conn.close()
+                return
             with conn, self.runner.stream(command) as chan:
                 down = threading.Thread(target=_copy_down, args=(chan, conn), daemon=True)
                 down.start()
