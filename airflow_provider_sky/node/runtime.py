@@ -237,6 +237,7 @@ def launch_many_script(
     wait_seconds: float = 20.0,
     flag: str | None = None,
     grace: float = 3.0,
+    halt: str | None = None,
 ) -> str:
     """One script that writes and starts ranks of one machine, each under its node's root.
 
@@ -258,6 +259,11 @@ def launch_many_script(
     (``.cancel.sh``) and ``grace``; the first rank of the machine that fails on its own cancels every
     sibling listed there at once (:data:`~airflow_provider_sky.node.shell.WRAPPER`), with the reason
     :func:`node_cancel_reason` reads. Across machines the watchers' poll still does it.
+
+    ``halt`` (a cancel reason): start none, record each rank cancelled with that reason, as never
+    started: the launch side's record of the ranks it did not start because a sibling failed first.
+    A rank that later attempts start from its files (``keep_secrets``) gets them whether it starts
+    or not: attempt k copies attempt 1's rank directory.
     """
     check_job_id(job_id)
     q = shlex.quote
@@ -271,6 +277,10 @@ def launch_many_script(
     parts.append(CLOCK_BASE)
     parts.append(CLAIM_FUNC)
     parts.append(_NEVER_FUNC)
+    if halt is not None:
+        parts.append(f"halt=1; why_={q(' '.join(halt.split())[:400] or 'a rank failed first')}")
+    else:
+        parts.append("halt=")
     prepared: set[str] = set()
     keepers: dict[tuple[str, ...], tuple[str, float]] = {}
     started: list[tuple[str, int]] = []
@@ -301,27 +311,27 @@ def launch_many_script(
                     'if [ -e "$root/idle_down" ] || [ -e "$root/idle_rm" ]; then '
                     'rm -f "$root/idle_down" "$root/idle_rm" "$root/idle_kill" "$root/idle_off"; fi'
                 )
-        d = f'"$root/jobs"/{q(job_id)}/{int(rl.rank)}'
-        parts.append(f"d={d}")
-        parts.append(f'if [ -n "$gf" ] && [ -s "$gf" ]; then never {int(rl.rank)}; else')
+        r = int(rl.rank)
+        parts.append(f'd="$root/jobs"/{q(job_id)}/{r}')
+        if not rl.keep_secrets:
+            # nothing run later needs its files: a rank not started is only its record
+            parts.append(
+                f'if [ -n "$halt" ] || {{ [ -n "$gf" ] && [ -s "$gf" ]; }}; then never {r}; sk_{r}=1; else'
+            )
         # the claim: two launchers of one attempt (or a launcher and a never-started record) never
         # both take a rank
-        parts.append(f'if ! claim "$d"; then echo "EXISTS {int(rl.rank)}"; else')
-        # listed before it starts: a sibling failing from now on cancels it on the node (one short
-        # append, atomic with O_APPEND, whatever other launchers of the machine append meanwhile)
-        parts.append(f'[ -z "$gf" ] || printf "%s %s\n" {int(rl.rank)} "$root" >> "$gj/.ranks"')
+        parts.append(f'if ! claim "$d"; then echo "EXISTS {r}"; else')
         parts.append(_write('"$d/cmd.sh"', CMD_PROLOGUE + rl.command))
         parts.append(_write('"$d/env"', env_file(rl.env)))
-        if rl.secrets:
-            parts.append(_write('"$d/secrets"', env_file(rl.secrets)))
-            mask = mask_file(rl.secrets)
-            if mask:
-                # read once by the rank's output filter, then deleted: no secret stays on disk
-                parts.append(_write('"$d/mask"', mask))
-            if rl.keep_secrets:
-                parts.append('cp "$d/secrets" "$d/secrets.keep"')
+        mask = mask_file(rl.secrets) if rl.secrets else ""
+        if rl.keep_secrets:
+            # later attempts start from these files, a rank never started too (a sibling failed before
+            # its start): 0600 copies of the secrets and their mask, dropped once the gang's outcome is
+            # final; the started rank's own copies are read once and deleted
+            if rl.secrets:
+                parts.append(_write('"$d/secrets.keep"', env_file(rl.secrets)))
                 if mask:
-                    parts.append('cp "$d/mask" "$d/mask.keep"')
+                    parts.append(_write('"$d/mask.keep"', mask))
         if rl.result_file:
             parts.append(_write('"$d/result_file"', rl.result_file))
         parts.append(_write('"$d/rank.sh"', WRAPPER))
@@ -329,6 +339,22 @@ def launch_many_script(
         parts.append(f'printf "%s\\n" {q(repr(float(guard.now)))} > "$d/polled"')
         parts.append(f"cwd={q(rl.cwd)}")
         parts.append('printf "%s\\n" "$cwd" > "$d/cwd"')
+        if rl.keep_secrets:
+            parts.append(
+                f'if [ -n "$halt" ] || {{ [ -n "$gf" ] && [ -s "$gf" ]; }}; then never_rec {r}; sk_{r}=1; else'
+            )
+        # listed before it starts: a sibling failing from now on cancels it on the node (one short
+        # append, atomic with O_APPEND, whatever other launchers of the machine append meanwhile)
+        parts.append(f'[ -z "$gf" ] || printf "%s %s\n" {r} "$root" >> "$gj/.ranks"')
+        if rl.secrets and rl.keep_secrets:
+            parts.append('cp "$d/secrets.keep" "$d/secrets"')
+            if mask:
+                parts.append('cp "$d/mask.keep" "$d/mask"')
+        elif rl.secrets:
+            parts.append(_write('"$d/secrets"', env_file(rl.secrets)))
+            if mask:
+                # read once by the rank's output filter, then deleted: no secret stays on disk
+                parts.append(_write('"$d/mask"', mask))
         parts.append(
             'if command -v setsid >/dev/null 2>&1; then setsid sh "$d/rank.sh" "$d" "$cwd" "$gf" "$cb" "$cu" </dev/null >/dev/null 2>&1 &\n'
             'else nohup sh "$d/rank.sh" "$d" "$cwd" "$gf" "$cb" "$cu" </dev/null >/dev/null 2>&1 & fi'
@@ -339,7 +365,7 @@ def launch_many_script(
         roots = [root] if guard.keeper_roots is None else list(guard.keeper_roots)
         if roots and (guard.orphan_timeout > 0 or guard.idle_down > 0):
             keepers.setdefault(tuple(roots), (root, guard.keeper_tick))
-    if keepers:
+    if keepers and halt is None:
         parts.append("set +e")
         for roots_, (root, tick) in keepers.items():
             parts.append(f"root={q(root)}")
@@ -348,7 +374,7 @@ def launch_many_script(
     for root, r in started:
         parts.append(
             f"d={q(root)}/jobs/{q(job_id)}/{r}; i=0\n"
-            'if [ -f "$d/rank.sh" ]; then\n'  # a rank recorded as never started has none
+            f'if [ -z "${{sk_{r}-}}" ] && [ -f "$d/rank.sh" ]; then\n'  # not one recorded never started
             f'while [ ! -s "$d/pid" ] && [ ! -s "$d/exit" ] && [ "$i" -lt {ticks} ]; do sleep 0.05 2>/dev/null || sleep 1; i=$((i + 1)); done\n'
             f'if [ -s "$d/pid" ] || [ -s "$d/exit" ]; then p=; {{ read -r p < "$d/pid"; }} 2>/dev/null || :; echo "STARTED {r} $p"; else echo "NOSTART {r}"; fi\n'
             "fi"

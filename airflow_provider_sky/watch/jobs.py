@@ -461,7 +461,7 @@ class GangClient:
             where = f"ranks {_span(chunk)} ({', '.join(dict.fromkeys(self.node_of(r).ip for r in chunk))})"
             await self.runner(node).aconnect()  # the handshake first: start or skip decided after it
             if failed:
-                words = await self._record_never_started(job_id, chunk, failed[0])
+                words = await self._record_never_started(job_id, chunk, failed[0], by_rank)
                 return [words[r] for r in chunk]
             items = [
                 (self.node_of(r).root, by_rank[r], self.guard(r, orphan_timeout, idle_down)) for r in chunk
@@ -586,16 +586,30 @@ class GangClient:
         if res.returncode != 0:
             log.warning("Could not stop the start of ranks %s: %s", _span(chunk), res.error_text)
 
-    async def _record_never_started(self, job_id: str, ranks: Sequence[int], reason: str) -> dict[int, str]:
+    async def _record_never_started(
+        self,
+        job_id: str,
+        ranks: Sequence[int],
+        reason: str,
+        launches: Mapping[int, runtime.RankLaunch] | None = None,
+    ) -> dict[int, str]:
         """Record ``ranks`` as cancelled without having run (``reason`` says why): one call per machine
-        (per :data:`CALL_RANKS`). Rank -> ``CANCELLED``, or ``EXISTS`` for one started meanwhile."""
+        (per :data:`CALL_RANKS`). Rank -> ``CANCELLED``, or ``EXISTS`` for one started meanwhile.
+
+        ``launches``: the ranks' launches; those whose later attempts start from the nodes' files
+        (``keep_secrets``) are written there as a start would, so a retry starts them too."""
 
         async def one(chunk: list[int]) -> dict[int, str]:
-            args = [job_id, reason]
-            for r in chunk:
-                args += [self.node_of(r).root, str(r)]
             node = self.node_of(chunk[0])
-            res = await self.runner(node).arun_script(runtime.NEVER_STARTED_SCRIPT, args, timeout=60)
+            if launches is not None and any(launches[r].keep_secrets for r in chunk):
+                items = [(self.node_of(r).root, launches[r], self.guard(r, 0, 0)) for r in chunk]
+                script = runtime.launch_many_script(job_id, items, halt=reason)
+                res = await self.runner(node).arun_script(script, timeout=60 + len(chunk))
+            else:
+                args = [job_id, reason]
+                for r in chunk:
+                    args += [self.node_of(r).root, str(r)]
+                res = await self.runner(node).arun_script(runtime.NEVER_STARTED_SCRIPT, args, timeout=60)
             if res.returncode != 0:
                 raise LaunchError(
                     f"ranks {_span(chunk)} ({node.ip}): could not record them: {res.error_text}"

@@ -159,3 +159,91 @@ def test_a_retried_gang_pushes_the_successful_attempts_result(sky_home: Path) ->
     assert str(dr.state) == "success"
     assert _xcom(dr, "train.gang", "return_value") == [{"attempt": 2}, {"attempt": 2}]
     assert not job_processes(sky_home) and not bridges(sky_home)
+
+
+#: attempt 1's rank 1 fails at once; every rank of a later attempt checks its secret and says so
+_SIBLING_RUN = (
+    'if [ "$SKY_ATTEMPT" = 1 ] && [ "$SKYPILOT_NODE_RANK" = 1 ]; then exit 1; fi; '
+    'if [ "${TOK#tok-}" = value-77 ]; then echo "rank $SKYPILOT_NODE_RANK attempt $SKY_ATTEMPT has its secret"; '
+    "else exit 9; fi"
+)
+
+
+def _never_started_dirs(sky_home: Path, job: str = "job") -> dict[int, Path]:
+    """Rank -> its attempt-1 directory, for the ranks recorded cancelled without having run."""
+    out = {}
+    for cancel in sky_home.glob(f"local/**/jobs/{job}/*/cancel"):
+        d = cancel.parent
+        if not (d / "pid").exists():
+            out[int(d.name)] = d
+    return out
+
+
+def test_ranks_never_started_because_a_sibling_failed_first_run_in_the_next_attempt(
+    sky_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a slow cluster a rank can fail before its siblings' start calls ran: those siblings are
+    recorded cancelled without having run (by their machine's launcher, or by the launch side), and the
+    whole-gang retry must still start every rank of attempt 2, with its secrets. Here rank 1's call goes
+    first and the others wait until it has failed, as when its node answers long before theirs."""
+    import asyncio
+
+    from gangs import local_gang
+
+    from airflow_provider_sky.watch import jobs
+    from airflow_provider_sky.watch.retry import RetryPolicy
+
+    backend, client, task = local_gang(sky_home, 4, _SIBLING_RUN, secrets={"TOK": "tok-value-77"})
+    client.keep_secrets = True
+    monkeypatch.setattr(jobs, "LAUNCH_RANKS", 1)  # one start call per rank
+    exit_1 = Path(client.handle.nodes[1].root) / "jobs" / "job" / "1" / "exit"
+    for node in client.handle.nodes[:1] + client.handle.nodes[2:]:
+        runner = client.runner(node)
+        real = runner.arun_script
+
+        async def after_rank_1(*a: Any, _real: Any = real, **kw: Any) -> Any:
+            if "cmd.sh" in a[0]:  # a start call: once rank 1 has failed
+                for _ in range(200):
+                    if exit_1.exists() and exit_1.read_text().strip():
+                        break
+                    await asyncio.sleep(0.05)
+            return await _real(*a, **kw)
+
+        monkeypatch.setattr(runner, "arun_script", after_rank_1)
+    client.launch(task, "job")
+    monkeypatch.undo()
+    assert sorted(_never_started_dirs(sky_home)) == [0, 2, 3]
+    final = _watch_to_end(client, RetryPolicy.build(retries=1, retry_delay=0.1, retry_on_exit_codes=[1]))
+    assert final.final and final.attempt == 2 and final.status.succeeded, final.message()
+    logs = "".join(p.read_text() for p in sky_home.glob("local/**/jobs/job.a2/*/log"))
+    for r in range(4):
+        assert f"rank {r} attempt 2 has its secret" in logs, logs
+    # nothing of the secret stayed on disk: attempt 1's never-started ranks kept none once the gang ended
+    assert not [
+        p for p in sky_home.glob("local/**/jobs/**/*") if p.is_file() and b"tok-value-77" in p.read_bytes()
+    ]
+    assert not job_processes(sky_home)
+    backend.terminate(client.handle.name)
+
+
+def test_ranks_the_launch_side_recorded_never_started_run_in_the_next_attempt(sky_home: Path) -> None:
+    """The launch side's own record of ranks it did not start (a sibling failed before their call)
+    keeps what a later attempt needs to start them."""
+    from gangs import local_gang
+
+    from airflow_provider_sky.aio import run_sync
+    from airflow_provider_sky.watch.retry import RetryPolicy
+
+    backend, client, task = local_gang(sky_home, 3, _SIBLING_RUN, secrets={"TOK": "tok-value-77"})
+    client.keep_secrets = True
+    launches = {rl.rank: rl for rl in client.rank_launches(task, "job", "run")}
+    recorded = run_sync(client._record_never_started("job", [0, 2], "rank 1 failed first", launches))
+    assert recorded == {0: "CANCELLED", 2: "CANCELLED"}
+    assert client.launch(task, "job") == {0: "EXISTS", 1: "STARTED", 2: "EXISTS"}
+    assert not [p for p in sky_home.glob("local/**/jobs/job/*/secrets") if p.exists()]
+    final = _watch_to_end(client, RetryPolicy.build(retries=1, retry_delay=0.1, retry_on_exit_codes=[1]))
+    assert final.final and final.attempt == 2 and final.status.succeeded, final.message()
+    logs = "".join(p.read_text() for p in sky_home.glob("local/**/jobs/job.a2/*/log"))
+    assert all(f"rank {r} attempt 2 has its secret" in logs for r in range(3)), logs
+    assert not job_processes(sky_home)
+    backend.terminate(client.handle.name)
