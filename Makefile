@@ -24,10 +24,11 @@ install: $(UV)
 # nothing downloads a browser. `make lint` runs `sh -n` on the node scripts under dash and busybox (the shell of
 # a busybox image); the mask filter's tests run its awk fallback under mawk and busybox. The storage tests mount
 # buckets with rclone (FUSE: fusermount3 of fuse3). The node agents' partition tests drop packets with iptables
-# and find an agent's connection with ss (iproute2).
+# and find an agent's connection with ss (iproute2). A secrets test stops a rank's processes at a chosen
+# system call with strace, to run a race in a set order.
 SYSTEM_DEPS := sshd=openssh-server ssh-keygen=openssh-client pdsh=pdsh setsid=util-linux ps=procps useradd=passwd \
   pg_ctlcluster=postgresql redis-server=redis-server chromium=chromium chromedriver=chromium-driver \
-  rclone=rclone fusermount3=fuse3 dash=dash busybox=busybox mawk=mawk iptables=iptables ss=iproute2
+  rclone=rclone fusermount3=fuse3 dash=dash busybox=busybox mawk=mawk iptables=iptables ss=iproute2 strace=strace
 # 1: a tool that cannot be installed is an error (CI); else the SSH tests are skipped and the run says so
 SYSTEM_DEPS_STRICT ?=
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,80 @@ def test_a_filter_slower_than_the_command_still_has_the_last_line_in_the_log_whe
     wait_for((rank_dir / "exit").exists, 20, "the rank's exit", 0.01)
     log = _log(client)  # read as soon as the exit is there, as a watcher does
     assert log == b"rank 0 has the ***\n", log
+    assert wait_done(client).status.succeeded
+    b.terminate("c")
+
+
+def _fds_on(pid: int, path: str) -> list[int]:
+    """The descriptors of ``pid`` open on ``path``."""
+    out = []
+    for fd in Path(f"/proc/{pid}/fd").glob("*"):
+        try:
+            if os.readlink(fd) == path:
+                out.append(int(fd.name))
+        except OSError:
+            pass
+    return out
+
+
+def _stat(pid: int) -> tuple[str, int]:
+    """A process's state letter and parent pid."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    state, ppid = text.rsplit(")", 1)[1].split()[:2]
+    return state, int(ppid)
+
+
+def test_a_line_printed_before_the_filter_opened_its_pipe_is_in_the_log(
+    sky_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short command can print and end before its output filter's shell has run at all (not
+    scheduled yet on a loaded machine: seen as the empty log of a rank that succeeded; when the wrapper
+    had dropped its end of the pipe first, the command died of SIGPIPE, exit 141). The line must wait in
+    the pipe for the filter, not go with the last open end. Under strace, every process of the
+    rank stops (SIGSTOP) at its first close of a descriptor on the pipe; the test lets each go at once,
+    but a child of the wrapper that holds no end of the pipe there (a filter about to open it itself)
+    only once nothing else holds the pipe: the command has ended and the wrapper dropped its end."""
+    fifo = ""
+
+    def argv_under_strace(self: Any, args: list[str] | None) -> list[str]:
+        return [
+            "strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=close",
+            "-e", "inject=close:signal=SIGSTOP:when=1", "-P", fifo,
+            "/bin/sh", "-s", "--", *(args or []),
+        ]  # fmt: skip
+
+    run = 'echo "rank $SKYPILOT_NODE_RANK has the $TOK"'
+    b, client, spec = local_gang(sky_home, 1, run, secrets={"TOK": "token-value-46"})
+    rank_dir = Path(client.node_of(0).root) / "jobs" / "job" / "0"
+    fifo = str(rank_dir / "out")
+    monkeypatch.setattr(type(client.runner(client.node_of(0))), "_argv", argv_under_strace)
+    # strace follows every process the call starts: no keeper, so the call ends with the rank
+    launch = threading.Thread(target=client.launch, args=(spec, "job"), kwargs={"orphan_timeout": 0})
+    launch.start()
+    held: set[int] = set()
+    deadline = time.time() + 60
+    while launch.is_alive() and time.time() < deadline:
+        procs = {}
+        for d in Path("/proc").glob("[0-9]*"):
+            try:
+                if str(rank_dir).encode() in (d / "cmdline").read_bytes():
+                    procs[int(d.name)] = _stat(int(d.name))
+            except OSError:
+                pass
+        for pid, (state, ppid) in procs.items():
+            if state not in "tT":
+                continue
+            filter_to_be = ppid in procs and not _fds_on(pid, fifo)
+            if filter_to_be and any(_fds_on(p, fifo) for p in procs if p != pid):
+                held.add(pid)
+                continue
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(0.02)
+    launch.join(5)
+    monkeypatch.undo()
+    assert not launch.is_alive()
+    assert (rank_dir / "exit").read_text().split()[0] == "0"
+    assert _log(client) == b"rank 0 has the ***\n", f"held at its first close on the pipe: {sorted(held)}"
     assert wait_done(client).status.succeeded
     b.terminate("c")
 

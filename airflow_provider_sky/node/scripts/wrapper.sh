@@ -43,19 +43,19 @@ fpid=''
 if [ -f "$d/mask" ]; then
   [ ! -e "$d/out" ] && [ ! -e "$d/filter.done" ] || rm -f "$d/out" "$d/filter.done"
   if mkfifo -m 600 "$d/out" 2>/dev/null; then
-    # held open for writing (fd 6) until the command has opened it: the filter's open of the pipe
-    # returns at once, so Python starts while the command does, not after
+    # held open for writing (fd 6) until the command has opened it, so the read end opens at once
+    # (no open of a pipe blocks here); the read end (fd 7) is opened here and the filter has it from
+    # its fork: a command that prints and ends before the filter's shell ever ran leaves its output in
+    # the pipe, where a filter opening the pipe itself found a new, empty one (or the command a SIGPIPE)
     exec 6<>"$d/out"
+    exec 7<"$d/out"
     exec 3<"$d/mask"
     # the result file is masked like the log once the command ended (RESULT below): keep the mask open
     rmask=''; [ ! -f "$d/result_file" ] || { exec 4<"$d/mask"; rmask=1; }
     rm -f "$d/mask" ${sfd:+"$d/secrets"}
-    # the filter opens the pipe with a write end of its own first (an open that never blocks), then
-    # drops it: a wrapper killed before this open leaves no filter blocked on it for ever
-    # shellcheck disable=SC2094 # one pipe, read here; the write end opened first is closed at once
-    (exec 7<>"$d/out" <"$d/out" 7>&-; maskfilter >>"$d/log" 2>&1; : > "$d/filter.done") 5<&- 6>&- &
+    (maskfilter <&7 >>"$d/log" 2>&1; : > "$d/filter.done") 5<&- 6>&- &
     fpid=$!
-    exec 3<&-
+    exec 3<&- 7<&-
     out="$d/out"
   else
     rm -f "$d/mask" ${sfd:+"$d/secrets"}
