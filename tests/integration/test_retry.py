@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from k8s_cluster import wait_for
 from leaks import bridges, job_processes
 
 from integration.test_dag_test import _load, _out, _run, _states, _xcom
@@ -222,7 +223,8 @@ def test_ranks_never_started_because_a_sibling_failed_first_run_in_the_next_atte
     assert not [
         p for p in sky_home.glob("local/**/jobs/**/*") if p.is_file() and b"tok-value-77" in p.read_bytes()
     ]
-    assert not job_processes(sky_home)
+    # a wrapper ends a moment after its exit record (its output filter's watchdog with it)
+    wait_for(lambda: not job_processes(sky_home), 10, "the wrappers to end after their exit records")
     backend.terminate(client.handle.name)
 
 
@@ -245,5 +247,5 @@ def test_ranks_the_launch_side_recorded_never_started_run_in_the_next_attempt(sk
     assert final.final and final.attempt == 2 and final.status.succeeded, final.message()
     logs = "".join(p.read_text() for p in sky_home.glob("local/**/jobs/job.a2/*/log"))
     assert all(f"rank {r} attempt 2 has its secret" in logs for r in range(3)), logs
-    assert not job_processes(sky_home)
+    wait_for(lambda: not job_processes(sky_home), 10, "the wrappers to end after their exit records")
     backend.terminate(client.handle.name)
