@@ -88,6 +88,8 @@ def test_a_retry_starts_through_the_head_which_then_fails_the_attempt_fast_with_
         '[ "$SKY_ATTEMPT" = 1 ] && exit 1; sleep 3; exit 3; fi; sleep 10000'
     )
     c = GangClient(b, h)
+    # a gang with retries: later attempts start from the nodes' files (the operator sets it so)
+    c.keep_secrets = True
 
     async def until_attempt_2() -> None:
         policy = RetryPolicy.build(1, 0.0, False, [1])

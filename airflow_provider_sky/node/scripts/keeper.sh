@@ -13,6 +13,9 @@ oldifs=$IFS; IFS=$nl; set -f
 # shellcheck disable=SC2086 # split on purpose: IFS is a newline, globbing is off
 set -- $SKY_KEEPER_ROOTS; set +f; IFS=$oldifs
 cd /
+# started after a teardown removed its roots (it ran between the launch and the teardown's look): ends
+any=0; for root in "$@"; do [ -d "$root" ] && any=1; done
+[ "$any" = 1 ] || exit 0
 for root in "$@"; do [ -d "$root" ] && printf '%s\n' "$$" > "$root/keeper.pid"; done
 idle=0; launched=-
 while :; do

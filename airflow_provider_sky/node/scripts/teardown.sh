@@ -9,13 +9,19 @@ nl="
 roots=''
 # one keeper guards every root of a machine: each pid is looked at once (not a `tr`, a fork, per node)
 seen=' '
+# a keeper the launch started a moment ago may not have exec'd yet (its command line is still the
+# launcher's): looked at again once the roots are gone, when it has exec'd or finds no root and ends
+later=''
 for root in "$@"; do
   roots="$roots$root$nl"
   unmount_buckets "$root"
   if [ -f "$root/keeper.pid" ] && read -r kp < "$root/keeper.pid"; then
     case "$seen" in *" $kp "*) continue;; esac
     seen="$seen$kp "
-    case "$(tr '\000' ' ' < "/proc/$kp/cmdline" 2>/dev/null)" in *sky-keeper*) kill -KILL "-$kp" 2>/dev/null || kill -KILL "$kp" 2>/dev/null ;; esac
+    case "$(tr '\000' ' ' < "/proc/$kp/cmdline" 2>/dev/null)" in
+      *sky-keeper*) kill -KILL "-$kp" 2>/dev/null || kill -KILL "$kp" 2>/dev/null ;;
+      *) [ ! -e "/proc/$kp" ] || later="$later $kp" ;;
+    esac
   fi
 done
 marks=''
@@ -98,3 +104,6 @@ set -- $roots
 IFS=$oldifs; set +f
 # the roots go (node_scripts.teardown_script(remove=False) makes this line a no-op)
 [ $# -eq 0 ] || rm -rf -- "$@" || exit 1
+for kp in $later; do
+  case "$(tr '\000' ' ' < "/proc/$kp/cmdline" 2>/dev/null)" in *sky-keeper*) kill -KILL "-$kp" 2>/dev/null || kill -KILL "$kp" 2>/dev/null ;; esac
+done
