@@ -231,6 +231,11 @@ def gang_flag(root: str, job_id: str) -> str:
 FLAG_SET_SCRIPT = 'if [ -s "$1" ]; then echo SET; else echo CLEAR; fi\n'
 
 
+#: the launch script's test that a rank is not started: a launch-side record (``halt``), or a rank of the
+#: machine has failed (its gang flag is set)
+_HALTED = '[ -n "$halt" ] || { [ -n "$gf" ] && [ -s "$gf" ]; }'
+
+
 def launch_many_script(
     job_id: str,
     items: Sequence[tuple[str, RankLaunch, Guard]],
@@ -315,9 +320,7 @@ def launch_many_script(
         parts.append(f'd="$root/jobs"/{q(job_id)}/{r}')
         if not rl.keep_secrets:
             # nothing run later needs its files: a rank not started is only its record
-            parts.append(
-                f'if [ -n "$halt" ] || {{ [ -n "$gf" ] && [ -s "$gf" ]; }}; then never {r}; sk_{r}=1; else'
-            )
+            parts.append(f"if {_HALTED}; then never {r}; sk_{r}=1; else")
         # the claim: two launchers of one attempt (or a launcher and a never-started record) never
         # both take a rank
         parts.append(f'if ! claim "$d"; then echo "EXISTS {r}"; else')
@@ -340,9 +343,7 @@ def launch_many_script(
         parts.append(f"cwd={q(rl.cwd)}")
         parts.append('printf "%s\\n" "$cwd" > "$d/cwd"')
         if rl.keep_secrets:
-            parts.append(
-                f'if [ -n "$halt" ] || {{ [ -n "$gf" ] && [ -s "$gf" ]; }}; then never_rec {r}; sk_{r}=1; else'
-            )
+            parts.append(f"if {_HALTED}; then never_rec {r}; sk_{r}=1; else")
         # listed before it starts: a sibling failing from now on cancels it on the node (one short
         # append, atomic with O_APPEND, whatever other launchers of the machine append meanwhile)
         parts.append(f'[ -z "$gf" ] || printf "%s %s\n" {r} "$root" >> "$gj/.ranks"')
