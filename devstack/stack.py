@@ -504,6 +504,7 @@ class AirflowStack:
                 else:
                     missing = self._dags_missing(dag_ids)
                     if not missing:
+                        self._warm_execution_api(deadline)
                         return
                     last = f"DAGs not parsed yet: {missing}"
             except (httpx.TransportError, StackError) as exc:
@@ -511,6 +512,22 @@ class AirflowStack:
             if time.monotonic() > deadline:
                 raise StackError(f"stack not ready after {timeout}s: {last}")
             time.sleep(0.5)
+
+    def _warm_execution_api(self, deadline: float) -> None:
+        """One request to the Execution API before the first task makes one. Its app (Cadwyn) builds the
+        routes of every API version on its first request, on the api-server's event loop: ~3.5 s of CPU
+        idle, more than the client's 30 s on a loaded machine, during which the api-server answered
+        nothing (py-spy of a stall: the loop in ``Cadwyn._cadwyn_initialize``). Here it is paid within
+        the ready wait."""
+        wait = max(deadline - time.monotonic(), 30.0)
+        try:
+            resp = self._http().get("/execution/health", timeout=wait)
+        except httpx.TimeoutException as exc:
+            raise StackError(
+                f"the Execution API did not answer within {wait:.0f}s; {self.dump_api_server()}"
+            ) from exc
+        if resp.status_code != 200:
+            raise StackError(f"GET /execution/health -> {resp.status_code}: {resp.text[:2000]}")
 
     def _dags_missing(self, dag_ids: Sequence[str] | None) -> list[str]:
         errors = self._request("GET", "/api/v2/importErrors", params={"limit": 100})["import_errors"]
