@@ -132,7 +132,10 @@ def _lose_local(home: Path) -> None:
     """A local node is lost as a machine is: its processes die at once and its directory goes. They are
     stopped first, until a scan finds no new one, then killed: a process killed while its siblings
     still run could see a child of theirs born after the scan outlive the "machine" (a wrapper forks
-    its watchdog's ``sleep 2`` as its command ends)."""
+    its watchdog's ``sleep 2`` as its command ends). The directory goes at once, by a rename, as a lost
+    machine's disk does: removed in place, a poll of the watcher running meanwhile (it writes ``polled``
+    in each rank's directory) could put a file back into a directory being removed, and leave a node
+    with its rank's records half gone instead of a lost one."""
     stopped: set[int] = set()
     while True:
         new = [pid for pid, _ in processes_under(home) if pid not in stopped]
@@ -145,7 +148,9 @@ def _lose_local(home: Path) -> None:
     for pid in stopped:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    shutil.rmtree(home)
+    gone = home.with_name(home.name + ".lost")
+    home.rename(gone)
+    shutil.rmtree(gone)
 
 
 def test_local_lost_node_is_replaced_and_the_retry_succeeds(sky_home: Path, tmp_path: Path) -> None:
