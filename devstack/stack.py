@@ -519,15 +519,7 @@ class AirflowStack:
         idle, more than the client's 30 s on a loaded machine, during which the api-server answered
         nothing (py-spy of a stall: the loop in ``Cadwyn._cadwyn_initialize``). Here it is paid within
         the ready wait."""
-        wait = max(deadline - time.monotonic(), 30.0)
-        try:
-            resp = self._http().get("/execution/health", timeout=wait)
-        except httpx.TimeoutException as exc:
-            raise StackError(
-                f"the Execution API did not answer within {wait:.0f}s; {self.dump_api_server()}"
-            ) from exc
-        if resp.status_code != 200:
-            raise StackError(f"GET /execution/health -> {resp.status_code}: {resp.text[:2000]}")
+        self._request("GET", "/execution/health", timeout=max(deadline - time.monotonic(), 30.0))
 
     def _dags_missing(self, dag_ids: Sequence[str] | None) -> list[str]:
         errors = self._request("GET", "/api/v2/importErrors", params={"limit": 100})["import_errors"]
@@ -716,12 +708,20 @@ class AirflowStack:
         return self._client
 
     def _request(
-        self, method: str, path: str, *, params: Mapping[str, Any] | None = None, json: Any = None
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+        timeout: float | None = None,
     ) -> Any:
+        """``timeout``: this request's, instead of the client's 30 s."""
         given = {k: v for k, v in (params or {}).items() if v is not None}
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         for attempt in range(API_RETRIES + 1):
             try:
-                resp = self._http().request(method, path, params=given, json=json)
+                resp = self._http().request(method, path, params=given, json=json, **extra)
             except httpx.TimeoutException as exc:
                 raise StackError(
                     f"{method} {path}: the api-server did not answer ({exc!r}); {self.dump_api_server()}"
