@@ -20,7 +20,7 @@ __all__ = ["bridges", "job_processes", "live_processes", "processes_under"]
 def job_processes(state_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
     """:func:`processes_under` without the local backend's background delete of a torn-down cluster's
     tree (``backends.local.trash``): no process of a job, and it ends by itself (the autouse check in
-    ``conftest`` still waits for it, and fails a test it outlives by 5 s)."""
+    ``conftest`` still waits for it, and fails a test it outlives by 120 s)."""
     trash = f"{state_dir}/local/.trash/"
     # the remover is seen as ``rm`` or, between its shell's fork and the exec, as that shell
     remover = ("rm -rf -- ", 'sh -c rm -rf -- "$@" ')
