@@ -164,24 +164,32 @@ def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 def processes_under(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
-    """Live (non-zombie) processes whose cwd is inside ``path`` or whose command line names it."""
+    """Live (non-zombie) processes whose cwd is inside ``path`` or whose command line names it.
+
+    Every test's leak check scans /proc with this: a process's command line and cwd are read first,
+    its state only when it matches."""
     root = str(Path(path).resolve())
+    under = root + "/"
+    me = str(os.getpid())
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or name == me:
             continue
         try:
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
             try:
-                cwd = os.readlink(entry / "cwd")
+                cwd = os.readlink(f"/proc/{name}/cwd")
             except OSError:
                 cwd = ""
+            if not (root in cmd or cwd == root or cwd.startswith(under)):
+                continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
         except (OSError, IndexError):
             continue
-        if root in cmd or cwd == root or cwd.startswith(root + "/"):
-            found.append((int(entry.name), cmd or cwd))
+        found.append((int(name), cmd or cwd))
     return found
 
 
