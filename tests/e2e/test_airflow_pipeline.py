@@ -75,7 +75,9 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
     (dags / "sky_test_pipeline_line.py").symlink_to(REPO / "tests" / "dags" / "sky_test_pipeline_line.py")
     cpus = cluster_cpus() if request.param == "kubernetes" else contextlib.nullcontext()
     try:
-        with cpus, AirflowStack(base / "airflow", dags, env) as stack:  # sky_pipeline: a CPU per pod
+        # the cluster's CPUs (sky_pipeline: a CPU per pod) are taken once the stack is up: its start
+        # needs none of them
+        with AirflowStack(base / "airflow", dags, env) as stack, cpus:
             # the consumers first: a DAG scheduled on an asset must be unpaused to be run by its events
             stack.unpause("sky_pipeline_publish")
             stack.unpause("sky_test_pipeline_fail_consumer")

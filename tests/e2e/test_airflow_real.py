@@ -222,13 +222,14 @@ def real(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReques
             env["AIRFLOW_CONN_SKY_DEFAULT"] = hosts.sky_ssh_connection()
         elif request.param == "kubernetes":
             kube = request.getfixturevalue("k8s")
-            cleanup.enter_context(cluster_cpus())  # sky_yaml asks for a CPU per pod
             env["AIRFLOW_CONN_SKY_DEFAULT"] = _kubernetes_connection(
                 kube, request.getfixturevalue("k8s_image")
             )
         stack = AirflowStack(base / "airflow", dags, env)
         try:
-            with stack:
+            # the cluster's CPUs are taken once the stack is up, not for its start: its runs ask for them
+            # (sky_yaml: a CPU per pod), its start does not
+            with stack, cluster_cpus() if kube is not None else contextlib.nullcontext():
                 run_ids = {dag_id: stack.trigger(dag_id) for dag_id in dag_ids}
                 real = RealAirflow(stack, sky, run_ids, hosts, kube)
                 yield real
