@@ -121,7 +121,7 @@ def make_client(settings: AWSSettings, service: str = "ec2") -> Any:
             secret = f"{settings.secret_access_key}\0{settings.session_token or ''}"
             key = (
                 service,
-                settings.region or "",
+                settings.region,
                 settings.endpoint_url or "",
                 settings.access_key_id,
                 hashlib.sha256(secret.encode()).hexdigest(),
