@@ -11,9 +11,12 @@ $(UV):
 	python3 -m pip install --user --quiet uv || python3 -m pip install --quiet uv
 
 # --compile-bytecode: every Airflow task, triggerer and test process imports Airflow; with no .pyc (e.g.
-# PYTHONDONTWRITEBYTECODE=1, as on our CI machines) each one compiles it from source again (seconds per task)
+# PYTHONDONTWRITEBYTECODE=1, as on our CI machines) each one compiles it from source again (seconds per task).
+# The package is installed editable (its .py files are this tree's), and the DAG runs, services and tests
+# import it and devstack in many hundreds of processes: compileall writes their .pyc once (under a second).
 install: $(UV)
 	$(UV) sync --frozen --python python3 --compile-bytecode
+	$(PY) -m compileall -q -j 0 airflow_provider_sky devstack dags_examples tests benchmarks >/dev/null
 
 # The system tools the SSH tests and `make bench` use, as tool=Debian package. The tests start real sshd
 # daemons (openssh-server, ssh-keygen from openssh-client, users made with useradd from passwd); the ranks use

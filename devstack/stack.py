@@ -305,6 +305,11 @@ class AirflowStack:
         return names + [f"{CELERY_WORKER}-{i}" for i in range(1, self.celery_workers + 1)]
 
     @property
+    def airflow(self) -> list[str]:
+        """The ``airflow`` command: the CLI under :mod:`devstack.airflow_main` (its GC setting)."""
+        return [self.python, "-m", "devstack.airflow_main"]
+
+    @property
     def executor(self) -> str:
         return "CeleryExecutor" if self.broker_url else "LocalExecutor"
 
@@ -379,9 +384,7 @@ class AirflowStack:
         if service.startswith(CELERY_WORKER):
             name = f"worker{service.rsplit('-', 1)[1]}@%h"
             return [
-                self.python,
-                "-m",
-                "airflow",
+                *self.airflow,
                 "celery",
                 "worker",
                 "--celery-hostname",
@@ -389,8 +392,8 @@ class AirflowStack:
                 "--skip-serve-logs",
             ]
         if service.startswith("triggerer"):
-            return [self.python, "-m", "airflow", "triggerer", "--skip-serve-logs"]
-        cmd = [self.python, "-m", "airflow", service]
+            return [*self.airflow, "triggerer", "--skip-serve-logs"]
+        cmd = [*self.airflow, service]
         if service == "scheduler":
             cmd.append("--skip-serve-logs")
         return cmd
@@ -449,7 +452,7 @@ class AirflowStack:
     def _migrate(self, home: Path, env: Mapping[str, str]) -> None:
         with open(self.logs / "db-migrate.log", "ab") as log:
             res = subprocess.run(
-                [self.python, "-m", "airflow", "db", "migrate"],
+                [*self.airflow, "db", "migrate"],
                 env=env,
                 cwd=home,
                 stdin=subprocess.DEVNULL,
