@@ -9,7 +9,6 @@ by the tiers are modules in ``tests/support`` (on ``sys.path``: ``from sshd impo
 from __future__ import annotations
 
 import atexit
-import gc
 import os
 import shutil
 import subprocess
@@ -57,12 +56,11 @@ os.environ["SKY_PROVIDER_HOME"] = str(_SESSION_DIR / "sky")
 
 from leaks import bridges, job_processes, processes_under  # noqa: E402
 
-from devstack.airflow_main import GC_THRESHOLD  # noqa: E402
+from devstack.airflow_main import tune_gc  # noqa: E402
 
-# A test process imports Airflow too: the garbage collector as in every devstack service (see
-# devstack/airflow_main.py), and the objects of the imports frozen once the tests are collected
-# (pytest_collection_finish), so that a full collection walks only what the tests made.
-gc.set_threshold(*GC_THRESHOLD)
+# a test process imports Airflow too: the garbage collector as in every devstack service (see
+# devstack/airflow_main.py: a full collection walks only what was made since the last freeze)
+tune_gc()
 
 pytest_plugins = ["k8s_cluster"]  # the Kubernetes test cluster (session fixture k8s, started lazily)
 
@@ -159,11 +157,6 @@ def _cmdline(pid: int) -> str:
 
 
 TIERS = ("unit", "integration", "e2e")
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    gc.collect()
-    gc.freeze()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
