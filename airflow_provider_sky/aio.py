@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 from collections.abc import (
     Awaitable,
     Callable,
@@ -32,17 +33,28 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     The coroutine runs on a loop of our own whose shutdown is bounded (:func:`_run_owned`):
     ``asyncio.run`` waits without limit for leftover tasks to end, and a status call that never
     answered once hung a rank task there for good. From inside a running loop it runs in a
-    thread of its own, which is not joined beyond that same bound.
+    thread of its own, joined once the result is in (a daemon thread, so a stuck one never holds
+    the interpreter at exit).
     """
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return _run_owned(coro)
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sky-run-sync")
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(_run_owned(coro))
+        except BaseException as exc:  # handed to the caller as is
+            done.set_exception(exc)
+
+    thread = threading.Thread(target=run, name="sky-run-sync", daemon=True)
+    thread.start()
     try:
-        return pool.submit(_run_owned, coro).result()
+        return done.result()
     finally:
-        pool.shutdown(wait=False)
+        # the thread only has to return now: join it so none is left running when we return
+        thread.join(THREAD_END_WAIT)
 
 
 def _run_owned(coro: Coroutine[Any, Any, T]) -> T:
@@ -67,6 +79,9 @@ def _run_owned(coro: Coroutine[Any, Any, T]) -> T:
             asyncio.set_event_loop(None)
             loop.close()
 
+
+#: seconds ``run_sync`` waits for its thread to end once the coroutine's result is in
+THREAD_END_WAIT = 1.0
 
 #: seconds ``run_sync`` gives leftover tasks (and async generators) to end once cancelled
 CLEANUP_TIMEOUT = 5.0
