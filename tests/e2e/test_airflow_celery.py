@@ -1,7 +1,8 @@
 """Every example DAG on a distributed Airflow: PostgreSQL, CeleryExecutor with Redis, two workers, two triggerers.
 
-The same assertions as ``test_airflow_real`` (its tests are imported and run here against this
-module's ``real`` fixture), plus ``@task.sky``'s example, on a stack where the metadata DB is a real
+The same assertions as ``test_airflow_real`` (its tests, and the pipeline's of
+``e2e/pipeline_checks.py``, are imported and run here against this module's ``real`` fixture), plus
+``@task.sky``'s example, on a stack where the metadata DB is a real
 PostgreSQL server, tasks go through a real Redis broker to two Celery workers, and two triggerers share
 the deferred rank tasks. PostgreSQL and Redis run as unprivileged processes in temp dirs
 (:mod:`devstack.services`), started here and stopped at the end of the module whatever
@@ -31,6 +32,13 @@ from leaks import job_processes
 
 from devstack.services import PostgresServer, RedisServer
 from devstack.stack import AirflowStack, StackError, parse_time
+from e2e.pipeline_checks import (  # noqa: F401  (the pipeline's checks run here too, against `real`)
+    pipeline,
+    test_a_failed_gang_pushes_no_result_and_emits_no_event,
+    test_an_invalid_form_value_is_refused_before_provisioning,
+    test_the_chain_runs_end_to_end,
+    test_without_outlets_the_triggerer_pushes_the_last_line,
+)
 from e2e.test_airflow_real import (  # noqa: F401  (imported tests run here against this module's `real`)
     DAGS,
     REPO,

@@ -15,7 +15,9 @@ service's environment), and with ``sky_default`` a ``sky_kubernetes`` connection
 (``tests/support/k8s_cluster.py``). On the embedded local backend the same tests run once, on the
 distributed stack of ``test_airflow_celery`` (PostgreSQL, Celery, two triggerers), which imports them: a
 third SQLite stack running them locally again would add no path of the product's (the local backend
-under SQLite and the LocalExecutor is what the reliability, pipeline, UI and triggerer modules run).
+under SQLite and the LocalExecutor is what the reliability, UI and triggerer modules run). The
+pipeline's checks (``e2e/pipeline_checks.py``: a gang as one step of a chain, its result and asset
+event) run on each of these stacks too, once its own runs have ended.
 The DAG files are the same; on SSH the cleanup check looks at the hosts: no process of a host's user
 but SSH sessions, and no cluster directory or record left in any host's home; on Kubernetes no pod
 labelled with the cluster may be left (the teardown deletes them and the pods' processes end with them). Every run also gets the seed document's YAMLs verbatim
@@ -45,6 +47,14 @@ from airflow_provider_sky.backends.headrecord import record_path
 from airflow_provider_sky.backends.kubernetes.manifest import CLUSTER_LABEL, cluster_selector
 from airflow_provider_sky.backends.local import LocalBackend
 from devstack.stack import AirflowStack, parse_time
+from e2e.pipeline_checks import DAG_FILES as PIPELINE_DAG_FILES
+from e2e.pipeline_checks import (  # noqa: F401  (the pipeline's checks run here, against `real`, after its own tests)
+    pipeline,
+    test_a_failed_gang_pushes_no_result_and_emits_no_event,
+    test_an_invalid_form_value_is_refused_before_provisioning,
+    test_the_chain_runs_end_to_end,
+    test_without_outlets_the_triggerer_pushes_the_last_line,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DAGS = ("sky_fail_fast", "sky_hello", "sky_segfault", "sky_failed_setup", "sky_yaml", "sky_hang", "sky_retry")
@@ -181,13 +191,16 @@ def _kubernetes_connection(k8s: K8sCluster, image: Image) -> str:
 
 def _dags_with_seeds(base: Path) -> Path:
     """A DAG folder: symlinks to every entry of ``dags_examples`` (the YAML and its workdir beside their DAG
-    file, as there) and to ``tests/dags/sky_seed_yamls.py`` (which finds ``tests/seeds`` through the link)."""
+    file, as there), to ``tests/dags/sky_seed_yamls.py`` (which finds ``tests/seeds`` through the link)
+    and to the pipeline checks' DAGs."""
     dags = base / "dags"
     dags.mkdir()
     for entry in sorted((REPO / "dags_examples").iterdir()):
         if not entry.name.startswith((".", "__")):
             (dags / entry.name).symlink_to(entry)
     (dags / "sky_seed_yamls.py").symlink_to(REPO / "tests" / "dags" / "sky_seed_yamls.py")
+    for dag_file in PIPELINE_DAG_FILES:
+        (dags / dag_file.name).symlink_to(dag_file)
     return dags
 
 

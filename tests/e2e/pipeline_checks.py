@@ -1,40 +1,46 @@
-"""A gang as one step of a pipeline, under a real Airflow (api-server, scheduler, dag-processor, triggerer).
+"""A gang as one step of a pipeline, under a real Airflow: the checks, run on the stacks of other modules.
 
 ``dags_examples/sky_pipeline.py`` is the chain: ``prepare`` → the gang (rank 0 writes a JSON result, the
 gang updates an asset) → ``evaluate`` (reads the result), and a second DAG, ``sky_pipeline_publish``,
 scheduled on that asset. ``tests/dags/sky_test_pipeline_fail.py`` is the same with a failing rank: no
 result, no asset event, no consumer run. Runs are triggered the way the UI's Params form does (a run
-``conf``). What is asserted is read back from Airflow's REST API. The module runs on the local backend,
-then on Kubernetes.
+``conf``). What is asserted is read back from Airflow's REST API.
+
+No stack of its own: ``test_airflow_real`` (SSH hosts, then Kubernetes) and ``test_airflow_celery``
+(the local backend on PostgreSQL and Celery) import :func:`pipeline` and the tests, which then run on
+their ``real`` stack once that module's own runs have ended (the DAG files are in every such stack's
+folder: :data:`DAG_FILES`). A stack of its own per backend cost a start and, on Kubernetes, minutes
+of waiting for the cluster's CPUs that ``real`` already holds. The leak checks are the stack's module's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import pytest
-from k8s_cluster import cluster_cpus, connection_extras
-from leaks import job_processes
 
 from devstack.stack import AirflowStack
 
+if TYPE_CHECKING:
+    from e2e.test_airflow_real import RealAirflow
+
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT = 180.0
-
-pytestmark = pytest.mark.airflow_services
+#: the DAG files beyond ``dags_examples`` (which has ``sky_pipeline.py``) a stack's folder needs
+DAG_FILES = (
+    REPO / "tests" / "dags" / "sky_test_pipeline_fail.py",
+    REPO / "tests" / "dags" / "sky_test_pipeline_line.py",
+)
 
 
 class Pipeline:
-    def __init__(self, stack: AirflowStack, sky: Path, runs: dict[str, str]) -> None:
-        self.stack, self.sky, self.runs = stack, sky, runs
+    def __init__(self, stack: AirflowStack, real: RealAirflow, runs: dict[str, str]) -> None:
+        #: ``real``: the importing module's stack view (its ``assert_cleaned_up`` checks a run's cluster)
+        self.stack, self.real, self.runs = stack, real, runs
 
     def finished(self, name: str, dag_id: str) -> tuple[str, str]:
         run_id = self.runs[name]
@@ -56,47 +62,24 @@ class Pipeline:
         return events
 
 
-@pytest.fixture(scope="module", params=["local", "kubernetes"])
-def pipeline(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Pipeline]:
-    """The chain on the embedded local backend, then with ``sky_default`` on the Kubernetes test cluster
-    (``tests/support/k8s_cluster.py``, started only for that run)."""
-    base = tmp_path_factory.mktemp(f"airflow-pipeline-{request.param}")
-    sky = base / "sky"
-    sky.mkdir()
-    env = {"SKY_PROVIDER_HOME": str(sky)}
-    if request.param == "kubernetes":
-        k8s, image = request.getfixturevalue("k8s"), request.getfixturevalue("k8s_image")
-        extra = connection_extras(k8s, image)
-        env["AIRFLOW_CONN_SKY_DEFAULT"] = json.dumps({"conn_type": "sky_kubernetes", "extra": extra})
-    dags = base / "dags"
-    dags.mkdir()
-    (dags / "sky_pipeline.py").symlink_to(REPO / "dags_examples" / "sky_pipeline.py")
-    (dags / "sky_test_pipeline_fail.py").symlink_to(REPO / "tests" / "dags" / "sky_test_pipeline_fail.py")
-    (dags / "sky_test_pipeline_line.py").symlink_to(REPO / "tests" / "dags" / "sky_test_pipeline_line.py")
-    cpus = cluster_cpus() if request.param == "kubernetes" else contextlib.nullcontext()
-    try:
-        # the cluster's CPUs (sky_pipeline: a CPU per pod) are taken once the stack is up: its start
-        # needs none of them
-        with AirflowStack(base / "airflow", dags, env) as stack, cpus:
-            # the consumers first: a DAG scheduled on an asset must be unpaused to be run by its events
-            stack.unpause("sky_pipeline_publish")
-            stack.unpause("sky_test_pipeline_fail_consumer")
-            runs = {
-                # the Params form: 3 nodes and a learning rate instead of the defaults (2, 0.001)
-                "form": stack.trigger("sky_pipeline", {"num_nodes": 3, "envs": {"LR": "0.5"}}),
-                # a value the form's schema lets through but no node can have: refused, naming the param
-                "bad": stack.trigger("sky_pipeline", {"resources": {"cpus": "many"}}),
-                "fail": stack.trigger("sky_test_pipeline_fail"),
-                "line": stack.trigger("sky_test_pipeline_line"),
-            }
-            yield Pipeline(stack, sky, runs)
-        assert not stack.leftover_processes()
-    finally:
-        left = job_processes(sky)
-        for pid, _ in left:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-    assert not left, f"processes left under {sky}: {left}"
+@pytest.fixture(scope="module")
+def pipeline(real: RealAirflow) -> Iterator[Pipeline]:
+    """The pipeline's runs on the importing module's ``real`` stack, started once its own runs ended."""
+    stack = real.stack
+    for dag_id, run_id in real.run_ids.items():
+        stack.wait_run(dag_id, run_id, timeout=RUN_TIMEOUT)
+    # the consumers first: a DAG scheduled on an asset must be unpaused to be run by its events
+    stack.unpause("sky_pipeline_publish")
+    stack.unpause("sky_test_pipeline_fail_consumer")
+    runs = {
+        # the Params form: 3 nodes and a learning rate instead of the defaults (2, 0.001)
+        "form": stack.trigger("sky_pipeline", {"num_nodes": 3, "envs": {"LR": "0.5"}}),
+        # a value the form's schema lets through but no node can have: refused, naming the param
+        "bad": stack.trigger("sky_pipeline", {"resources": {"cpus": "many"}}),
+        "fail": stack.trigger("sky_test_pipeline_fail"),
+        "line": stack.trigger("sky_test_pipeline_line"),
+    }
+    yield Pipeline(stack, real, runs)
 
 
 def test_the_chain_runs_end_to_end(pipeline: Pipeline) -> None:
@@ -127,6 +110,7 @@ def test_the_chain_runs_end_to_end(pipeline: Pipeline) -> None:
     published = runs[0]["dag_run_id"]
     assert stack.wait_run("sky_pipeline_publish", published, timeout=RUN_TIMEOUT) == "success"
     assert stack.xcom("sky_pipeline_publish", published, "publish")["run_id"] == run_id
+    pipeline.real.assert_cleaned_up("sky_pipeline", run_id)
 
 
 def test_an_invalid_form_value_is_refused_before_provisioning(pipeline: Pipeline) -> None:
@@ -154,6 +138,7 @@ def test_a_failed_gang_pushes_no_result_and_emits_no_event(pipeline: Pipeline) -
     assert pipeline.asset_events("sky_test_pipeline_fail") == []
     time.sleep(5)  # a scheduler loop or two: an event would have started the consumer by now
     assert pipeline.dag_runs("sky_test_pipeline_fail_consumer") == []
+    pipeline.real.assert_cleaned_up("sky_test_pipeline_fail", run_id)
 
 
 def test_without_outlets_the_triggerer_pushes_the_last_line(pipeline: Pipeline) -> None:
