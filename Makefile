@@ -123,7 +123,8 @@ typecheck: install
 ## integration tests off the cluster, which mostly wait (sshd logins, ranks' sleeps, moto: 450 cpu-s in
 ## 21 min when run one at a time) but share the cores with the other lanes; XDIST_E2E for e2e (each
 ## worker one Airflow stack at a time, the modules in tests/e2e/conftest.py's order). The tests on the
-## Kubernetes test cluster run one at a time (a 64-pod gang's execs need the machine's cores).
+## Kubernetes test cluster run one at a time (a 64-pod gang's execs need the machine's cores), and with them the
+## integration tests marked cluster_lane (they mostly wait; that lane would otherwise end minutes early).
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 ## the slowest tests and fixtures of the slower tiers, listed at their end (where the suite's time goes)
 DURATIONS ?= --durations=15 --durations-min=5
@@ -131,8 +132,8 @@ XDIST ?= 2
 XDIST_INTEGRATION ?= 2
 XDIST_E2E ?= 2
 UNIT = $(PYTEST) tests/unit -n $(XDIST) $(PYTEST_ARGS)
-INTEGRATION_LOCAL = $(PYTEST) tests/integration -m "not k8s" -n $(XDIST_INTEGRATION) --dist loadfile $(DURATIONS) $(PYTEST_ARGS)
-INTEGRATION_K8S = $(PYTEST) tests/integration -m k8s $(DURATIONS) $(PYTEST_ARGS)
+INTEGRATION_LOCAL = $(PYTEST) tests/integration -m "not k8s and not cluster_lane" -n $(XDIST_INTEGRATION) --dist loadfile $(DURATIONS) $(PYTEST_ARGS)
+INTEGRATION_K8S = $(PYTEST) tests/integration -m "k8s or cluster_lane" $(DURATIONS) $(PYTEST_ARGS)
 E2E = $(PYTEST) tests/e2e -n $(XDIST_E2E) --dist loadfile --no-loadscope-reorder $(DURATIONS) $(PYTEST_ARGS)
 
 unit: install
@@ -160,7 +161,7 @@ test: system-deps k8s lint typecheck
 	( $(UNIT) ) || rc=1; \
 	echo "test: unit tier: $$(( $$(date +%s) - t0 )) s"; \
 	mkdir -p $(TEST_LOGS); rm -f $(TEST_LOGS)/k8s.rc $(TEST_LOGS)/e2e.rc; \
-	echo "test: the integration tests on the Kubernetes cluster and the e2e tier run beside the rest of" \
+	echo "test: the integration tests on the Kubernetes cluster (and those marked cluster_lane) and the e2e tier run beside the rest of" \
 	  "the integration tier; their output: $(TEST_LOGS)/k8s.log and $(TEST_LOGS)/e2e.log (printed at the end)"; \
 	t1=$$(date +%s); \
 	$(call LANE,e2e,$(E2E)) e2e=$$!; \

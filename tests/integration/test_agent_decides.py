@@ -11,6 +11,7 @@ import contextlib
 import time
 from pathlib import Path
 
+import pytest
 from leaks import job_processes
 
 from airflow_provider_sky.backends.local import LocalBackend
@@ -21,6 +22,8 @@ from airflow_provider_sky.watch.retry import RetryPolicy, watch_attempts
 
 #: seconds past the expected moment before a test gives up waiting for the ranks' own exit records
 #: (the head checks every second; the dump and the cancel's grace take seconds on a loaded machine)
+pytestmark = pytest.mark.cluster_lane  # see setup.cfg
+
 MARGIN = 15.0
 
 

@@ -45,7 +45,7 @@ from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.spec import task_from_args
 from airflow_provider_sky.watch.jobs import GangClient
 
-pytestmark = needs_sshd
+pytestmark = [needs_sshd, pytest.mark.cluster_lane]  # see setup.cfg
 
 N = 3
 #: the gangs' lost_after (the operator's, which the head and the agents apply: 10 s by default)

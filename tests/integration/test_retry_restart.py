@@ -20,6 +20,8 @@ from leaks import job_processes
 
 from airflow_provider_sky.backends.local import LocalBackend
 
+pytestmark = pytest.mark.cluster_lane  # see setup.cfg
+
 WATCHER = Path(__file__).resolve().parents[1] / "support" / "retry_watcher.py"
 DELAY = 6.0
 #: the delay of the test that kills a watcher within it: long beside the rest of it that the new watcher

@@ -417,13 +417,19 @@ def pytest_collection_modifyitems(
     for them (started by the first, stopped at the session's end). The tests that use it are marked
     ``k8s`` (``make integration`` runs them apart from the rest, one at a time: a 64-pod gang's execs need
     the machine's cores); the other tests of such a module (its SSH or local cases) are not, so they run
-    with the rest, on the xdist workers."""
+    with the rest, on the xdist workers.
+
+    Among them, the tests that hold the cluster's CPUs (:func:`cluster_cpus`, fixture ``held_cpus``)
+    run first: ``make test``'s e2e lane takes the CPUs for its Kubernetes stack some minutes in, and
+    while the two met in the middle each lane waited for the other (1.5-2.5 min)."""
     uses = {item.path for item in items if "k8s" in getattr(item, "fixturenames", ())}
     for item in items:
         if "k8s" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.k8s)
     if uses:
-        items[:] = [i for i in items if i.path not in uses] + [i for i in items if i.path in uses]
+        cluster = [i for i in items if i.path in uses]
+        cluster.sort(key=lambda i: "held_cpus" not in getattr(i, "fixturenames", ()))  # stable
+        items[:] = [i for i in items if i.path not in uses] + cluster
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
