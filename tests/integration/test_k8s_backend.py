@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from k8s_cluster import Image, K8sCluster, cluster_cpus, connection_extras
+from k8s_cluster import Image, K8sCluster, cluster_cpus, connection_extras, wait_for
 
 from airflow_provider_sky.backends.base import BackendError
 from airflow_provider_sky.backends.kubernetes.backend import KubernetesBackend
@@ -284,11 +284,19 @@ def fake_gpus(k8s: K8sCluster) -> Iterator[str]:
     """Two fake ``nvidia.com/gpu`` on one node, labelled as SkyPilot's labeler would (``v100``)."""
     api = k8s.api()
     node = GPU_NODE if GPU_NODE in k8s.nodes else k8s.nodes[-1]
+
+    def allocatable() -> str | None:
+        return (api.read_node_status(node).status.allocatable or {}).get("nvidia.com/gpu")
+
     api.patch_node_status(node, {"status": {"capacity": {"nvidia.com/gpu": "2"}}})
     api.patch_node(node, {"metadata": {"labels": {"skypilot.co/accelerator": "v100"}}})
+    # the scheduler counts allocatable, which the kubelet derives from capacity at its next node status
+    # update: under load that came after the pods were refused ("1 Insufficient nvidia.com/gpu")
+    wait_for(lambda: allocatable() == "2", 60, f"2 nvidia.com/gpu allocatable on {node}")
     yield node
     api.patch_node_status(node, [{"op": "remove", "path": "/status/capacity/nvidia.com~1gpu"}])
     api.patch_node(node, {"metadata": {"labels": {"skypilot.co/accelerator": None}}})
+    wait_for(lambda: allocatable() is None, 60, f"no nvidia.com/gpu allocatable on {node}")
     api.api_client.close()
 
 
