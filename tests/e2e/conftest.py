@@ -22,8 +22,7 @@ from devstack.stack import AirflowStack
 
 HERE = Path(__file__).resolve().parent
 
-#: the e2e modules, slowest first (alone on a busy machine: 280, 240, 250, 125, 115, 60 and 55 s; see
-#: docs/development.md), but ``real`` after ``reliability``: ``celery`` and ``real`` each start their
+#: the e2e modules, slowest first (the lanes' times: docs/development.md), but ``real`` after ``reliability``: ``celery`` and ``real`` each start their
 #: stacks with every DAG triggered at once, and both at once load 2 cores 15 times over. A module not
 #: named here runs after them. ``make test`` passes ``--no-loadscope-reorder``, else xdist would order
 #: the modules by their number of tests.
