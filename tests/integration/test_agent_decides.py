@@ -20,10 +20,10 @@ from airflow_provider_sky.spec import task_from_args
 from airflow_provider_sky.watch.jobs import GangClient
 from airflow_provider_sky.watch.retry import RetryPolicy, watch_attempts
 
-#: seconds past the expected moment before a test gives up waiting for the ranks' own exit records
-#: (the head checks every second; the dump and the cancel's grace take seconds on a loaded machine)
 pytestmark = pytest.mark.cluster_lane  # see setup.cfg
 
+#: seconds past the expected moment before a test gives up waiting for the ranks' own exit records
+#: (the head checks every second; the dump and the cancel's grace take seconds on a loaded machine)
 MARGIN = 15.0
 
 
