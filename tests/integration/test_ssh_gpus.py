@@ -77,7 +77,8 @@ def _run(
         runs = [parse(client.poll("job").chunks[r][1].decode()) for r in range(len(handle.nodes))]
     finally:
         client.close()
-        b.terminate(name)
+        down = b.terminate(name)
+        assert down.removed and not down.unclean, f"teardown of {name}: {down}"
     setups = [parse("\n".join(lines[r])) for r in range(len(handle.nodes))] if spec.setup else []
     return [str(n.extra["host"]) for n in handle.nodes], setups, runs
 
