@@ -107,6 +107,8 @@ NEVER_STARTED_SCRIPT = load("never_started.sh")
 #: exit file loses nothing), stop their keepers, then remove each root (``REMOVED <root>``, or ``ABSENT
 #: <root>`` when it was gone already). ``sh -s -- GRACE ROOT...``: the roots of one machine.
 TEARDOWN_SCRIPT = load("teardown.sh")
+#: the line of the teardown script that removes the roots (left out by ``teardown_script(remove=False)``)
+_REMOVE_ROOTS = '[ $# -eq 0 ] || remove_roots "$@" || exit 1\n'
 
 #: The node's keeper (one per cluster root, or one for all roots of a machine): a dead-man's switch
 #: that kills a job nobody polls any more (``orphan_timeout`` per rank), and SkyPilot's autodown for a
@@ -123,7 +125,10 @@ def teardown_script(remove: bool = True) -> str:
     cluster's tree and deletes it in the background: ``backends.local.trash``)."""
     if remove:
         return TEARDOWN_SCRIPT
-    return TEARDOWN_SCRIPT.replace('[ $# -eq 0 ] || rm -rf -- "$@" || exit 1\n', ":\n", 1)
+    kept = TEARDOWN_SCRIPT.replace(_REMOVE_ROOTS, ":\n", 1)
+    if kept == TEARDOWN_SCRIPT:  # the line changed in teardown.sh: never a teardown that removes regardless
+        raise RuntimeError(f"teardown.sh has no line {_REMOVE_ROOTS.strip()!r} to leave out")
+    return kept
 
 
 #: Dump the stacks of every process of each listed rank into the rank's own log, once: ``mkdir

@@ -50,7 +50,8 @@ def test_the_mask_filter_travels_whole_inside_the_wrapper() -> None:
 
 def test_the_teardown_without_removal_removes_nothing(tmp_path: Path) -> None:
     keep = node_scripts.teardown_script(remove=False)
-    assert "rm -rf --" in node_scripts.teardown_script() and "rm -rf --" not in keep
+    call = '|| remove_roots "$@"'  # the one call of the function that removes the roots
+    assert call in node_scripts.teardown_script() and call not in keep
     _parses(keep, tmp_path, "teardown_script(remove=False)")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -294,3 +295,44 @@ def test_each_hosts_result_file_is_read_from_its_own_home_masked(hosts4: SSHDClu
     finally:
         c.close()
         assert b.terminate("res").removed is True
+
+
+def test_a_status_call_writing_during_the_teardown_does_not_keep_the_cluster(hosts4: SSHDCluster) -> None:
+    """A watcher's status call that began before the teardown can still write into its rank's directory
+    (``status.sh`` notes ``polled``; a watcher that gave up on a call does not wait for the remote
+    script's end). Such a write into a directory that ``rm -rf`` is emptying failed the removal, so the
+    head kept the node as unclean with the record and the root left behind. The teardown is clean,
+    and nothing of the cluster is left, while a writer keeps writing there until the directory is gone."""
+    b = _backend(hosts4)
+    spec = task_from_args(num_nodes=2, run="true")
+    handle = b.provision("late", spec)
+    c = GangClient(b, handle)
+    try:
+        c.launch(spec, "job")
+        assert _wait(c, "job").status.succeeded
+    finally:
+        c.close()
+    rank_dir = Path(handle.nodes[0].root) / "jobs" / "job" / "0"
+    assert rank_dir.is_dir()
+    # what status.sh does (`printf ... > "$d/polled"`), as often as the shell can, until the directory is gone
+    writer = subprocess.Popen(
+        [
+            *("runuser", "-u", hosts4.nodes[0].user, "--"),  # as the host's user, as status.sh runs
+            "timeout",
+            "30",
+            "sh",
+            "-c",
+            'while [ -d "$1" ]; do : > "$1/polled" 2>/dev/null; done',
+            "sh",
+            str(rank_dir),
+        ]
+    )
+    try:
+        down = b.terminate("late")
+    finally:
+        writer.kill()
+        writer.wait()
+    assert down.removed and not down.unclean, down
+    assert not Path(handle.nodes[0].root).exists()
+    head = hosts4.nodes[0]
+    assert not list(Path(head.home, ".sky_airflow", ".clusters").glob("late.json"))

@@ -92,6 +92,14 @@ wrappers() {
       case "$(tr '\000' ' ' < "/proc/$_p/cmdline" 2>/dev/null)" in *"/rank.sh "*) echo "$_p";; esac
     done
 }
+remove_roots() {
+  _n=0
+  until rm -rf -- "$@" 2>/dev/null; do
+    _n=$((_n + 1))
+    [ "$_n" -lt 20 ] || { rm -rf -- "$@"; return; }
+    sleep 0.1 2>/dev/null || sleep 1
+  done
+}
 n=0; w=$(wrappers)
 while [ -n "$w" ] && [ "$n" -lt 20 ]; do
   sleep 0.1 2>/dev/null || sleep 1
@@ -102,8 +110,12 @@ IFS=$nl; set -f
 # shellcheck disable=SC2086 # split on purpose: IFS is a newline, globbing is off
 set -- $roots
 IFS=$oldifs; set +f
-# the roots go (node_scripts.teardown_script(remove=False) makes this line a no-op)
-[ $# -eq 0 ] || rm -rf -- "$@" || exit 1
+# the roots go (node_scripts.teardown_script(remove=False) makes this line a no-op). A watcher's status
+# call that began before the teardown can still write into its rank's directory (status.sh notes
+# `polled`; a watcher that gave up on a call does not wait for the remote script's end): such a write
+# into a directory being emptied fails `rm -rf` ("Directory not empty"), so the roots are removed again,
+# every 0.1 s for 2 s at most, and only the last try's error counts
+[ $# -eq 0 ] || remove_roots "$@" || exit 1
 for kp in $later; do
   case "$(tr '\000' ' ' < "/proc/$kp/cmdline" 2>/dev/null)" in *sky-keeper*) kill -KILL "-$kp" 2>/dev/null || kill -KILL "$kp" 2>/dev/null ;; esac
 done
