@@ -14,6 +14,7 @@ import pytest
 from sshd import SSHDCluster, needs_sshd, user_processes
 
 from airflow_provider_sky.backends.base import BackendError
+from airflow_provider_sky.backends.headrecord import record_path
 from airflow_provider_sky.backends.ssh import SSHBackend
 from airflow_provider_sky.runners import ssh
 from airflow_provider_sky.runners.base import RunnerError
@@ -334,5 +335,4 @@ def test_a_status_call_writing_during_the_teardown_does_not_keep_the_cluster(hos
         writer.wait()
     assert down.removed and not down.unclean, down
     assert not Path(handle.nodes[0].root).exists()
-    head = hosts4.nodes[0]
-    assert not list(Path(head.home, ".sky_airflow", ".clusters").glob("late.json"))
+    assert not Path(hosts4.nodes[0].home, record_path("late")).exists()  # the record on the head went too
